@@ -1,0 +1,94 @@
+"""Fake kernels and autograd for ``cplib_c::flex_cp_allgather`` (and its
+reduce-scatter backward), plus the drop-in Python entry point."""
+
+from __future__ import annotations
+
+import torch
+
+from ._native import GroupLike, group_name_of, group_size, normalize_dim, ops
+
+__all__ = ["flex_cp_allgather"]
+
+
+def _check_pair(k: torch.Tensor, v: torch.Tensor, dim: int, op: str) -> None:
+    # Mirrors check_pair in csrc/torch/allgather.cpp so traced code fails the same way.
+    if k.dim() != v.dim():
+        raise ValueError(
+            f"cplib.{op}: k and v must have the same number of dimensions, "
+            f"got k {tuple(k.shape)} and v {tuple(v.shape)}"
+        )
+    for d in range(k.dim()):
+        free = d != dim and k.dim() == 4 and d in (1, 3)
+        if not free and k.shape[d] != v.shape[d]:
+            raise ValueError(
+                f"cplib.{op}: k and v shapes differ in dimension {d} (k {tuple(k.shape)}, "
+                f"v {tuple(v.shape)}); only the head and feature dimensions may differ"
+            )
+
+
+def _resized(t: torch.Tensor, dim: int, factor: int, divide: bool) -> torch.Tensor:
+    shape = list(t.shape)
+    shape[dim] = shape[dim] // factor if divide else shape[dim] * factor
+    return t.new_empty(shape)
+
+
+@torch.library.register_fake("cplib_c::flex_cp_allgather")
+def _allgather_fake(k, v, seq_dim, group_name):
+    dim = normalize_dim(seq_dim, k.dim(), "seq_dim")
+    _check_pair(k, v, dim, "flex_cp_allgather")
+    n = group_size(group_name)
+    return _resized(k, dim, n, False), _resized(v, dim, n, False)
+
+
+@torch.library.register_fake("cplib_c::flex_cp_allgather_backward")
+def _allgather_backward_fake(grad_k, grad_v, seq_dim, group_name):
+    dim = normalize_dim(seq_dim, grad_k.dim(), "seq_dim")
+    _check_pair(grad_k, grad_v, dim, "flex_cp_allgather_backward")
+    n = group_size(group_name)
+    return _resized(grad_k, dim, n, True), _resized(grad_v, dim, n, True)
+
+
+def _setup(ctx, inputs, output):
+    _, _, seq_dim, group_name = inputs
+    ctx.seq_dim, ctx.group_name = seq_dim, group_name
+    ctx.out_meta = [(o.shape, o.dtype, o.device) for o in output]
+
+
+def _grads_or_zeros(ctx, grads):
+    return [
+        g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+        for g, (shape, dtype, device) in zip(grads, ctx.out_meta)
+    ]
+
+
+def _allgather_backward(ctx, grad_k, grad_v):
+    gk, gv = _grads_or_zeros(ctx, (grad_k, grad_v))
+    dk, dv = ops.flex_cp_allgather_backward(gk, gv, ctx.seq_dim, ctx.group_name)
+    return dk, dv, None, None
+
+
+def _reduce_scatter_backward(ctx, grad_k, grad_v):
+    # The adjoint of a sum reduce-scatter is an all-gather (double backward).
+    gk, gv = _grads_or_zeros(ctx, (grad_k, grad_v))
+    dk, dv = ops.flex_cp_allgather(gk, gv, ctx.seq_dim, ctx.group_name)
+    return dk, dv, None, None
+
+
+torch.library.register_autograd(
+    "cplib_c::flex_cp_allgather", _allgather_backward, setup_context=_setup
+)
+torch.library.register_autograd(
+    "cplib_c::flex_cp_allgather_backward", _reduce_scatter_backward, setup_context=_setup
+)
+
+
+def flex_cp_allgather(
+    k: torch.Tensor, v: torch.Tensor, seq_dim: int, pg_name: GroupLike
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """All-gathers ``k`` and ``v`` along ``seq_dim`` over the group ``pg_name``.
+
+    Same signature and result as torch's ``flex_cp_allgather``; the backward is
+    a sum reduce-scatter, so each rank receives the gradient of its own shard.
+    ``k`` and ``v`` may differ in head and feature dimensions (GQA).
+    """
+    return ops.flex_cp_allgather(k, v, seq_dim, group_name_of(pg_name))

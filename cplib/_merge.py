@@ -1,0 +1,28 @@
+"""Registration for ``cplib_c::merge_partial_``, the fused in-place merge of a
+partial attention result (block out, block lse) into running (out, lse)."""
+
+from __future__ import annotations
+
+import torch
+
+from ._native import ops
+
+__all__ = ["merge_partial_"]
+
+
+@torch.library.register_fake("cplib_c::merge_partial_")
+def _merge_fake(out, lse, blk_out, blk_lse, row_offset=0):
+    return None
+
+
+def merge_partial_(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    blk_out: torch.Tensor,
+    blk_lse: torch.Tensor,
+    row_offset: int = 0,
+) -> None:
+    """Merges ``(blk_out, blk_lse)`` into rows ``[row_offset, row_offset + rows)``
+    of ``(out, lse)`` in place: ``lse = logaddexp(lse, blk_lse)`` and ``out`` the
+    matching softmax-weighted mix. ``out``/``lse`` are float32 or float64."""
+    ops.merge_partial_(out, lse, blk_out, blk_lse, row_offset)

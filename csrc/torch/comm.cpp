@@ -1,0 +1,78 @@
+#include "comm.h"
+
+#include <vector>
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/PyProcessGroup.hpp>
+
+// torch 2.13 renamed _allgather_base/_reduce_scatter_base/alltoall_base and
+// kept the old names as deprecated aliases; the old names are the ones that
+// exist in every torch cplib supports (2.11 - 2.14).
+#if defined(__GNUC__)
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+#endif
+
+namespace cplib {
+
+PG resolve_group(std::string_view group_name) {
+  const std::string name(group_name.data(), group_name.size());
+  try {
+    return c10d::resolve_process_group(name);
+  } catch (const c10::Error&) {
+    TORCH_CHECK_VALUE(false, "cplib: no process group is registered under the name '", name,
+                      "' (pass group.group_name of an initialised group)");
+  }
+}
+
+namespace {
+
+// Groups implemented in Python (the threaded test group, say) only see the
+// list-form collectives that their pybind trampoline forwards; C++ backends
+// take the single-buffer forms, which avoid a copy on NCCL.
+bool python_group(const PG& pg) {
+  return dynamic_cast<c10d::PyProcessGroup*>(pg.get()) != nullptr;
+}
+
+std::vector<at::Tensor> rank_chunks(at::Tensor& flat, int64_t n) {
+  return flat.chunk(n, 0);
+}
+
+}  // namespace
+
+WorkPtr all_gather_dim0(const PG& pg, at::Tensor& out, at::Tensor& in) {
+  if (python_group(pg)) {
+    std::vector<std::vector<at::Tensor>> outs{rank_chunks(out, pg->getSize())};
+    std::vector<at::Tensor> ins{in};
+    return pg->allgather(outs, ins);
+  }
+  return pg->_allgather_base(out, in);
+}
+
+WorkPtr reduce_scatter_sum_dim0(const PG& pg, at::Tensor& out, at::Tensor& in) {
+  c10d::ReduceScatterOptions opts;
+  opts.reduceOp = c10d::ReduceOp::SUM;
+  if (python_group(pg)) {
+    std::vector<at::Tensor> outs{out};
+    std::vector<std::vector<at::Tensor>> ins{rank_chunks(in, pg->getSize())};
+    return pg->reduce_scatter(outs, ins, opts);
+  }
+  return pg->_reduce_scatter_base(out, in, opts);
+}
+
+WorkPtr all_to_all(const PG& pg, at::Tensor& out, at::Tensor& in) {
+  std::vector<int64_t> even;  // empty split sizes: equal chunks along dim 0
+  return pg->alltoall_base(out, in, even, even);
+}
+
+WorkPtr send(const PG& pg, at::Tensor& t, int dst, int tag) {
+  std::vector<at::Tensor> ts{t};
+  return pg->send(ts, dst, tag);
+}
+
+WorkPtr recv(const PG& pg, at::Tensor& t, int src, int tag) {
+  std::vector<at::Tensor> ts{t};
+  return pg->recv(ts, src, tag);
+}
+
+}  // namespace cplib

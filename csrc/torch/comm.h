@@ -1,0 +1,30 @@
+// Process-group access for cplib ops: resolve by name, and thin wrappers over
+// the ProcessGroup calls the ops use, so the ops never touch c10d directly.
+#pragma once
+
+#include <string>
+#include <string_view>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+namespace cplib {
+
+using PG = c10::intrusive_ptr<c10d::ProcessGroup>;
+using WorkPtr = c10::intrusive_ptr<c10d::Work>;
+
+// Raises ValueError naming the group when nothing is registered under it.
+PG resolve_group(std::string_view group_name);
+
+// Collectives on dim 0 of contiguous buffers; each returns its Work unwaited.
+WorkPtr all_gather_dim0(const PG& pg, at::Tensor& out, at::Tensor& in);
+WorkPtr reduce_scatter_sum_dim0(const PG& pg, at::Tensor& out, at::Tensor& in);
+WorkPtr all_to_all(const PG& pg, at::Tensor& out, at::Tensor& in);
+WorkPtr send(const PG& pg, at::Tensor& t, int dst, int tag);
+WorkPtr recv(const PG& pg, at::Tensor& t, int src, int tag);
+
+inline void wait(const WorkPtr& w) {
+  if (w) w->wait();
+}
+
+}  // namespace cplib

@@ -1,0 +1,88 @@
+"""Build cplib: the C11 core is compiled by the C compiler, CUDA sources by
+nvcc (through torch's builder), and the thin C++ glue into the cplib._C module.
+
+Environment:
+  CPLIB_CUDA=1/0      force the CUDA build on/off (default: on when torch is a
+                      CUDA build and nvcc is found)
+  TORCH_CUDA_ARCH_LIST  defaults to 9.0 when no GPU is visible
+  CPLIB_DEBUG=1       -O0 -g
+"""
+
+import glob
+import os
+import shutil
+import subprocess
+import sysconfig
+
+from setuptools import setup
+
+import torch
+from torch.utils import cpp_extension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+INCLUDE = os.path.join(ROOT, "csrc", "include")
+DEBUG = os.environ.get("CPLIB_DEBUG", "0") == "1"
+OPT = ["-O0", "-g"] if DEBUG else ["-O3"]
+
+
+def _rel(paths):
+    return sorted(os.path.relpath(p, ROOT) for p in paths)
+
+
+def _want_cuda() -> bool:
+    forced = os.environ.get("CPLIB_CUDA")
+    if forced is not None:
+        return forced.lower() in ("1", "on", "true", "yes")
+    return torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+
+
+class BuildExt(cpp_extension.BuildExtension):
+    """Compiles csrc/core/*.c with the C compiler as C11 (torch's builder would
+    compile them as C++) and links the objects into every extension."""
+
+    def build_extensions(self):
+        cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
+        cc = cc.split()[0]
+        if shutil.which(cc) is None:
+            cc = "cc"
+        objdir = os.path.join(self.build_temp, "core")
+        os.makedirs(objdir, exist_ok=True)
+        objects = []
+        for src in sorted(glob.glob(os.path.join(ROOT, "csrc", "core", "*.c"))):
+            obj = os.path.join(objdir, os.path.basename(src)[:-2] + ".o")
+            cmd = [cc, "-std=c11", *OPT, "-fPIC", "-fopenmp", "-Wall", "-Wextra",
+                   "-I" + INCLUDE, "-c", src, "-o", obj]
+            print(" ".join(cmd))
+            subprocess.check_call(cmd)
+            objects.append(obj)
+        for ext in self.extensions:
+            ext.extra_objects = list(ext.extra_objects or []) + objects
+        super().build_extensions()
+
+
+def _extension():
+    sources = _rel(glob.glob(os.path.join(ROOT, "csrc", "torch", "*.cpp")))
+    # torch picks the C++ standard its headers need (C++17 or C++20).
+    cxx = [*OPT, "-fopenmp", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+    kwargs = dict(
+        name="cplib._C",
+        include_dirs=[INCLUDE],
+        extra_link_args=["-fopenmp"],
+    )
+    if _want_cuda():
+        if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+            os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
+        sources += _rel(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
+        return cpp_extension.CUDAExtension(
+            sources=sources,
+            define_macros=[("CPLIB_WITH_CUDA", "1")],
+            extra_compile_args={"cxx": cxx, "nvcc": [*OPT, "--use_fast_math"]},
+            **kwargs,
+        )
+    return cpp_extension.CppExtension(sources=sources, extra_compile_args={"cxx": cxx}, **kwargs)
+
+
+setup(
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": BuildExt.with_options(use_ninja=True)},
+)

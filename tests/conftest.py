@@ -1,0 +1,39 @@
+"""Shared fixtures: persistent gloo rank pools (one per world size, reused by
+every test of the session) and the threaded-process-group runner."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from harness import RankPool, run_threaded  # noqa: E402
+
+_pools: dict[int, RankPool] = {}
+
+
+def _pool(world_size: int) -> RankPool:
+    pool = _pools.get(world_size)
+    if pool is None or not pool.alive():
+        if pool is not None:
+            pool.close(force=True)
+        pool = _pools[world_size] = RankPool(world_size)
+    return pool
+
+
+@pytest.fixture(scope="session")
+def ranks():
+    """``ranks(n).run(fn, *args)`` runs ``fn`` on ``n`` persistent gloo ranks."""
+    yield _pool
+    for pool in _pools.values():
+        pool.close()
+    _pools.clear()
+
+
+@pytest.fixture
+def threaded():
+    """``threaded(n, fn, *args)`` runs ``fn`` on a threaded process group."""
+    return run_threaded
