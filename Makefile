@@ -15,16 +15,16 @@ $(VPY):
 	$(PYTHON) -m venv $(VENV)
 
 $(DEPS): requirements-dev.txt | $(VPY)
-	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q -r requirements-dev.txt
 	touch $@
 
-$(EDIT): $(DEPS) pyproject.toml setup.py
-	$(VPY) -m pip install -q --no-build-isolation --no-deps -e .
+# A .pth entry is what an editable install amounts to, without pip building
+# the extension a second time; `pip install --no-build-isolation -e .` works too.
+$(EDIT): $(DEPS)
+	$(VPY) -c "import site, sys; open(site.getsitepackages()[0] + '/cplib-src.pth', 'w').write(sys.argv[1] + '\\n')" "$(CURDIR)"
 	touch $@
 
-# Incremental native build (ninja) into cplib/_C*.so; the editable install
-# makes `import cplib` find it from anywhere.
+# Incremental native build (ninja) into cplib/_C*.so.
 build: $(EDIT)
 	$(VPY) setup.py -q build_ext --inplace
 
