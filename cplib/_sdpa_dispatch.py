@@ -32,6 +32,13 @@ __all__ = [
 _SDPA = torch._C._nn.scaled_dot_product_attention
 _MHA = F.multi_head_attention_forward
 _MHA_SIGNATURE = inspect.signature(_MHA)
+# Python-level functionals whose body calls SDPA (F.multi_head_attention_forward):
+# the mode re-enters them so that inner call is routed too; every other
+# function runs as is (cheap, and simple for torch.compile to trace).
+_CALLS_SDPA = frozenset(
+    f for f in vars(F).values()
+    if isinstance(f, types.FunctionType) and "scaled_dot_product_attention" in f.__code__.co_names
+)
 # torch >= 2.13 can run a Python-level function with the mode still active
 # (so its inner SDPA call is routed); older torch falls back to patching.
 _redispatch = getattr(torch.overrides, "redispatch_function", None)
@@ -140,10 +147,7 @@ class CPDispatchMode(TorchFunctionMode):
             return routed_sdpa(self.config, *args, **kwargs)
         if func is _MHA:
             _check_mha(args, kwargs)
-        if isinstance(func, types.FunctionType) and func.__module__ == "torch.nn.functional":
-            # A Python-level functional (F.multi_head_attention_forward, ...):
-            # run its body with the mode active so inner SDPA calls are routed.
-            # (Not Tensor methods written in Python: they re-enter themselves.)
+        if func in _CALLS_SDPA:
             if _redispatch is not None:
                 with self:
                     return _redispatch(func, types_, args, kwargs)
