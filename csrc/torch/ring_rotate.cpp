@@ -55,7 +55,8 @@ at::Tensor BlockRing::fetch(int64_t i) {
     if (i == 0) {
       if (n > 1) {
         gathered_ = at::empty({n * buf_[0].numel()}, buf_[0].options());
-        g_bytes_sent += static_cast<int64_t>(buf_[0].nbytes());
+        // Payload: our block reaches the N-1 other ranks (whatever the algorithm).
+        g_bytes_sent += (n - 1) * static_cast<int64_t>(buf_[0].nbytes());
         pending_.push_back(all_gather_dim0(cfg_.pg, gathered_, buf_[0]));
       }
       return buf_[0];
