@@ -21,6 +21,7 @@ from ._options import (
     _RotateMethod,
     set_rotate_method,
 )
+from ._ring import ring_sdpa
 from ._sdpa_dispatch import (
     _disable_context_parallel_dispatcher,
     _enable_context_parallel_dispatcher,
@@ -71,6 +72,7 @@ __all__ = [
     "disable_context_parallel_dispatcher",
     "enable_context_parallel_dispatcher",
     "merge_partial_",
+    "ring_sdpa",
     "shard",
     "unshard",
     "__version__",

@@ -65,6 +65,14 @@ WorkPtr all_to_all(const PG& pg, at::Tensor& out, at::Tensor& in) {
   return pg->alltoall_base(out, in, even, even);
 }
 
+WorkPtr all_to_all_split(const PG& pg, at::Tensor& out, at::Tensor& in,
+                         std::vector<int64_t>& out_splits, std::vector<int64_t>& in_splits) {
+  TORCH_CHECK_NOT_IMPLEMENTED(!python_group(pg),
+                              "cplib: Python-implemented process groups (the threaded test group) "
+                              "cannot run the split all-to-all from C++; use another rotation");
+  return pg->alltoall_base(out, in, out_splits, in_splits);
+}
+
 WorkPtr send(const PG& pg, at::Tensor& t, int dst, int tag) {
   std::vector<at::Tensor> ts{t};
   return pg->send(ts, dst, tag);

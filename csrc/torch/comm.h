@@ -4,6 +4,7 @@
 
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -20,6 +21,9 @@ PG resolve_group(std::string_view group_name);
 WorkPtr all_gather_dim0(const PG& pg, at::Tensor& out, at::Tensor& in);
 WorkPtr reduce_scatter_sum_dim0(const PG& pg, at::Tensor& out, at::Tensor& in);
 WorkPtr all_to_all(const PG& pg, at::Tensor& out, at::Tensor& in);
+// All-to-all of flat 1-D buffers with explicit per-rank element counts.
+WorkPtr all_to_all_split(const PG& pg, at::Tensor& out, at::Tensor& in,
+                         std::vector<int64_t>& out_splits, std::vector<int64_t>& in_splits);
 WorkPtr send(const PG& pg, at::Tensor& t, int dst, int tag);
 WorkPtr recv(const PG& pg, at::Tensor& t, int src, int tag);
 
