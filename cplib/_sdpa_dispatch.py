@@ -43,8 +43,8 @@ _CALLS_SDPA = frozenset(
 # (so its inner SDPA call is routed); older torch falls back to patching.
 _redispatch = getattr(torch.overrides, "redispatch_function", None)
 
-# Priority order of the CUDA kernels that return a log-sum-exp.
-_CUDA_BACKENDS = (("flash", "flash"), ("mem_efficient", "efficient"), ("cudnn", "cudnn"))
+# The CUDA kernels that return a log-sum-exp: SDPBackend value -> (torch flag, ring name).
+_CUDA_BACKENDS = {1: ("flash", "flash"), 2: ("mem_efficient", "efficient"), 3: ("cudnn", "cudnn")}
 
 
 def _sdpa_signature(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *,
@@ -55,11 +55,12 @@ def _sdpa_signature(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
 def sdpa_backend_hint(device: torch.device) -> str | None:
     """The ring's block kernel as ``torch.nn.attention.sdpa_kernel`` allows it:
     None (let the op choose as SDPA would) on CPU or when every fused CUDA
-    kernel is enabled, else the first enabled one."""
+    kernel is enabled, else the enabled one SDPA's priority order puts first."""
     if device.type != "cuda":
         return None
-    enabled = [name for flag, name in _CUDA_BACKENDS
-               if getattr(torch._C, f"_get_{flag}_sdp_enabled")()]
+    enabled = [_CUDA_BACKENDS[b][1] for b in torch._C._get_sdp_priority_order()
+               if b in _CUDA_BACKENDS
+               and getattr(torch._C, f"_get_{_CUDA_BACKENDS[b][0]}_sdp_enabled")()]
     if len(enabled) == len(_CUDA_BACKENDS):
         return None
     if not enabled:
