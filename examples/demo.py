@@ -250,7 +250,7 @@ def main() -> int:
               f"single-process loss (max |diff| {max_diff:.1e} at step {worst + 1}, tolerance "
               f"{args.atol:g} + {args.rtol:g}*|loss|); loss {ref_losses[0]:.3f} -> "
               f"{ref_losses[-1]:.3f}", flush=True)
-    flag = torch.tensor([0 if ok else 1])
+    flag = torch.tensor([0 if ok else 1], device=device)  # NCCL needs device tensors
     dist.broadcast(flag, src=0)
     dist.destroy_process_group()
     return int(flag.item())

@@ -201,9 +201,22 @@ def test_sdpa_matrix_front_end_reference(ranks, world_size):
 # ---------------------------------------------------------- dispatch paths
 
 
-def _check_dispatch_paths() -> None:
+def _check_dispatch_paths(redispatch: bool) -> None:
     use_ring("reference")
     _reset_options()
+    import cplib._sdpa_dispatch as dispatch
+
+    saved = dispatch._redispatch
+    if not redispatch:  # torch < 2.13: the MHA path patches F's SDPA for that call
+        dispatch._redispatch = None
+    try:
+        _dispatch_paths()
+    finally:
+        dispatch._redispatch = saved
+    assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention
+
+
+def _dispatch_paths() -> None:
     mesh, n, rank = _mesh(), dist.get_world_size(), dist.get_rank()
     name = mesh.get_group().group_name
     sdpa_ref = F.scaled_dot_product_attention  # taken before entering the context
@@ -244,8 +257,9 @@ def _check_dispatch_paths() -> None:
     del rank
 
 
-def test_dispatch_paths(ranks):
-    ranks(2).run(_check_dispatch_paths)
+@pytest.mark.parametrize("redispatch", [True, False])
+def test_dispatch_paths(ranks, redispatch):
+    ranks(2).run(_check_dispatch_paths, redispatch)
 
 
 def _check_style_needs_dispatcher() -> str:
