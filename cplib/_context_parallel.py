@@ -60,7 +60,7 @@ def _validate(buffers: list, seq_dims: list, no_restore: list, world_size: int,
                 f"cplib.context_parallel: no_restore_buffers must be a subset of buffers; a "
                 f"tensor of shape {shape} is not one of the buffers"
             )
-    check_shardable(buffers, seq_dims, world_size, None)
+    check_shardable(buffers, seq_dims, world_size)
     if not buffers:
         return bool(_cp_options.enable_load_balance if load_balance is None else load_balance)
     lengths = [b.shape[d] for b, d in zip(buffers, seq_dims)]

@@ -55,7 +55,7 @@ def _check_seq_dim(t: torch.Tensor, seq_dim: int, what: str) -> int:
 
 
 def check_shardable(buffers: Sequence[torch.Tensor], seq_dims: Sequence[int], world_size: int,
-                    load_balancer: _LoadBalancer | None, what: str = "buffer") -> None:
+                    what: str = "buffer") -> None:
     """Everything that can go wrong when sharding, checked from shapes alone
     (so every rank raises the same ValueError before any communication)."""
     if len(buffers) != len(seq_dims):
@@ -77,7 +77,6 @@ def check_shardable(buffers: Sequence[torch.Tensor], seq_dims: Sequence[int], wo
         elif b.device != device:
             raise ValueError(f"cplib: all {what}s must be on one device; {what} {i} is on "
                              f"{b.device}, {what} 0 on {device}")
-    del load_balancer  # its indices are checked against each buffer when applied
 
 
 def shard_tensor(t: torch.Tensor, seq_dim: int, rank: int, world_size: int,
@@ -123,7 +122,7 @@ def shard(mesh: DeviceMesh, buffers: Sequence[torch.Tensor] | Mapping[str, torch
     block_mask = _block_mask_type()
     tensors = [(i, b, d) for i, (b, d) in enumerate(zip(flat, flat_dims))
                if not (block_mask is not None and isinstance(b, block_mask))]
-    check_shardable([b for _, b, _ in tensors], [d for _, _, d in tensors], n, load_balancer)
+    check_shardable([b for _, b, _ in tensors], [d for _, _, d in tensors], n)
     indices = load_balancer._generate_indices() if load_balancer is not None else None
     out = list(flat)
     for i, b, d in tensors:
