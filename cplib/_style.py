@@ -62,7 +62,7 @@ class _ContextParallel(ParallelStyle):
         names = ("query", "key", "value")
         args = list(args)
         values = [args[i] if i < len(args) else kwargs.get(name) for i, name in enumerate(names)]
-        _, k, v = values
+        q, k, v = values
         for name, t in zip(names, values):
             if t is None:
                 raise ValueError(f"cplib: flex attention module was called without {name}")
