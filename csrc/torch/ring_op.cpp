@@ -1,6 +1,7 @@
 // cplib_c::ring_sdpa / ring_sdpa_backward: ring attention over a process
 // group (codes for `rotate` and `backend` are documented in ring.h), and a
 // debug counter of the bytes the rings have sent.
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <torch/library.h>
 
 #include "ring_forward.h"
@@ -11,11 +12,17 @@ namespace {
 
 std::string_view sv(c10::string_view s) { return {s.data(), s.size()}; }
 
+// The ring's buffers are internal: no autograd view tracking on them. Without
+// this, gloo's worker threads copying into views of a gather buffer trip
+// autograd's view-rebase check when the op is called with grad mode on.
+using NoViewTracking = at::AutoDispatchBelowADInplaceOrView;
+
 std::tuple<at::Tensor, at::Tensor> ring_sdpa(const at::Tensor& q, const at::Tensor& k,
                                              const at::Tensor& v, c10::string_view group_name,
                                              bool is_causal, bool load_balanced,
                                              std::optional<double> scale, int64_t backend,
                                              int64_t rotate) {
+  NoViewTracking guard;
   Config cfg = check_args("ring_sdpa", q, k, v, sv(group_name), is_causal, load_balanced, scale,
                           backend, rotate);
   return ring_forward(cfg, q, k, v);
@@ -42,6 +49,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_sdpa_backward(
   TORCH_CHECK_VALUE(grad_out.device() == q.device() && out.device() == q.device() &&
                         lse.device() == q.device(),
                     "cplib.ring_sdpa_backward: grad_out, out and lse must be on ", q.device());
+  NoViewTracking guard;
   Config cfg = check_args("ring_sdpa_backward", q, k, v, sv(group_name), is_causal, load_balanced,
                           scale, backend, rotate);
   return ring_backward(cfg, grad_out, q, k, v, out, lse);
