@@ -34,10 +34,21 @@ static void merge_row_f32(const cplib_merge_params* p, int64_t b, int64_t h, int
     w = 1.0f;
     *lse = c;
   } else {
-    w = 1.0f / (1.0f + expf(a - c));
-    *lse = fmaxf(a, c) + log1pf(expf(-fabsf(a - c)));
+    /* one exp per row: e = exp(-|a - c|) gives both the weight and the lse */
+    const float e = expf(-fabsf(a - c));
+    w = c >= a ? 1.0f / (1.0f + e) : e / (1.0f + e);
+    *lse = fmaxf(a, c) + log1pf(e);
   }
-  if (p->blk_dtype == CPLIB_F32) {
+  if (os == 1 && bs == 1 && p->blk_dtype == CPLIB_F32) {
+    /* unit strides (the common case): a loop the compiler vectorises */
+    const float* restrict blk = (const float*)p->blk_out + blk_base;
+    float* restrict o = out;
+    for (int64_t d = 0; d < p->dim; ++d) o[d] += w * (blk[d] - o[d]);
+  } else if (os == 1 && bs == 1 && p->blk_dtype == CPLIB_BF16) {
+    const uint16_t* restrict blk = (const uint16_t*)p->blk_out + blk_base;
+    float* restrict o = out;
+    for (int64_t d = 0; d < p->dim; ++d) o[d] += w * (cplib_bf16_to_f32(blk[d]) - o[d]);
+  } else if (p->blk_dtype == CPLIB_F32) {
     const float* blk = (const float*)p->blk_out + blk_base;
     for (int64_t d = 0; d < p->dim; ++d) out[d * os] += w * (blk[d * bs] - out[d * os]);
   } else {

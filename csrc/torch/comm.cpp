@@ -3,6 +3,7 @@
 #include <vector>
 
 #include <c10/util/Exception.h>
+#include <torch/version.h>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/PyProcessGroup.hpp>
 
@@ -25,14 +26,14 @@ PG resolve_group(std::string_view group_name) {
   }
 }
 
-namespace {
-
 // Groups implemented in Python (the threaded test group, say) only see the
 // list-form collectives that their pybind trampoline forwards; C++ backends
 // take the single-buffer forms, which avoid a copy on NCCL.
 bool python_group(const PG& pg) {
   return dynamic_cast<c10d::PyProcessGroup*>(pg.get()) != nullptr;
 }
+
+namespace {
 
 std::vector<at::Tensor> rank_chunks(at::Tensor& flat, int64_t n) {
   return flat.chunk(n, 0);
@@ -63,6 +64,19 @@ WorkPtr reduce_scatter_sum_dim0(const PG& pg, at::Tensor& out, at::Tensor& in) {
 WorkPtr all_to_all(const PG& pg, at::Tensor& out, at::Tensor& in) {
   std::vector<int64_t> even;  // empty split sizes: equal chunks along dim 0
   return pg->alltoall_base(out, in, even, even);
+}
+
+WorkPtr all_to_all_split(const PG& pg, at::Tensor& out, at::Tensor& in,
+                         std::vector<int64_t>& out_splits, std::vector<int64_t>& in_splits) {
+  if (python_group(pg)) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
+    return pg->all_to_all_single(out, in, out_splits, in_splits);  // the name Python groups see
+#else
+    TORCH_CHECK_NOT_IMPLEMENTED(false, "cplib: Python-implemented process groups need torch >= "
+                                "2.13 for a split all-to-all from C++");
+#endif
+  }
+  return pg->alltoall_base(out, in, out_splits, in_splits);
 }
 
 WorkPtr send(const PG& pg, at::Tensor& t, int dst, int tag) {

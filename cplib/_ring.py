@@ -1,0 +1,159 @@
+"""Fake kernels and autograd for ``cplib_c::ring_sdpa`` (ring attention over a
+process group, implemented in C++: csrc/torch/ring_*.cpp) and its Python
+entry point ``ring_sdpa``."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._native import GroupLike, group_name_of, group_size, ops
+
+__all__ = ["ring_sdpa", "ROTATE_CODES", "BACKEND_CODES"]
+
+# Integer codes of the ops' `rotate` and `backend` arguments (see csrc/torch/ring.h).
+ROTATE_CODES: dict[str, int] = {"p2p": 0, "alltoall": 1, "allgather": 2}
+# -1 = auto: chosen as scaled_dot_product_attention would (honours
+# torch.nn.attention.sdpa_kernel); the others are at::SDPBackend values.
+# CPU always runs the CPU flash kernel and accepts only auto and flash.
+BACKEND_CODES: dict[str | None, int] = {None: -1, "auto": -1, "flash": 1, "efficient": 2,
+                                        "cudnn": 3}
+
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check(op: str, q, k, v, group_name: str, is_causal: bool, load_balanced: bool,
+           scale: float | None, backend: int, rotate: int) -> None:
+    # Mirrors check_args in csrc/torch/ring_plan.cpp so traced code fails the same way.
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"cplib.{op}: expected q, k, v of shape (B, H, S_local, D), got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"cplib.{op}: q, k, v must be on one device, got {q.device}, "
+                         f"{k.device}, {v.device}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"cplib.{op}: q, k, v must have one dtype, got {q.dtype}, {k.dtype}, "
+                         f"{v.dtype}")
+    if q.dtype not in _DTYPES:
+        raise ValueError(f"cplib.{op}: unsupported dtype {q.dtype} "
+                         "(expected float32, float64, bfloat16 or float16)")
+    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(f"cplib.{op}: batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, "
+                         f"v {v.shape[0]}")
+    if k.shape[1:3] != v.shape[1:3]:
+        raise ValueError(f"cplib.{op}: k {tuple(k.shape)} and v {tuple(v.shape)} must agree in "
+                         "heads and length")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"cplib.{op}: q head dim {q.shape[3]} differs from k head dim "
+                         f"{k.shape[3]}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"cplib.{op}: q has {q.shape[1]} heads, which is not a multiple of "
+                         f"k/v's {k.shape[1]} heads")
+    if q.shape[2] == 0 or k.shape[2] == 0:
+        raise ValueError(f"cplib.{op}: empty local sequence (q length {q.shape[2]}, kv length "
+                         f"{k.shape[2]})")
+    if q.shape[3] == 0 or v.shape[3] == 0:
+        raise ValueError(f"cplib.{op}: empty head dim")
+    if q.device.type != "cuda":
+        if q.device.type not in ("cpu", "meta"):
+            raise ValueError(f"cplib.{op}: unsupported device {q.device}")
+        if v.shape[3] != q.shape[3]:
+            raise ValueError(f"cplib.{op}: the CPU kernel needs v's head dim ({v.shape[3]}) to "
+                             f"equal q/k's ({q.shape[3]})")
+    if rotate not in ROTATE_CODES.values():
+        raise ValueError(f"cplib.{op}: rotate={rotate} is not a rotation "
+                         "(0 = p2p, 1 = alltoall, 2 = allgather)")
+    if backend not in (-1, 1, 2, 3):
+        raise ValueError(f"cplib.{op}: backend={backend} is not a backend "
+                         "(-1 = auto, 1 = flash, 2 = efficient, 3 = cudnn)")
+    if q.device.type != "cuda" and backend not in (-1, 1):
+        raise ValueError(f"cplib.{op}: backend={backend} needs CUDA; CPU tensors always use "
+                         "flash (1)")
+    if scale is not None and not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"cplib.{op}: scale={scale} must be a finite positive number or None")
+    if is_causal and q.shape[2] != k.shape[2]:
+        raise ValueError(f"cplib.{op}: is_causal needs equal local q and kv lengths, got q "
+                         f"{q.shape[2]} and kv {k.shape[2]}")
+    if load_balanced and (q.shape[2] % 2 or k.shape[2] % 2):
+        raise ValueError(f"cplib.{op}: load_balanced needs even local lengths (two chunks per "
+                         f"rank), got q {q.shape[2]} and kv {k.shape[2]}")
+    group_size(group_name)  # ValueError for an unknown group
+
+
+@torch.library.register_fake("cplib_c::ring_sdpa")
+def _ring_sdpa_fake(q, k, v, group_name, is_causal, load_balanced, scale, backend, rotate):
+    _check("ring_sdpa", q, k, v, group_name, is_causal, load_balanced, scale, backend, rotate)
+    b, h, s, _ = q.shape
+    out = q.new_empty((b, h, s, v.shape[3]))
+    lse = q.new_empty((b, h, s), dtype=_acc_dtype(q.dtype))
+    return out, lse
+
+
+@torch.library.register_fake("cplib_c::ring_sdpa_backward")
+def _ring_sdpa_backward_fake(grad_out, q, k, v, out, lse, group_name, is_causal, load_balanced,
+                             scale, backend, rotate):
+    _check("ring_sdpa_backward", q, k, v, group_name, is_causal, load_balanced, scale, backend,
+           rotate)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, *args = inputs
+    out, lse = output
+    ctx.args = args
+    ctx.save_for_backward(q, k, v, out, lse)
+    # As for ATen's fused attention kernels, the log-sum-exp is an auxiliary
+    # output that autograd does not differentiate.
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv = ops.ring_sdpa_backward(grad_out, q, k, v, out, lse, *ctx.args)
+    return (dq, dk, dv) + (None,) * len(ctx.args)
+
+
+torch.library.register_autograd("cplib_c::ring_sdpa", _backward, setup_context=_setup)
+
+
+def ring_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: GroupLike,
+    *,
+    is_causal: bool = False,
+    load_balanced: bool = False,
+    scale: float | None = None,
+    rotate: str = "p2p",
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ring attention of the local shards ``q`` (B, Hq, S_local, D) and ``k``/``v``
+    (B, Hkv, S_local, D) over ``group`` (a ProcessGroup or its name).
+
+    Returns ``(out, lse)``: ``out`` (B, Hq, S_local, D_v) in q's dtype and ``lse``
+    (B, Hq, S_local), float32 (float64 for float64 inputs), the natural-log
+    log-sum-exp of the scaled scores over every key of the global sequence.
+    With ``load_balanced`` the shards are in head-tail layout (rank r holds
+    chunks r and 2N-1-r of 2N). K/V rotate with their own Hkv heads (GQA).
+    ``rotate`` is "p2p", "alltoall" or "allgather"; ``backend`` is None/"auto",
+    "flash", "efficient" or "cudnn" (CUDA only; CPU always uses flash).
+    Only ``out`` is differentiable.
+    """
+    if rotate not in ROTATE_CODES:
+        raise ValueError(f"cplib.ring_sdpa: rotate={rotate!r} is not one of "
+                         f"{sorted(ROTATE_CODES)}")
+    if backend not in BACKEND_CODES:
+        raise ValueError(f"cplib.ring_sdpa: backend={backend!r} is not one of None, 'auto', "
+                         "'flash', 'efficient', 'cudnn'")
+    if scale is not None:
+        scale = float(scale)
+    return ops.ring_sdpa(q, k, v, group_name_of(group), bool(is_causal), bool(load_balanced),
+                         scale, BACKEND_CODES[backend], ROTATE_CODES[rotate])

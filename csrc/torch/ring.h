@@ -1,0 +1,63 @@
+// Ring scaled-dot-product attention: shared types of the ring_*.cpp files.
+//
+// Integer codes (also used by cplib/_ring.py):
+//   rotate:  0 = "p2p" (send/recv, double-buffered), 1 = "alltoall" (one
+//            shift per step), 2 = "allgather" (one gather up front).
+//   backend: -1 = auto (chosen as scaled_dot_product_attention would, so
+//            torch.nn.attention.sdpa_kernel is honoured), 1 = flash,
+//            2 = efficient, 3 = cuDNN (the values of at::SDPBackend).
+//            CPU always runs _scaled_dot_product_flash_attention_for_cpu and
+//            accepts only -1 and 1.
+#pragma once
+
+#include <optional>
+#include <string_view>
+
+#include <ATen/ATen.h>
+
+#include "comm.h"
+
+namespace cplib::ring {
+
+enum class Rotate : int64_t { p2p = 0, alltoall = 1, allgather = 2 };
+
+constexpr int64_t kBackendAuto = -1;
+constexpr int64_t kBackendFlash = 1;
+constexpr int64_t kBackendEfficient = 2;
+constexpr int64_t kBackendCudnn = 3;
+
+// Everything a ring pass needs besides the tensors; built by check_args.
+struct Config {
+  PG pg;
+  int64_t rank = 0, size = 1;
+  bool causal = false, load_balanced = false;
+  std::optional<double> scale;
+  int64_t backend = kBackendAuto;
+  Rotate rotate = Rotate::p2p;
+  int64_t groups = 1;  // q heads per k/v head (GQA)
+};
+
+// Validates every argument (ValueError naming the value) and resolves the
+// group; nothing is communicated, so every rank fails the same way.
+Config check_args(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  std::string_view group_name, bool is_causal, bool load_balanced,
+                  std::optional<double> scale, int64_t backend, int64_t rotate);
+
+// The accumulator dtype: float64 for float64 inputs, else float32.
+inline at::ScalarType acc_dtype(const at::Tensor& t) {
+  return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// Rows of q and of the visiting k/v block one ring step attends, or none.
+struct Step {
+  bool skip = false;
+  bool causal = false;  // causal mask on the block (the diagonal step only)
+  int64_t q_start = 0, q_len = 0;
+  int64_t kv_start = 0, kv_len = 0;
+};
+
+// Step `i` of rank cfg.rank: its q against the block that started on rank
+// (rank - i) mod size; q_len/kv_len are the local sequence lengths.
+Step plan_step(const Config& cfg, int64_t i, int64_t q_len, int64_t kv_len);
+
+}  // namespace cplib::ring

@@ -1,0 +1,41 @@
+// One block of attention (q rows against one k/v block, heads already
+// expanded to q's) through ATen's fused kernels that also return the
+// log-sum-exp; the device picks the implementation.
+#pragma once
+
+#include <tuple>
+
+#include <ATen/ATen.h>
+
+#include "ring.h"
+
+namespace cplib::ring {
+
+struct BlockResult {
+  at::Tensor out;  // (B, H, Lq, Dv), q's dtype
+  at::Tensor lse;  // (B, H, Lq), accumulator dtype, possibly strided
+};
+
+BlockResult block_forward(const Config& cfg, const at::Tensor& q, const at::Tensor& k,
+                          const at::Tensor& v, bool causal);
+
+// Gradients of the block given the merged (global) out and lse of these q rows.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> block_backward(
+    const Config& cfg, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+    const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, bool causal);
+
+BlockResult block_forward_cpu(const Config& cfg, const at::Tensor& q, const at::Tensor& k,
+                              const at::Tensor& v, bool causal);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> block_backward_cpu(
+    const Config& cfg, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+    const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, bool causal);
+
+#ifdef CPLIB_WITH_CUDA
+BlockResult block_forward_cuda(const Config& cfg, const at::Tensor& q, const at::Tensor& k,
+                               const at::Tensor& v, bool causal);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> block_backward_cuda(
+    const Config& cfg, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+    const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, bool causal);
+#endif
+
+}  // namespace cplib::ring

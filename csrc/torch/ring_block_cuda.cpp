@@ -1,0 +1,93 @@
+// Block attention on CUDA: flash, efficient or cuDNN through ATen, chosen as
+// scaled_dot_product_attention would (so torch.nn.attention.sdpa_kernel is
+// honoured) unless the caller names one. Dropout is never used, so the
+// backward kernels get placeholder philox tensors.
+// NOTE: written without a GPU to run it on; the CPU path is the tested one.
+#ifdef CPLIB_WITH_CUDA
+
+#include <ATen/ops/_fused_sdp_choice.h>
+#include <ATen/ops/_scaled_dot_product_cudnn_attention.h>
+#include <ATen/ops/_scaled_dot_product_cudnn_attention_backward.h>
+#include <ATen/ops/_scaled_dot_product_efficient_attention.h>
+#include <ATen/ops/_scaled_dot_product_efficient_attention_backward.h>
+#include <ATen/ops/_scaled_dot_product_flash_attention.h>
+#include <ATen/ops/_scaled_dot_product_flash_attention_backward.h>
+
+#include "ring_block.h"
+
+namespace cplib::ring {
+namespace {
+
+int64_t pick_backend(const Config& cfg, const at::Tensor& q, const at::Tensor& k,
+                     const at::Tensor& v, bool causal) {
+  if (cfg.backend != kBackendAuto) return cfg.backend;
+  const int64_t b = at::_fused_sdp_choice(q, k, v, std::nullopt, 0.0, causal, cfg.scale, false);
+  TORCH_CHECK_NOT_IMPLEMENTED(b == kBackendFlash || b == kBackendEfficient || b == kBackendCudnn,
+                              "cplib.ring_sdpa: no fused SDPA backend returning a log-sum-exp "
+                              "accepts these inputs (dtype ", q.scalar_type(), ", head dim ",
+                              q.size(3), "); scaled_dot_product_attention would pick backend ", b);
+  return b;
+}
+
+at::Tensor philox_placeholder(const at::Tensor& like) {
+  return at::empty({}, like.options().dtype(at::kLong));
+}
+
+// The efficient kernel pads its lse rows to a multiple of 32.
+constexpr int64_t kEfficientLseAlign = 32;
+
+}  // namespace
+
+BlockResult block_forward_cuda(const Config& cfg, const at::Tensor& q, const at::Tensor& k,
+                               const at::Tensor& v, bool causal) {
+  const int64_t Lq = q.size(2);
+  switch (pick_backend(cfg, q, k, v, causal)) {
+    case kBackendFlash: {
+      auto r = at::_scaled_dot_product_flash_attention(q, k, v, 0.0, causal, false, cfg.scale);
+      return {std::get<0>(r), std::get<1>(r)};
+    }
+    case kBackendEfficient: {
+      auto r = at::_scaled_dot_product_efficient_attention(q, k, v, std::nullopt, true, 0.0,
+                                                           causal, cfg.scale);
+      return {std::get<0>(r), std::get<1>(r).narrow(2, 0, Lq)};
+    }
+    default: {
+      auto r = at::_scaled_dot_product_cudnn_attention(q, k, v, std::nullopt, true, 0.0, causal,
+                                                       false, cfg.scale);
+      at::Tensor lse = std::get<1>(r);
+      return {std::get<0>(r), lse.dim() == 4 ? lse.squeeze(-1) : lse};  // (B,H,L,1) -> (B,H,L)
+    }
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> block_backward_cuda(
+    const Config& cfg, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+    const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, bool causal) {
+  const int64_t Lq = q.size(2), Lk = k.size(2);
+  // Strided lse rows give wrong gradients in these kernels (upstream's note).
+  const at::Tensor go = grad_out.contiguous(), o = out.contiguous();
+  const at::Tensor seed = philox_placeholder(q), offset = philox_placeholder(q);
+  switch (pick_backend(cfg, q, k, v, causal)) {
+    case kBackendFlash:
+      return at::_scaled_dot_product_flash_attention_backward(
+          go, q, k, v, o, lse.contiguous(), at::Tensor(), at::Tensor(), Lq, Lk, 0.0, causal, seed,
+          offset, cfg.scale);
+    case kBackendEfficient: {
+      const int64_t padded = (Lq + kEfficientLseAlign - 1) / kEfficientLseAlign * kEfficientLseAlign;
+      at::Tensor lse_padded = at::zeros({lse.size(0), lse.size(1), padded}, lse.options());
+      lse_padded.narrow(2, 0, Lq).copy_(lse);
+      auto r = at::_scaled_dot_product_efficient_attention_backward(
+          go, q, k, v, at::Tensor(), o, lse_padded, seed, offset, 0.0, {true, true, true, false},
+          causal, cfg.scale);
+      return {std::get<0>(r), std::get<1>(r), std::get<2>(r)};
+    }
+    default:
+      return at::_scaled_dot_product_cudnn_attention_backward(
+          go, q, k, v, o, lse.unsqueeze(-1).contiguous(), seed, offset, at::Tensor(), at::Tensor(),
+          at::Tensor(), Lq, Lk, 0.0, causal, cfg.scale);
+  }
+}
+
+}  // namespace cplib::ring
+
+#endif  // CPLIB_WITH_CUDA

@@ -1,0 +1,85 @@
+// cplib_c::ring_sdpa / ring_sdpa_backward: ring attention over a process
+// group (codes for `rotate` and `backend` are documented in ring.h), and a
+// debug counter of the bytes the rings have sent.
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <torch/library.h>
+
+#include "ring_forward.h"
+#include "ring_rotate.h"
+
+namespace cplib::ring {
+namespace {
+
+std::string_view sv(c10::string_view s) { return {s.data(), s.size()}; }
+
+// The ring's buffers are internal: no autograd view tracking on them. Without
+// this, gloo's worker threads copying into views of a gather buffer trip
+// autograd's view-rebase check when the op is called with grad mode on.
+using NoViewTracking = at::AutoDispatchBelowADInplaceOrView;
+
+std::tuple<at::Tensor, at::Tensor> ring_sdpa(const at::Tensor& q, const at::Tensor& k,
+                                             const at::Tensor& v, c10::string_view group_name,
+                                             bool is_causal, bool load_balanced,
+                                             std::optional<double> scale, int64_t backend,
+                                             int64_t rotate) {
+  NoViewTracking guard;
+  Config cfg = check_args("ring_sdpa", q, k, v, sv(group_name), is_causal, load_balanced, scale,
+                          backend, rotate);
+  return ring_forward(cfg, q, k, v);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_sdpa_backward(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, c10::string_view group_name, bool is_causal,
+    bool load_balanced, std::optional<double> scale, int64_t backend, int64_t rotate) {
+  const std::vector<int64_t> out_sizes{q.size(0), q.size(1), q.size(2), v.size(3)};
+  const std::vector<int64_t> lse_sizes{q.size(0), q.size(1), q.size(2)};
+  TORCH_CHECK_VALUE(q.dim() == 4 && v.dim() == 4, "cplib.ring_sdpa_backward: expected 4-D q and v",
+                    ", got ", q.sizes(), " and ", v.sizes());
+  TORCH_CHECK_VALUE(grad_out.sizes() == out_sizes && out.sizes() == out_sizes, "cplib.",
+                    "ring_sdpa_backward: grad_out ", grad_out.sizes(), " and out ", out.sizes(),
+                    " must have shape ", out_sizes);
+  TORCH_CHECK_VALUE(grad_out.scalar_type() == q.scalar_type() &&
+                        out.scalar_type() == q.scalar_type(),
+                    "cplib.ring_sdpa_backward: grad_out (", grad_out.scalar_type(), ") and out (",
+                    out.scalar_type(), ") must have q's dtype ", q.scalar_type());
+  TORCH_CHECK_VALUE(lse.sizes() == lse_sizes && lse.scalar_type() == acc_dtype(q),
+                    "cplib.ring_sdpa_backward: lse must be ", acc_dtype(q), " of shape ",
+                    lse_sizes, ", got ", lse.scalar_type(), " ", lse.sizes());
+  TORCH_CHECK_VALUE(grad_out.device() == q.device() && out.device() == q.device() &&
+                        lse.device() == q.device(),
+                    "cplib.ring_sdpa_backward: grad_out, out and lse must be on ", q.device());
+  NoViewTracking guard;
+  Config cfg = check_args("ring_sdpa_backward", q, k, v, sv(group_name), is_causal, load_balanced,
+                          scale, backend, rotate);
+  return ring_backward(cfg, grad_out, q, k, v, out, lse);
+}
+
+int64_t ring_debug_bytes_sent(bool reset) { return bytes_sent(reset); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
+  m.def(
+      "ring_sdpa(Tensor q, Tensor k, Tensor v, str group_name, bool is_causal, "
+      "bool load_balanced, float? scale, int backend, int rotate) -> (Tensor out, Tensor lse)");
+  m.def(
+      "ring_sdpa_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+      "str group_name, bool is_causal, bool load_balanced, float? scale, int backend, "
+      "int rotate) -> (Tensor dq, Tensor dk, Tensor dv)");
+  m.def("ring_debug_bytes_sent(bool reset=False) -> int", &ring_debug_bytes_sent);
+}
+
+TORCH_LIBRARY_IMPL(cplib_c, CPU, m) {
+  m.impl("ring_sdpa", &ring_sdpa);
+  m.impl("ring_sdpa_backward", &ring_sdpa_backward);
+}
+
+#ifdef CPLIB_WITH_CUDA
+TORCH_LIBRARY_IMPL(cplib_c, CUDA, m) {
+  m.impl("ring_sdpa", &ring_sdpa);
+  m.impl("ring_sdpa_backward", &ring_sdpa_backward);
+}
+#endif
+
+}  // namespace cplib::ring

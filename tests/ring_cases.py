@@ -1,0 +1,44 @@
+"""Shared helpers of the ring_sdpa tests: global inputs, head-tail sharding
+and the single-process fp64 reference (out, lse and gradients)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def global_tensor(shape, dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+
+
+def shard_seq(t: torch.Tensor, rank: int, n: int, load_balanced: bool) -> torch.Tensor:
+    """This rank's slice of dim 2: contiguous, or chunks r and 2N-1-r of 2N."""
+    if not load_balanced:
+        return t.chunk(n, dim=2)[rank]
+    chunks = t.chunk(2 * n, dim=2)
+    return torch.cat([chunks[rank], chunks[2 * n - 1 - rank]], dim=2)
+
+
+def reference(q, k, v, cot, *, is_causal: bool, scale: float | None):
+    """fp64 full-sequence SDPA: (out, lse, dq, dk, dv); lse is the logsumexp
+    of the scaled, masked scores."""
+    q, k, v = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
+                                         enable_gqa=True)
+    out.backward(cot.double())
+    groups = q.shape[1] // k.shape[1]
+    kx = k.detach().repeat_interleave(groups, dim=1)
+    s = q.detach() @ kx.transpose(-1, -2) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    if is_causal:
+        mask = torch.ones(s.shape[-2:], dtype=torch.bool).tril()
+        s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    return out.detach(), lse, q.grad, k.grad, v.grad
+
+
+def noncontiguous(t: torch.Tensor) -> torch.Tensor:
+    """Same values, storage with the head and sequence dims swapped."""
+    out = t.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not out.is_contiguous() or out.shape[1] == 1 or out.shape[2] == 1
+    return out
