@@ -1,0 +1,332 @@
+"""Flex-attention context parallelism on 2 gloo ranks (CPU, fp32) against
+``torch.compile(flex_attention)`` on the full sequence in one process.
+
+What is compared (atol 2e-6, rtol 1e-5): outputs, lse and the gradients of
+q, k and v. torch cannot give all of these from its inductor CPU kernel, which
+is forward-only and refuses ``return_lse``; so
+
+* outputs, lse and gradients are compared with both sides compiled by
+  ``torch.compile(..., backend="aot_eager", fullgraph=True)``, which runs
+  flex's own (dense) implementation. torch's ``flex_attention`` refuses any
+  CPU input that requires grad (``flex_attention._validate_device``) although
+  that implementation differentiates fine, so these checks lift that one
+  guard inside the rank processes (``_cpu_flex_grads``);
+* outputs of the inductor (fused, block-sparse CPU template) kernel are
+  compared with both sides compiled by inductor, which is also what checks
+  that the sharded BlockMask's block lists are used correctly;
+* the sharded BlockMask's element mask and its partial/full block lists are
+  compared exactly with those derived from the full mask.
+
+Cases (the CP model is always ``torch.compile(fullgraph=True)``, one shared
+compiled module per process, so a graph break fails every case):
+
+=========================  =========================================  =================
+mask                       default run                                CPLIB_FULL_FLEX=1
+=========================  =========================================  =================
+causal, B=1                S=512 and 2048 x {none, head-tail, PTRR}   same
+document (28 random docs)  B=2, S=512 x all four balancers;           B {2,4,8} x
+                           B=4, S=2048 x {PTRR, per-doc head-tail}    S {512,2048} x all four
+sliding-window causal      S=512 x {none, head-tail, PTRR}            same
+GQA (4 q heads, 2 kv)      S=512 causal x {none, head-tail}           same
+inductor forward           causal S=512 x {none, head-tail};          + document B=2
+                           document B=2 S=512 x PTRR                  S=512 x all four
+S=128 errors               none, head-tail, PTRR                      same
+=========================  =========================================  =================
+
+The default run keeps the whole suite fast on a 2-core machine; set
+``CPLIB_FULL_FLEX=1`` for the full acceptance matrix of issue 5.
+Per-document head-tail uses document lengths in multiples of 2 x world size,
+the other balancers arbitrary lengths.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import unittest.mock
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.attention.flex_attention as fa
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, create_mask
+
+import cplib
+from cplib._flex_hook import _flex_input_hook, _register_flex_input_hook
+from cplib._flex_mask import _create_cp_block_mask, _shard_block_mask
+from cplib._load_balancer import (
+    _HeadTailLoadBalancer,
+    _PerDocumentHeadTailLoadBalancer,
+    _PTRRLoadBalancer,
+    rearrange,
+)
+from harness import assert_close
+
+WORLD = 2
+FULL = os.environ.get("CPLIB_FULL_FLEX") == "1"
+HEADS, DIM = 2, 16
+TOL = dict(atol=2e-6, rtol=1e-5)
+ALL_LB = ("none", "head_tail", "per_document_head_tail", "ptrr")
+
+
+# ------------------------------------------------------------------ masks
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def _sliding_window(window: int):
+    def sliding_window_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= window)
+    return sliding_window_causal
+
+
+def _document_lengths(B: int, S: int, docs: int, unit: int, seed: int) -> list[list[int]]:
+    """``docs`` random document lengths per batch row, multiples of ``unit``, summing to S."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(B):
+        cuts = (torch.randperm(S // unit - 1, generator=g)[: docs - 1] + 1).sort().values
+        bounds = [0, *cuts.tolist(), S // unit]
+        rows.append([(bounds[i + 1] - bounds[i]) * unit for i in range(docs)])
+    return rows
+
+
+def _document_causal(lengths: list[list[int]]):
+    doc_ids = torch.stack([
+        torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)) for row in lengths
+    ])
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (doc_ids[b, q_idx] == doc_ids[b, kv_idx]) & (q_idx >= kv_idx)
+    return document_causal
+
+
+# ------------------------------------------------------------------ per-rank plumbing
+
+
+@contextlib.contextmanager
+def _cpu_flex_grads():
+    """Lifts torch's "no flex backward on CPU" guard (see the module docstring)."""
+    with unittest.mock.patch.object(fa, "_validate_device", lambda *args: None), \
+            torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=512):
+        yield
+
+
+class FlexAttention(nn.Module):
+    """A module with flex_attention's signature (what _ContextParallel wraps)."""
+
+    def forward(self, query, key, value, score_mod=None, block_mask=None, scale=None,
+                enable_gqa=False, return_aux=None):
+        return fa.flex_attention(query, key, value, score_mod=score_mod, block_mask=block_mask,
+                                 scale=scale, enable_gqa=enable_gqa, return_aux=return_aux)
+
+
+_per_process: dict[str, object] = {}
+
+
+def _mesh() -> DeviceMesh:
+    if "mesh" not in _per_process:
+        _per_process["mesh"] = DeviceMesh("cpu", list(range(dist.get_world_size())))
+    return _per_process["mesh"]
+
+
+def _compiled(name: str, backend: str):
+    """One compiled function per (role, backend) and process: every case reuses
+    dynamo's cache, so equal shapes and masks never compile twice."""
+    key = f"{name}/{backend}"
+    if key not in _per_process:
+        if name == "cp":
+            module = _register_flex_input_hook(FlexAttention(), _mesh(), seq_dim=2)
+        else:
+            module = FlexAttention()
+        _per_process[key] = torch.compile(module, backend=backend, fullgraph=True, dynamic=False)
+    return _per_process[key]
+
+
+def _balancer(kind: str, S: int, block_mask, lengths):
+    if kind == "none":
+        return None
+    if kind == "head_tail":
+        return _HeadTailLoadBalancer(S, WORLD, "cpu")
+    if kind == "per_document_head_tail":
+        return _PerDocumentHeadTailLoadBalancer(lengths, WORLD, "cpu")
+    if kind == "ptrr":
+        return _PTRRLoadBalancer(block_mask, WORLD)
+    raise AssertionError(kind)
+
+
+def _shard(t: torch.Tensor, dim: int, idx: torch.Tensor | None) -> torch.Tensor:
+    if idx is not None:
+        t = rearrange(t, dim, idx)
+    return t.chunk(dist.get_world_size(), dim)[dist.get_rank()].contiguous()
+
+
+def _randn(shape, seed: int) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+# ------------------------------------------------------------------ checks
+
+
+def _check_mask_structure(cp_mask, mask_mod, B: int, S: int, idx: torch.Tensor | None) -> None:
+    """The sharded mask equals the full mask with rows/columns rearranged and
+    this rank's rows kept, element by element and block list by block list."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    full = create_mask(mask_mod, B, 1, S, S, device="cpu")[:, 0]  # (B, S, S)
+    if idx is not None:
+        rows = idx.expand(B, S)
+        full = torch.gather(full, 1, rows.unsqueeze(-1).expand(B, S, S))
+        full = torch.gather(full, 2, rows.unsqueeze(1).expand(B, S, S))
+    want = full[:, rank * S // n:(rank + 1) * S // n]
+    got = create_mask(cp_mask.mask_mod, B, 1, S // n, S, device="cpu")[:, 0]
+    assert torch.equal(got, want), "sharded mask_mod disagrees with the rearranged full mask"
+    qb, kb = cp_mask.BLOCK_SIZE
+    blocks = want.view(B, S // n // qb, qb, S // kb, kb)
+    any_b, all_b = blocks.any(4).any(2), blocks.all(4).all(2)
+    partial = fa._ordered_to_dense(cp_mask.kv_num_blocks, cp_mask.kv_indices,
+                                   cp_mask.kv_indices.shape[-1])[:, 0].bool()
+    fullb = fa._ordered_to_dense(cp_mask.full_kv_num_blocks, cp_mask.full_kv_indices,
+                                 cp_mask.full_kv_indices.shape[-1])[:, 0].bool()
+    assert torch.equal(fullb, all_b), "full-block list of the sharded mask is wrong"
+    assert torch.equal(partial, any_b & ~all_b), "partial-block list of the sharded mask is wrong"
+
+
+def _reference(q, k, v, block_mask, gqa: bool, cot_out, cot_lse):
+    q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
+    out, aux = _compiled("full", "aot_eager")(q, k, v, block_mask=block_mask, enable_gqa=gqa,
+                                               return_aux=AuxRequest(lse=True))
+    torch.autograd.backward([out, aux.lse], [cot_out, cot_lse])
+    return [t.detach() for t in (out, aux.lse, q.grad, k.grad, v.grad)]
+
+
+def _case_name(mask_kind: str, B: int, S: int, lb: str, heads: tuple[int, int]) -> str:
+    return f"{mask_kind} B={B} S={S} lb={lb} heads={heads[0]}/{heads[1]}"
+
+
+def _check_config(mask_kind: str, B: int, S: int, balancers: tuple[str, ...],
+                  inductor: tuple[str, ...] = (), heads: tuple[int, int] = (HEADS, HEADS)
+                  ) -> list[str]:
+    """Runs every balancer of one (mask, B, S) on this rank; returns what it checked."""
+    torch.manual_seed(0)
+    mesh = _mesh()
+    lengths = None
+    if mask_kind == "causal":
+        mask_mod = causal
+    elif mask_kind == "sliding_window":
+        mask_mod = _sliding_window(S // 5)
+    else:  # document: arbitrary lengths, or multiples of 2 * world for per-document head-tail
+        unit = 2 * WORLD if mask_kind == "document_chunked" else 1
+        lengths = _document_lengths(B, S, 28, unit, seed=S + B + unit)
+        mask_mod = _document_causal(lengths)
+    q_heads, kv_heads = heads
+    gqa = q_heads != kv_heads
+    q = _randn((B, q_heads, S, DIM), 1)
+    k, v = _randn((B, kv_heads, S, DIM), 2), _randn((B, kv_heads, S, DIM), 3)
+    cot_out, cot_lse = _randn((B, q_heads, S, DIM), 4), _randn((B, q_heads, S), 5)
+    full_mask = create_block_mask(mask_mod, B, 1, S, S, device="cpu")
+    done = []
+    with _cpu_flex_grads():
+        ref = _reference(q, k, v, full_mask, gqa, cot_out, cot_lse)
+        for kind in balancers:
+            lb = _balancer(kind, S, full_mask, lengths)
+            idx = lb._generate_indices() if lb is not None else None
+            with torch.compiler.set_stance("force_eager"):  # the compiled builder is slow on CPU
+                cp_mask = _shard_block_mask(full_mask, mesh, lb)
+            _check_mask_structure(cp_mask, mask_mod, B, S, idx)
+            lq, lk, lv = (_shard(t, 2, idx).requires_grad_(True) for t in (q, k, v))
+            out, aux = _compiled("cp", "aot_eager")(lq, lk, lv, block_mask=cp_mask,
+                                                     enable_gqa=gqa,
+                                                     return_aux=AuxRequest(lse=True))
+            torch.autograd.backward([out, aux.lse], [_shard(cot_out, 2, idx),
+                                                     _shard(cot_lse, 2, idx)])
+            what = _case_name(mask_kind, B, S, kind, heads)
+            for name, got, want in zip(("out", "lse", "dq", "dk", "dv"),
+                                       (out, aux.lse, lq.grad, lk.grad, lv.grad), ref):
+                assert_close(got.detach(), _shard(want, 2, idx), what=f"{what}: {name}", **TOL)
+            done.append(what)
+            if kind in inductor:
+                ref_out = _compiled("full", "inductor")(q, k, v, block_mask=full_mask,
+                                                        enable_gqa=gqa)
+                got = _compiled("cp", "inductor")(*(_shard(t, 2, idx) for t in (q, k, v)),
+                                                  block_mask=cp_mask, enable_gqa=gqa)
+                assert_close(got, _shard(ref_out, 2, idx), what=f"{what}: inductor out", **TOL)
+                done.append(what + " inductor")
+    return done
+
+
+def _check_small_sequence_errors() -> list[str]:
+    """S=128 at world size 2 leaves one 128-block per mask: refused, with
+    torch's messages, before anything is communicated."""
+    mesh = _mesh()
+    full_mask = create_block_mask(causal, 1, 1, 128, 128, device="cpu")
+    msgs = []
+    for kind, pattern in (("none", "Q_LEN 128 is not divisible"),
+                          ("head_tail", "Q_LEN 128 is not divisible"),
+                          ("ptrr", "must be divisible by group_size")):
+        lb = _balancer(kind, 128, full_mask, None)
+        with pytest.raises(NotImplementedError, match=pattern) as info:
+            _create_cp_block_mask(causal, 1, 1, 128, 128, mesh, lb)
+        msgs.append(str(info.value))
+        with pytest.raises(NotImplementedError, match=pattern):
+            _shard_block_mask(full_mask, mesh, lb)
+    # The block size is a parameter: 64-blocks make S=128 shardable.
+    small = create_block_mask(causal, 1, 1, 128, 128, device="cpu", BLOCK_SIZE=64)
+    for kind in ("none", "head_tail", "ptrr"):
+        lb = _balancer(kind, 128, small, None)
+        with torch.compiler.set_stance("force_eager"):
+            cp_mask = _shard_block_mask(small, mesh, lb)
+        assert cp_mask.BLOCK_SIZE == (64, 64) and cp_mask.seq_lengths == (64, 128)
+        _check_mask_structure(cp_mask, causal, 1, 128,
+                              lb._generate_indices() if lb is not None else None)
+    return msgs
+
+
+# ------------------------------------------------------------------ tests
+
+CAUSAL_CASES = [("causal", 1, S, ("none", "head_tail", "ptrr")) for S in (512, 2048)]
+DOC_CASES = (
+    [(kind, B, S, lbs) for B in (2, 4, 8) for S in (512, 2048)
+     for kind, lbs in (("document", ("none", "head_tail", "ptrr")),
+                       ("document_chunked", ("per_document_head_tail",)))]
+    if FULL else
+    [("document", 2, 512, ("none", "head_tail", "ptrr")),
+     ("document_chunked", 2, 512, ("per_document_head_tail",)),
+     ("document", 4, 2048, ("ptrr",)),
+     ("document_chunked", 4, 2048, ("per_document_head_tail",))]
+)
+
+
+def _run(pool, mask_kind, B, S, lbs, inductor=(), heads=(HEADS, HEADS)) -> None:
+    done = pool.run(_check_config, mask_kind, B, S, lbs, inductor, heads)
+    want = []
+    for lb in lbs:
+        want.append(_case_name(mask_kind, B, S, lb, heads))
+        if lb in inductor:
+            want.append(want[-1] + " inductor")
+    assert done == [want] * WORLD
+
+
+def test_flex_cp_causal_and_document_masks(ranks):
+    pool = ranks(WORLD)
+    for mask_kind, B, S, lbs in CAUSAL_CASES + DOC_CASES:
+        inductor = ()
+        if mask_kind == "causal" and S == 512:
+            inductor = ("none", "head_tail")
+        elif mask_kind.startswith("document") and B == 2 and S == 512:
+            inductor = lbs if FULL else tuple(lb for lb in lbs if lb == "ptrr")
+        _run(pool, mask_kind, B, S, lbs, inductor)
+
+
+def test_flex_cp_sliding_window_and_gqa(ranks):
+    pool = ranks(WORLD)
+    _run(pool, "sliding_window", 1, 512, ("none", "head_tail", "ptrr"))
+    _run(pool, "causal", 1, 512, ("none", "head_tail"), heads=(4, 2))  # 2 KV groups
+
+
+def test_small_sequence_raises_not_implemented(ranks):
+    msgs = ranks(WORLD).run(_check_small_sequence_errors)
+    assert msgs[0] == msgs[1] and len(msgs[0]) == 3
