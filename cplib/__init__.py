@@ -5,11 +5,73 @@ from __future__ import annotations
 import logging
 
 from . import _native  # noqa: F401  (loads cplib._C and its ops)
+from ._context_parallel import ContextParallelHandle, context_parallel
 from ._flex_allgather import flex_cp_allgather
+from ._load_balancer import (
+    _HeadTailLoadBalancer,
+    _LoadBalancer,
+    _PerDocumentHeadTailLoadBalancer,
+    _PTRRLoadBalancer,
+)
 from ._merge import merge_partial_
+from ._options import (
+    _CausalBehavior,
+    _cp_options,
+    _is_causal_behavior,
+    _RotateMethod,
+    set_rotate_method,
+)
+from ._sdpa_dispatch import (
+    _disable_context_parallel_dispatcher,
+    _enable_context_parallel_dispatcher,
+)
+from ._sharding import _context_parallel_shard, context_parallel_unshard, shard, unshard
+from ._style import _ContextParallel
+
+# Public names for what torch keeps private (same objects).
+LoadBalancer = _LoadBalancer
+HeadTailLoadBalancer = _HeadTailLoadBalancer
+PerDocumentHeadTailLoadBalancer = _PerDocumentHeadTailLoadBalancer
+PTRRLoadBalancer = _PTRRLoadBalancer
+ContextParallel = _ContextParallel
+RotateMethod = _RotateMethod
+enable_context_parallel_dispatcher = _enable_context_parallel_dispatcher
+disable_context_parallel_dispatcher = _disable_context_parallel_dispatcher
 
 __version__ = "0.1.0"
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
-__all__ = ["flex_cp_allgather", "merge_partial_", "__version__"]
+__all__ = [
+    # torch's _context_parallel names, same signatures and semantics
+    "_CausalBehavior",
+    "_context_parallel_shard",
+    "_ContextParallel",
+    "_cp_options",
+    "_disable_context_parallel_dispatcher",
+    "_enable_context_parallel_dispatcher",
+    "_is_causal_behavior",
+    "_RotateMethod",
+    "context_parallel",
+    "context_parallel_unshard",
+    "set_rotate_method",
+    "flex_cp_allgather",
+    "_HeadTailLoadBalancer",
+    "_LoadBalancer",
+    "_PerDocumentHeadTailLoadBalancer",
+    "_PTRRLoadBalancer",
+    # cplib's public names
+    "ContextParallel",
+    "ContextParallelHandle",
+    "HeadTailLoadBalancer",
+    "LoadBalancer",
+    "PerDocumentHeadTailLoadBalancer",
+    "PTRRLoadBalancer",
+    "RotateMethod",
+    "disable_context_parallel_dispatcher",
+    "enable_context_parallel_dispatcher",
+    "merge_partial_",
+    "shard",
+    "unshard",
+    "__version__",
+]

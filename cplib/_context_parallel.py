@@ -1,0 +1,148 @@
+"""``context_parallel``: shard the buffers in place, route SDPA to the ring
+op, and undo both on every exit."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from ._load_balancer import _HeadTailLoadBalancer, _LoadBalancer
+from ._options import RingConfig, _cp_options, _RotateMethod, parse_rotate_method, rotate_method_name
+from ._sdpa_dispatch import CPDispatchMode
+from ._sharding import check_mesh, check_shardable, shard_tensor, unshard
+
+__all__ = ["context_parallel", "ContextParallelHandle"]
+
+
+@dataclass(frozen=True)
+class ContextParallelHandle:
+    """What ``with context_parallel(...) as cp`` binds: the resolved layout, so
+    that outputs can be unsharded without consulting global options."""
+
+    mesh: DeviceMesh
+    config: RingConfig
+    load_balancer: _LoadBalancer | None
+
+    def unshard(self, tensors: Sequence[torch.Tensor],
+                seq_dims: Sequence[int]) -> list[torch.Tensor]:
+        """Full sequences from this context's shards, differentiable (see
+        ``cplib.unshard``)."""
+        return unshard(self.mesh, list(tensors), list(seq_dims), self.load_balancer)
+
+
+def _validate(buffers: list, seq_dims: list, no_restore: list, world_size: int,
+              load_balance: bool | None) -> bool:
+    """All argument checks, from shapes alone (identical on every rank).
+    Returns whether the head-tail layout is used."""
+    if len(buffers) != len(seq_dims):
+        raise ValueError(
+            f"cplib.context_parallel: buffer_seq_dims has {len(seq_dims)} entries but there are "
+            f"{len(buffers)} buffers; give one sequence dim per buffer"
+        )
+    for i, b in enumerate(buffers):
+        if isinstance(b, torch.Tensor) and (b.requires_grad or isinstance(b, torch.nn.Parameter)):
+            raise ValueError(
+                f"cplib.context_parallel: buffer {i} (shape {tuple(b.shape)}) requires grad; "
+                "buffers are resharded in place, so pass inputs (ids, labels, positions), not "
+                "parameters or tensors that require grad"
+            )
+        if any(b is other for other in buffers[:i]):
+            raise ValueError(f"cplib.context_parallel: buffer {i} is listed twice")
+    for t in no_restore:
+        if not any(t is b for b in buffers):
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(
+                f"cplib.context_parallel: no_restore_buffers must be a subset of buffers; a "
+                f"tensor of shape {shape} is not one of the buffers"
+            )
+    check_shardable(buffers, seq_dims, world_size, None)
+    if not buffers:
+        return bool(_cp_options.enable_load_balance if load_balance is None else load_balance)
+    lengths = [b.shape[d] for b, d in zip(buffers, seq_dims)]
+    wanted = _cp_options.enable_load_balance if load_balance is None else load_balance
+    divisible = all(length % (2 * world_size) == 0 for length in lengths)
+    same = len(set(lengths)) == 1
+    if load_balance and not (divisible and same):
+        raise ValueError(
+            f"cplib.context_parallel: load_balance=True needs every buffer's sequence length to "
+            f"be the same and divisible by 2 * world_size = {2 * world_size}; got lengths "
+            f"{lengths}"
+        )
+    # Without an explicit request, fall back to sequential sharding as torch does.
+    return bool(wanted and divisible and same)
+
+
+@contextlib.contextmanager
+def context_parallel(
+    mesh: DeviceMesh,
+    *,
+    buffers: Sequence[torch.Tensor] | None = None,
+    buffer_seq_dims: Sequence[int] | None = None,
+    no_restore_buffers: set[torch.Tensor] | None = None,
+    rotate_method: str | _RotateMethod | None = None,
+    load_balance: bool | None = None,
+) -> Generator[ContextParallelHandle, None, None]:
+    """Context parallelism for the code inside the ``with`` block.
+
+    Same arguments and behaviour as torch's ``context_parallel``:
+
+    * ``buffers`` (inputs, labels, positions: anything indexed by the
+      sequence) are sharded in place along ``buffer_seq_dims``: head-tail
+      when load balancing is on and the lengths divide by ``2 * world_size``,
+      sequential otherwise;
+    * every ``scaled_dot_product_attention`` call inside the block runs as
+      ring attention over ``mesh`` (a 1-D mesh; slice ``mesh["cp"]`` from a
+      larger one);
+    * on exit, exceptions included, SDPA is plain again and the buffers are
+      restored exactly (shape, strides and bytes), except those in
+      ``no_restore_buffers``.
+
+    cplib's additions: ``rotate_method`` (``"p2p"``, ``"alltoall"``,
+    ``"allgather"``) and ``load_balance`` override ``_cp_options`` for this
+    context only (``load_balance=True`` makes an indivisible length a
+    ValueError instead of a silent fallback), and the context yields a
+    :class:`ContextParallelHandle` whose ``unshard`` knows the layout.
+    """
+    group = check_mesh(mesh)
+    buffers = [] if buffers is None else list(buffers)
+    seq_dims = [] if buffer_seq_dims is None else list(buffer_seq_dims)
+    no_restore = [] if no_restore_buffers is None else list(no_restore_buffers)
+    rotate = parse_rotate_method(_cp_options.rotate_method if rotate_method is None
+                                 else rotate_method)
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    balanced = _validate(buffers, seq_dims, no_restore, world_size, load_balance)
+
+    balancer = None
+    if balanced and buffers:
+        length = buffers[0].shape[seq_dims[0]]
+        balancer = _HeadTailLoadBalancer(length, world_size, buffers[0].device)
+    indices = balancer._generate_indices() if balancer is not None else None
+    with torch.no_grad():
+        shards = [shard_tensor(b, d, rank, world_size, indices) for b, d in zip(buffers, seq_dims)]
+    # Keep the original storage and geometry: restoring points each buffer
+    # back at them, so the bytes, shape and strides are exactly the old ones.
+    saved = [None if any(b is t for t in no_restore)
+             else (b.untyped_storage(), b.storage_offset(), b.size(), b.stride())
+             for b in buffers]
+    config = RingConfig(group.group_name, world_size, balanced, rotate_method_name(rotate))
+    old_balance = _cp_options.enable_load_balance
+    swapped = 0
+    try:
+        with torch.no_grad():
+            for b, s in zip(buffers, shards):
+                b.set_(s)
+                swapped += 1
+        _cp_options.enable_load_balance = balanced  # as torch does, for code that reads it
+        with CPDispatchMode(config):
+            yield ContextParallelHandle(mesh, config, balancer)
+    finally:
+        _cp_options.enable_load_balance = old_balance
+        with torch.no_grad():
+            for b, geometry in zip(buffers[:swapped], saved[:swapped]):
+                if geometry is not None:
+                    b.set_(*geometry)

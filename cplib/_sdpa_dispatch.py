@@ -1,0 +1,185 @@
+"""Routing ``scaled_dot_product_attention`` to cplib's ring attention.
+
+A ``TorchFunctionMode`` sees every call of the SDPA builtin made while it is
+active, however the caller reached it: ``F.scaled_dot_product_attention``, a
+reference taken before the mode was entered, ``nn.MultiheadAttention`` /
+``nn.TransformerEncoderLayer`` (through ``F.multi_head_attention_forward``,
+which the mode re-enters so that its inner SDPA call is seen too), or a
+Hugging Face model. Everything else runs unchanged.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from ._options import RingConfig
+
+__all__ = [
+    "CPDispatchMode",
+    "routed_sdpa",
+    "sdpa_backend_hint",
+    "_enable_context_parallel_dispatcher",
+    "_disable_context_parallel_dispatcher",
+    "dispatcher_enabled",
+]
+
+_SDPA = torch._C._nn.scaled_dot_product_attention
+_MHA = F.multi_head_attention_forward
+_MHA_SIGNATURE = inspect.signature(_MHA)
+# torch >= 2.13 can run a Python-level function with the mode still active
+# (so its inner SDPA call is routed); older torch falls back to patching.
+_redispatch = getattr(torch.overrides, "redispatch_function", None)
+
+# Priority order of the CUDA kernels that return a log-sum-exp.
+_CUDA_BACKENDS = (("flash", "flash"), ("mem_efficient", "efficient"), ("cudnn", "cudnn"))
+
+
+def _sdpa_signature(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *,
+                    scale=None, enable_gqa=False):
+    return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+
+
+def sdpa_backend_hint(device: torch.device) -> str | None:
+    """The ring's block kernel as ``torch.nn.attention.sdpa_kernel`` allows it:
+    None (let the op choose as SDPA would) on CPU or when every fused CUDA
+    kernel is enabled, else the first enabled one."""
+    if device.type != "cuda":
+        return None
+    enabled = [name for flag, name in _CUDA_BACKENDS
+               if getattr(torch._C, f"_get_{flag}_sdp_enabled")()]
+    if len(enabled) == len(_CUDA_BACKENDS):
+        return None
+    if not enabled:
+        raise NotImplementedError(
+            "cplib: context-parallel attention on CUDA needs the flash, memory-efficient or "
+            "cuDNN SDPA kernel (they return the log-sum-exp the ring merges), but "
+            "torch.nn.attention.sdpa_kernel enabled none of them"
+        )
+    return enabled[0]
+
+
+def _check_sdpa_args(q, k, v, attn_mask, dropout_p, enable_gqa) -> None:
+    if attn_mask is not None:
+        shape = tuple(attn_mask.shape) if isinstance(attn_mask, torch.Tensor) else attn_mask
+        raise NotImplementedError(
+            f"cplib: context-parallel SDPA does not support attn_mask (got {shape}); use "
+            "is_causal=True for causal attention, or run this call outside the context"
+        )
+    if dropout_p != 0.0:
+        raise NotImplementedError(
+            f"cplib: context-parallel SDPA does not support dropout (dropout_p={dropout_p}); "
+            "set the attention dropout to 0"
+        )
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if not isinstance(t, torch.Tensor) or t.ndim != 4:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(
+                f"cplib: context-parallel SDPA needs 4-D (batch, heads, seq, dim) tensors; "
+                f"{name} is {shape}"
+            )
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(
+            f"cplib: key {tuple(k.shape)} and value {tuple(v.shape)} must agree in batch, "
+            "heads and sequence length"
+        )
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq != hkv and not enable_gqa:
+        raise ValueError(
+            f"cplib: query has {hq} heads but key/value have {hkv}; pass enable_gqa=True for "
+            "grouped-query attention"
+        )
+    if hq % hkv:
+        raise ValueError(
+            f"cplib: query heads ({hq}) must be a multiple of key/value heads ({hkv})"
+        )
+
+
+def routed_sdpa(config: RingConfig, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``scaled_dot_product_attention(*args, **kwargs)`` on this rank's
+    sequence shards, computed over the whole sequence by the ring op."""
+    q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa = _sdpa_signature(*args, **kwargs)
+    _check_sdpa_args(q, k, v, attn_mask, dropout_p, enable_gqa)
+    from ._ring import ring_sdpa  # lives beside this module; imported when first needed
+
+    out, _ = ring_sdpa(
+        q, k, v, config.group_name, is_causal=bool(is_causal),
+        load_balanced=config.load_balanced, scale=scale, rotate=config.rotate,
+        backend=sdpa_backend_hint(q.device),
+    )
+    return out
+
+
+def _check_mha(args: tuple, kwargs: dict) -> None:
+    bound = _MHA_SIGNATURE.bind(*args, **kwargs)
+    bound.apply_defaults()
+    if bound.arguments["need_weights"]:
+        raise NotImplementedError(
+            "cplib: nn.MultiheadAttention with need_weights=True computes attention without "
+            "SDPA, which context parallelism cannot shard; call it with need_weights=False"
+        )
+
+
+class CPDispatchMode(TorchFunctionMode):
+    """While active, every SDPA call runs as context-parallel ring attention
+    with ``config``."""
+
+    def __init__(self, config: RingConfig):
+        super().__init__()
+        self.config = config
+
+    def __torch_function__(self, func: Callable, types_: tuple, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is _SDPA:
+            return routed_sdpa(self.config, *args, **kwargs)
+        if func is _MHA:
+            _check_mha(args, kwargs)
+        if isinstance(func, types.FunctionType) and func.__module__ == "torch.nn.functional":
+            # A Python-level functional (F.multi_head_attention_forward, ...):
+            # run its body with the mode active so inner SDPA calls are routed.
+            # (Not Tensor methods written in Python: they re-enter themselves.)
+            if _redispatch is not None:
+                with self:
+                    return _redispatch(func, types_, args, kwargs)
+            return _call_with_patched_sdpa(self.config, func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+def _call_with_patched_sdpa(config: RingConfig, func: Callable, args: tuple,
+                            kwargs: dict) -> Any:
+    # torch < 2.13: functions in torch.nn.functional call SDPA through the
+    # module global, so patching it for this call routes their inner call.
+    def patched(*a: Any, **kw: Any) -> torch.Tensor:
+        return routed_sdpa(config, *a, **kw)
+
+    saved = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = patched
+    try:
+        return func(*args, **kwargs)
+    finally:
+        F.scaled_dot_product_attention = saved
+
+
+_enabled = [False]  # torch's API toggles the dispatcher process-wide
+
+
+def _enable_context_parallel_dispatcher() -> None:
+    """Lets modules parallelized with ``_ContextParallel`` (SDPA) route their
+    attention to the ring op. This API is experimental, as in torch."""
+    _enabled[0] = True
+
+
+def _disable_context_parallel_dispatcher() -> None:
+    """Turns the ``_ContextParallel`` routing off again; those modules then
+    raise instead of computing attention over the local shard only."""
+    _enabled[0] = False
+
+
+def dispatcher_enabled() -> bool:
+    return _enabled[0]

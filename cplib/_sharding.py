@@ -1,0 +1,225 @@
+"""Sharding buffers along the sequence for context parallelism and putting
+them back together.
+
+A shard is this rank's contiguous ``1/N`` of the (optionally load-balancer
+rearranged) sequence. Sharding needs no communication: every rank holds the
+full buffer (same data, e.g. the same batch), as with torch's
+``distribute_tensor(..., src_data_rank=None)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ._load_balancer import _LoadBalancer, _create_default_load_balancer, rearrange
+from ._options import _cp_options
+
+__all__ = [
+    "_context_parallel_shard",
+    "context_parallel_unshard",
+    "shard",
+    "unshard",
+    "check_mesh",
+]
+
+
+def check_mesh(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """The process group of a 1-D ``mesh``; anything else is a ValueError."""
+    if not isinstance(mesh, DeviceMesh):
+        raise ValueError(f"cplib: expected a DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim != 1:
+        names = mesh.mesh_dim_names
+        hint = f'mesh["{names[-1]}"]' if names else 'mesh["cp"]'
+        raise ValueError(
+            f"cplib: context parallelism needs a 1-D device mesh, got {mesh.ndim}-D mesh of "
+            f"shape {tuple(mesh.shape)} (dims {names}); slice the context-parallel dimension, "
+            f"e.g. {hint}"
+        )
+    return mesh.get_group()
+
+
+def _check_seq_dim(t: torch.Tensor, seq_dim: int, what: str) -> int:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"cplib: {what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.ndim == 0 or not -t.ndim <= seq_dim < t.ndim:
+        raise ValueError(
+            f"cplib: {what} has shape {tuple(t.shape)}; its seq_dim {seq_dim} is out of range"
+        )
+    return seq_dim % t.ndim
+
+
+def check_shardable(buffers: Sequence[torch.Tensor], seq_dims: Sequence[int], world_size: int,
+                    load_balancer: _LoadBalancer | None, what: str = "buffer") -> None:
+    """Everything that can go wrong when sharding, checked from shapes alone
+    (so every rank raises the same ValueError before any communication)."""
+    if len(buffers) != len(seq_dims):
+        raise ValueError(
+            f"cplib: got {len(buffers)} {what}s but {len(seq_dims)} sequence dims; "
+            "seq_dims must have one entry per buffer"
+        )
+    device = None
+    for i, (b, d) in enumerate(zip(buffers, seq_dims)):
+        dim = _check_seq_dim(b, d, f"{what} {i}")
+        length = b.shape[dim]
+        if length % world_size:
+            raise ValueError(
+                f"cplib: {what} {i} has sequence length {length} (shape {tuple(b.shape)}, "
+                f"seq_dim {d}), not divisible by the context-parallel world size {world_size}"
+            )
+        if device is None:
+            device = b.device
+        elif b.device != device:
+            raise ValueError(f"cplib: all {what}s must be on one device; {what} {i} is on "
+                             f"{b.device}, {what} 0 on {device}")
+    del load_balancer  # its indices are checked against each buffer when applied
+
+
+def shard_tensor(t: torch.Tensor, seq_dim: int, rank: int, world_size: int,
+                 indices: torch.Tensor | None) -> torch.Tensor:
+    """This rank's shard of ``t`` as a fresh contiguous tensor."""
+    if indices is not None:
+        t = rearrange(t, seq_dim, indices)
+    return t.chunk(world_size, seq_dim)[rank].contiguous()
+
+
+def _block_mask_type() -> type | None:
+    try:
+        from torch.nn.attention.flex_attention import BlockMask
+    except ImportError:  # pragma: no cover - torch without flex attention
+        return None
+    return BlockMask
+
+
+def _shard_block_mask(mesh: DeviceMesh, mask: Any, load_balancer: _LoadBalancer | None) -> Any:
+    raise NotImplementedError(
+        "cplib: sharding a flex-attention BlockMask is not implemented yet; shard tensors only"
+    )
+
+
+def shard(mesh: DeviceMesh, buffers: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
+          seq_dims: Sequence[int] | Mapping[str, int],
+          load_balancer: _LoadBalancer | None = None) -> Any:
+    """Returns this rank's shard of every buffer (same container structure).
+
+    ``load_balancer`` (e.g. ``_HeadTailLoadBalancer(S, N, device)``) rearranges
+    each buffer before it is cut; ``None`` cuts the sequence as it is. No
+    communication; no global option is touched.
+    """
+    group = check_mesh(mesh)
+    flat, spec = tree_flatten(buffers)
+    flat_dims, dims_spec = tree_flatten(seq_dims)
+    if len(buffers) != len(seq_dims) or len(flat) != len(flat_dims):
+        raise ValueError(
+            f"cplib: seq_dims must have the same structure as buffers; got {len(flat)} buffers "
+            f"and {len(flat_dims)} seq_dims"
+        )
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    block_mask = _block_mask_type()
+    tensors = [(i, b, d) for i, (b, d) in enumerate(zip(flat, flat_dims))
+               if not (block_mask is not None and isinstance(b, block_mask))]
+    check_shardable([b for _, b, _ in tensors], [d for _, _, d in tensors], n, load_balancer)
+    indices = load_balancer._generate_indices() if load_balancer is not None else None
+    out = list(flat)
+    for i, b, d in tensors:
+        out[i] = shard_tensor(b, d, rank, n, indices)
+    for i, b in enumerate(flat):
+        if block_mask is not None and isinstance(b, block_mask):
+            out[i] = _shard_block_mask(mesh, b, load_balancer)
+    return tree_unflatten(out, spec)
+
+
+def _context_parallel_shard(mesh: DeviceMesh, buffers: Any, seq_dims: Any,
+                            load_balancer: _LoadBalancer | None = None) -> Any:
+    """torch's ``_context_parallel_shard``: shards like :func:`shard` and, as
+    torch does, records in ``_cp_options.enable_load_balance`` whether a load
+    balancer was used, which ``_ContextParallel`` SDPA modules then follow."""
+    result = shard(mesh, buffers, seq_dims, load_balancer)
+    _cp_options.enable_load_balance = load_balancer is not None
+    return result
+
+
+def _gather(t: torch.Tensor, seq_dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t, group=group)
+    return torch.cat(parts, seq_dim)
+
+
+def _default_restore_indices(mesh: DeviceMesh, buffers: Sequence[torch.Tensor],
+                             seq_dims: Sequence[int]) -> torch.Tensor | None:
+    # As torch: without an explicit balancer, follow the global option.
+    n = mesh.size()
+    length = buffers[0].shape[seq_dims[0]] * n
+    balancer = _create_default_load_balancer(length, n, buffers[0].device,
+                                             _cp_options.enable_load_balance)
+    return balancer._generate_indices(restore=True) if balancer else None
+
+
+def _check_unshard(mesh: DeviceMesh, buffers: Sequence[torch.Tensor],
+                   seq_dims: Sequence[int]) -> dist.ProcessGroup:
+    group = check_mesh(mesh)
+    if len(buffers) != len(seq_dims):
+        raise ValueError(f"cplib: got {len(buffers)} buffers but {len(seq_dims)} seq_dims")
+    for i, (b, d) in enumerate(zip(buffers, seq_dims)):
+        _check_seq_dim(b, d, f"buffer {i}")
+    return group
+
+
+@torch.no_grad()
+def context_parallel_unshard(mesh: DeviceMesh, buffers: list[torch.Tensor], seq_dims: list[int],
+                             load_balancer: _LoadBalancer | None = None) -> list[torch.Tensor]:
+    """Gathers sharded tensors (outputs, gradients) back into full sequences:
+    the exact inverse of the sharding. Without ``load_balancer`` the layout
+    follows ``_cp_options.enable_load_balance`` (head-tail when the length
+    divides evenly), as in torch. Not differentiable: see :func:`unshard`."""
+    if not buffers:
+        return []
+    group = _check_unshard(mesh, buffers, seq_dims)
+    restore = (load_balancer._generate_indices(restore=True) if load_balancer is not None
+               else _default_restore_indices(mesh, buffers, seq_dims))
+    out = []
+    for b, d in zip(buffers, seq_dims):
+        full = _gather(b.contiguous(), d % b.ndim, group)
+        out.append(full if restore is None else rearrange(full, d, restore))
+    return out
+
+
+class _Unshard(torch.autograd.Function):
+    """All-gather (+ restore) whose backward hands each rank the slice of the
+    incoming gradient that belongs to its shard: the loss computed from the
+    full sequence is taken to be the same on every rank (DTensor's
+    Shard -> Replicate semantics)."""
+
+    @staticmethod
+    def forward(ctx, t, seq_dim, group, restore, forward_indices):
+        ctx.seq_dim, ctx.group, ctx.indices = seq_dim, group, forward_indices
+        full = _gather(t.contiguous(), seq_dim, group)
+        return full if restore is None else rearrange(full, seq_dim, restore)
+
+    @staticmethod
+    def backward(ctx, grad):
+        n, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return shard_tensor(grad, ctx.seq_dim, rank, n, ctx.indices), None, None, None, None
+
+
+def unshard(mesh: DeviceMesh, buffers: Sequence[torch.Tensor], seq_dims: Sequence[int],
+            load_balancer: _LoadBalancer | None = None) -> list[torch.Tensor]:
+    """The inverse of :func:`shard` (``load_balancer=None``: sequential
+    layout; no global option is read), and differentiable, for losses
+    computed on full sequences: the backward returns to each rank the
+    gradient of its own shard. The loss is taken to be the same on every rank,
+    so gradients of replicated parameters are then summed over the group."""
+    if not buffers:
+        return []
+    group = _check_unshard(mesh, buffers, seq_dims)
+    forward = restore = None
+    if load_balancer is not None:
+        forward = load_balancer._generate_indices()
+        restore = load_balancer._generate_indices(restore=True)
+    return [_Unshard.apply(b, d % b.ndim, group, restore, forward)
+            for b, d in zip(buffers, seq_dims)]

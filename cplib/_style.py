@@ -1,0 +1,89 @@
+"""``_ContextParallel``: the ParallelStyle that makes one attention module
+context parallel (``parallelize_module(attn, mesh, _ContextParallel(...))``),
+torch's module-wrapper entry point."""
+
+from __future__ import annotations
+
+import functools
+from enum import Enum
+from typing import Any
+
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from ._flex_allgather import flex_cp_allgather
+from ._options import RingConfig, _cp_options, rotate_method_name
+from ._sdpa_dispatch import CPDispatchMode, dispatcher_enabled
+from ._sharding import check_mesh
+
+__all__ = ["_ContextParallel"]
+
+
+class _ContextParallel(ParallelStyle):
+    """SDPA: every SDPA call inside the module's forward runs as ring
+    attention over ``mesh`` on inputs sharded with ``_context_parallel_shard``
+    (head-tail when a load balancer was passed to it, which
+    ``_cp_options.enable_load_balance`` records); needs
+    ``_enable_context_parallel_dispatcher()``. FLEX: the module's key and
+    value arguments are all-gathered along ``seq_dim`` before its forward."""
+
+    class AttentionType(Enum):
+        FLEX = "flex_attention"
+        SDPA = "scaled_dot_product_attention"
+
+    def __init__(self, seq_dim: int, attention_type: AttentionType) -> None:
+        super().__init__()
+        self.seq_dim = seq_dim
+        self.attention_type = attention_type
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        group = check_mesh(mesh)
+        if self.attention_type == self.AttentionType.SDPA:
+            if self.seq_dim not in (2, -2):
+                raise NotImplementedError(
+                    f"cplib: SDPA context parallelism shards (batch, heads, seq, dim) tensors "
+                    f"on dim 2; got seq_dim={self.seq_dim}"
+                )
+            module.forward = functools.partial(_sdpa_forward, module.forward, group)
+            return module
+        if self.attention_type == self.AttentionType.FLEX:
+            module.register_forward_pre_hook(
+                functools.partial(self.flex_input_fn, mesh=mesh), with_kwargs=True)
+            return module
+        raise ValueError(f"cplib: unknown attention type {self.attention_type!r}")
+
+    def flex_input_fn(self, module: nn.Module | None, args: Any, kwargs: Any,
+                      mesh: DeviceMesh) -> Any:
+        """Replaces the key and value arguments (positional or keyword, as
+        ``flex_attention(query, key, value, ...)``) by their all-gathered
+        full sequences."""
+        names = ("query", "key", "value")
+        args = list(args)
+        values = [args[i] if i < len(args) else kwargs.get(name) for i, name in enumerate(names)]
+        q, k, v = values
+        for name, t in zip(names, values):
+            if t is None:
+                raise ValueError(f"cplib: flex attention module was called without {name}")
+        k, v = flex_cp_allgather(k.contiguous(), v.contiguous(), self.seq_dim,
+                                 check_mesh(mesh).group_name)
+        for i, (name, t) in enumerate(zip(names[1:], (k, v)), start=1):
+            if i < len(args):
+                args[i] = t
+            else:
+                kwargs[name] = t
+        return tuple(args), kwargs
+
+
+def _sdpa_forward(forward: Any, group: dist.ProcessGroup, *args: Any, **kwargs: Any) -> Any:
+    if not dispatcher_enabled():
+        raise RuntimeError(
+            "cplib: this module was parallelized with _ContextParallel but the context "
+            "parallel dispatcher is off; call cplib._enable_context_parallel_dispatcher() first"
+        )
+    config = RingConfig(group.group_name, dist.get_world_size(group),
+                        _cp_options.enable_load_balance,
+                        rotate_method_name(_cp_options.rotate_method))
+    with CPDispatchMode(config):
+        return forward(*args, **kwargs)

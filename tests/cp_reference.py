@@ -1,0 +1,73 @@
+"""A slow, obviously-correct stand-in for ``cplib._ring.ring_sdpa`` (same
+signature): all-gather K/V with cplib's differentiable all-gather, then masked
+attention of the local queries against the whole sequence, the causal mask
+built from the global positions of the shard layout. Tests use it to check
+the front end (sharding, layout flags, dispatch, gradients) independently of
+the native ring; ``use_ring("native")`` selects the real op."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import torch
+import torch.distributed as dist
+
+import cplib
+from cplib._load_balancer import head_tail_indices
+from cplib._native import group_name_of
+
+CALLS: list[dict] = []
+_saved_native: list = []
+
+
+def _positions(rank: int, n: int, s_local: int, load_balanced: bool) -> torch.Tensor:
+    if load_balanced:
+        return head_tail_indices(s_local * n, n).view(n, s_local)[rank]
+    return torch.arange(rank * s_local, (rank + 1) * s_local)
+
+
+def reference_ring_sdpa(q, k, v, group, *, is_causal=False, load_balanced=False, scale=None,
+                        rotate="p2p", backend=None):
+    name = group_name_of(group)
+    CALLS.append(dict(shape=tuple(q.shape), kv_heads=k.shape[1], group=name, is_causal=is_causal,
+                      load_balanced=load_balanced, scale=scale, rotate=rotate, backend=backend))
+    pg = dist.distributed_c10d._resolve_process_group(name)
+    rank, n = dist.get_rank(pg), dist.get_world_size(pg)
+    k_all, v_all = cplib.flex_cp_allgather(k.contiguous(), v.contiguous(), 2, name)
+    if k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k_all, v_all = k_all.repeat_interleave(rep, 1), v_all.repeat_interleave(rep, 1)
+    s = q.shape[2]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    acc = torch.promote_types(q.dtype, torch.float32)
+    scores = (q @ k_all.transpose(-1, -2)).to(acc) * scale
+    if is_causal:
+        qpos = _positions(rank, n, s, load_balanced)
+        kpos = torch.cat([_positions(r, n, s, load_balanced) for r in range(n)])
+        scores = scores.masked_fill(qpos[:, None] < kpos[None, :], float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    out = (torch.softmax(scores, -1).to(v_all.dtype) @ v_all)
+    return out.to(q.dtype), lse
+
+
+def use_ring(impl: str) -> None:
+    """Selects what ``cplib._ring`` is for this process: the native ring op
+    ("native", must be importable) or the reference above ("reference")."""
+    current = sys.modules.get("cplib._ring")
+    if current is not None and getattr(current, "ring_sdpa", None) is not reference_ring_sdpa:
+        _saved_native[:] = [current]  # never import the native module twice
+    if impl == "reference":
+        mod = types.ModuleType("cplib._ring")
+        mod.ring_sdpa = reference_ring_sdpa
+        sys.modules["cplib._ring"] = mod
+    elif impl == "native":
+        if _saved_native:
+            sys.modules["cplib._ring"] = _saved_native[0]
+        else:
+            sys.modules.pop("cplib._ring", None)
+            import cplib._ring  # noqa: F401  (fails loudly if the ring op is missing)
+    else:
+        raise ValueError(impl)
+    CALLS.clear()
+
