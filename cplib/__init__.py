@@ -7,6 +7,7 @@ import logging
 from . import _native  # noqa: F401  (loads cplib._C and its ops)
 from ._context_parallel import ContextParallelHandle, context_parallel
 from ._flex_allgather import flex_cp_allgather
+from ._flex_mask import _create_cp_block_mask, _create_cp_block_mask as create_cp_block_mask
 from ._load_balancer import (
     _HeadTailLoadBalancer,
     _LoadBalancer,
@@ -71,6 +72,7 @@ __all__ = [
     "disable_context_parallel_dispatcher",
     "enable_context_parallel_dispatcher",
     "merge_partial_",
+    "_create_cp_block_mask", "create_cp_block_mask",  # flex attention (issue 5)
     "shard",
     "unshard",
     "__version__",

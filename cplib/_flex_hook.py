@@ -19,8 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._flex_allgather import flex_cp_allgather
-from ._flex_mask import _mesh_rank_and_size
-from ._native import group_name_of
+from ._sharding import check_mesh
 
 __all__ = ["_flex_input_hook", "_register_flex_input_hook"]
 
@@ -61,10 +60,9 @@ def _flex_input_hook(
 
 def _register_flex_input_hook(module: nn.Module, mesh: DeviceMesh, seq_dim: int) -> nn.Module:
     """Registers the CP flex input hook on ``module`` for the 1-D ``mesh``."""
-    _mesh_rank_and_size(mesh)  # rejects meshes that are not 1-D
     # The group name is resolved once here, so compiled forwards see a string.
     hook = functools.partial(
-        _flex_input_hook, seq_dim=seq_dim, group_name=group_name_of(mesh.get_group())
+        _flex_input_hook, seq_dim=seq_dim, group_name=check_mesh(mesh).group_name
     )
     module.register_forward_pre_hook(hook, with_kwargs=True)
     return module

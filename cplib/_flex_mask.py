@@ -21,7 +21,9 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-__all__ = ["_create_cp_block_mask", "DEFAULT_BLOCK_SIZE"]
+from ._sharding import check_mesh
+
+__all__ = ["_create_cp_block_mask", "_shard_block_mask", "DEFAULT_BLOCK_SIZE"]
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -44,14 +46,6 @@ def _block_sizes(block_size: int | tuple[int, int]) -> tuple[int, int]:
             f"cplib: block_size must be a positive int or a pair of them, got {block_size!r}"
         )
     return sizes  # type: ignore[return-value]
-
-
-def _mesh_rank_and_size(device_mesh: DeviceMesh) -> tuple[int, int]:
-    if device_mesh.ndim != 1:
-        raise ValueError(
-            f"cplib: context parallelism needs a 1-D device mesh, got a {device_mesh.ndim}-D mesh"
-        )
-    return device_mesh.get_local_rank(), device_mesh.size()
 
 
 def _rearrange_indices(load_balancer: Any, B: int, seq_len: int,
@@ -122,7 +116,8 @@ def _create_cp_block_mask(
         ValueError: bad block size, mesh or balancer indices.
     """
     q_block, kv_block = _block_sizes(block_size)
-    rank, world = _mesh_rank_and_size(device_mesh)
+    check_mesh(device_mesh)
+    rank, world = device_mesh.get_local_rank(), device_mesh.size()
     device = device_mesh.device_type
     indices = _rearrange_indices(load_balancer, B, Q_LEN, device)
     if Q_LEN % (world * q_block) != 0:
@@ -144,7 +139,7 @@ def _create_cp_block_mask(
     )
 
 
-def _shard_block_mask(block_mask: BlockMask, device_mesh: DeviceMesh,
+def _shard_block_mask(device_mesh: DeviceMesh, block_mask: BlockMask,
                       load_balancer: Any = None) -> BlockMask:
     """This rank's shard of a full-sequence BlockMask (what
     ``_context_parallel_shard`` returns for a BlockMask buffer). It keeps the

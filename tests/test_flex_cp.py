@@ -51,16 +51,17 @@ import torch.distributed as dist
 import torch.nn.attention.flex_attention as fa
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, create_mask
 
 import cplib
-from cplib._flex_hook import _flex_input_hook, _register_flex_input_hook
-from cplib._flex_mask import _create_cp_block_mask, _shard_block_mask
-from cplib._load_balancer import (
+from cplib import (
+    _context_parallel_shard,
+    _ContextParallel,
+    _create_cp_block_mask,
     _HeadTailLoadBalancer,
     _PerDocumentHeadTailLoadBalancer,
     _PTRRLoadBalancer,
-    rearrange,
 )
 from harness import assert_close
 
@@ -125,6 +126,24 @@ class FlexAttention(nn.Module):
                                  scale=scale, enable_gqa=enable_gqa, return_aux=return_aux)
 
 
+class Model(nn.Module):
+    """Calls its attention submodule, so compiling the model traces the CP
+    hook and the attention as one frame (compiling the attention module
+    itself would compile its forward pre-hook as a separate frame)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = FlexAttention()
+
+    def forward(self, *args, **kwargs):
+        return self.attn(*args, **kwargs)
+
+
+def _cp_model() -> nn.Module:
+    return parallelize_module(Model(), _mesh(), {"attn": _ContextParallel(
+        seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX)})
+
+
 _per_process: dict[str, object] = {}
 
 
@@ -139,10 +158,7 @@ def _compiled(name: str, backend: str):
     dynamo's cache, so equal shapes and masks never compile twice."""
     key = f"{name}/{backend}"
     if key not in _per_process:
-        if name == "cp":
-            module = _register_flex_input_hook(FlexAttention(), _mesh(), seq_dim=2)
-        else:
-            module = FlexAttention()
+        module = _cp_model() if name == "cp" else FlexAttention()
         _per_process[key] = torch.compile(module, backend=backend, fullgraph=True, dynamic=False)
     return _per_process[key]
 
@@ -157,12 +173,6 @@ def _balancer(kind: str, S: int, block_mask, lengths):
     if kind == "ptrr":
         return _PTRRLoadBalancer(block_mask, WORLD)
     raise AssertionError(kind)
-
-
-def _shard(t: torch.Tensor, dim: int, idx: torch.Tensor | None) -> torch.Tensor:
-    if idx is not None:
-        t = rearrange(t, dim, idx)
-    return t.chunk(dist.get_world_size(), dim)[dist.get_rank()].contiguous()
 
 
 def _randn(shape, seed: int) -> torch.Tensor:
@@ -208,8 +218,8 @@ def _case_name(mask_kind: str, B: int, S: int, lb: str, heads: tuple[int, int]) 
 
 
 def _check_config(mask_kind: str, B: int, S: int, balancers: tuple[str, ...],
-                  inductor: tuple[str, ...] = (), heads: tuple[int, int] = (HEADS, HEADS)
-                  ) -> list[str]:
+                  inductor: tuple[str, ...] = (), heads: tuple[int, int] = (HEADS, HEADS),
+                  compiled_mask_builder: bool = False) -> list[str]:
     """Runs every balancer of one (mask, B, S) on this rank; returns what it checked."""
     torch.manual_seed(0)
     mesh = _mesh()
@@ -233,27 +243,33 @@ def _check_config(mask_kind: str, B: int, S: int, balancers: tuple[str, ...],
         ref = _reference(q, k, v, full_mask, gqa, cot_out, cot_lse)
         for kind in balancers:
             lb = _balancer(kind, S, full_mask, lengths)
-            idx = lb._generate_indices() if lb is not None else None
-            with torch.compiler.set_stance("force_eager"):  # the compiled builder is slow on CPU
-                cp_mask = _shard_block_mask(full_mask, mesh, lb)
-            _check_mask_structure(cp_mask, mask_mod, B, S, idx)
-            lq, lk, lv = (_shard(t, 2, idx).requires_grad_(True) for t in (q, k, v))
+            # The compiled mask builder is slow on CPU: one case uses it, the rest run it eagerly.
+            stance = "default" if compiled_mask_builder else "force_eager"
+            with torch.compiler.set_stance(stance):
+                *inputs, cp_mask = _context_parallel_shard(
+                    mesh, [q, k, v, cot_out, cot_lse, full_mask], [2, 2, 2, 2, 2, 0], lb)
+            lq, lk, lv, l_cot_out, l_cot_lse = inputs
+            _check_mask_structure(cp_mask, mask_mod, B, S,
+                                  lb._generate_indices() if lb is not None else None)
+            for t in (lq, lk, lv):
+                t.requires_grad_(True)
             out, aux = _compiled("cp", "aot_eager")(lq, lk, lv, block_mask=cp_mask,
                                                      enable_gqa=gqa,
                                                      return_aux=AuxRequest(lse=True))
-            torch.autograd.backward([out, aux.lse], [_shard(cot_out, 2, idx),
-                                                     _shard(cot_lse, 2, idx)])
+            torch.autograd.backward([out, aux.lse], [l_cot_out, l_cot_lse])
+            want = cplib.shard(mesh, ref, [2] * len(ref), lb)
             what = _case_name(mask_kind, B, S, kind, heads)
-            for name, got, want in zip(("out", "lse", "dq", "dk", "dv"),
-                                       (out, aux.lse, lq.grad, lk.grad, lv.grad), ref):
-                assert_close(got.detach(), _shard(want, 2, idx), what=f"{what}: {name}", **TOL)
+            for name, got, exp in zip(("out", "lse", "dq", "dk", "dv"),
+                                      (out, aux.lse, lq.grad, lk.grad, lv.grad), want):
+                assert_close(got.detach(), exp, what=f"{what}: {name}", **TOL)
             done.append(what)
             if kind in inductor:
                 ref_out = _compiled("full", "inductor")(q, k, v, block_mask=full_mask,
                                                         enable_gqa=gqa)
-                got = _compiled("cp", "inductor")(*(_shard(t, 2, idx) for t in (q, k, v)),
+                got = _compiled("cp", "inductor")(*(t.detach() for t in (lq, lk, lv)),
                                                   block_mask=cp_mask, enable_gqa=gqa)
-                assert_close(got, _shard(ref_out, 2, idx), what=f"{what}: inductor out", **TOL)
+                exp, = cplib.shard(mesh, [ref_out], [2], lb)
+                assert_close(got, exp, what=f"{what}: inductor out", **TOL)
                 done.append(what + " inductor")
     return done
 
@@ -269,16 +285,16 @@ def _check_small_sequence_errors() -> list[str]:
                           ("ptrr", "must be divisible by group_size")):
         lb = _balancer(kind, 128, full_mask, None)
         with pytest.raises(NotImplementedError, match=pattern) as info:
-            _create_cp_block_mask(causal, 1, 1, 128, 128, mesh, lb)
+            _context_parallel_shard(mesh, [torch.zeros(1, 1, 128, 4), full_mask], [2, 0], lb)
         msgs.append(str(info.value))
         with pytest.raises(NotImplementedError, match=pattern):
-            _shard_block_mask(full_mask, mesh, lb)
+            _create_cp_block_mask(causal, 1, 1, 128, 128, mesh, lb)
     # The block size is a parameter: 64-blocks make S=128 shardable.
     small = create_block_mask(causal, 1, 1, 128, 128, device="cpu", BLOCK_SIZE=64)
     for kind in ("none", "head_tail", "ptrr"):
         lb = _balancer(kind, 128, small, None)
         with torch.compiler.set_stance("force_eager"):
-            cp_mask = _shard_block_mask(small, mesh, lb)
+            cp_mask, = _context_parallel_shard(mesh, [small], [0], lb)
         assert cp_mask.BLOCK_SIZE == (64, 64) and cp_mask.seq_lengths == (64, 128)
         _check_mask_structure(cp_mask, causal, 1, 128,
                               lb._generate_indices() if lb is not None else None)
@@ -287,21 +303,24 @@ def _check_small_sequence_errors() -> list[str]:
 
 # ------------------------------------------------------------------ tests
 
-CAUSAL_CASES = [("causal", 1, S, ("none", "head_tail", "ptrr")) for S in (512, 2048)]
+# (mask, B, S, balancers, balancers also checked with inductor, compiled mask builder)
+CAUSAL_CASES = [
+    ("causal", 1, 512, ("none", "head_tail", "ptrr"), ("none", "head_tail"), True),
+    ("causal", 1, 2048, ("none", "head_tail", "ptrr"), (), False),
+]
 DOC_CASES = (
-    [(kind, B, S, lbs) for B in (2, 4, 8) for S in (512, 2048)
-     for kind, lbs in (("document", ("none", "head_tail", "ptrr")),
-                       ("document_chunked", ("per_document_head_tail",)))]
+    [(kind, B, S, lbs, lbs if (B, S) == (2, 512) else (), False)
+     for B in (2, 4, 8) for S in (512, 2048)
+     for kind, lbs in (("document", ("none", "head_tail", "ptrr")), ("document_chunked", ALL_LB))]
     if FULL else
-    [("document", 2, 512, ("none", "head_tail", "ptrr")),
-     ("document_chunked", 2, 512, ("per_document_head_tail",)),
-     ("document", 4, 2048, ("ptrr",)),
-     ("document_chunked", 4, 2048, ("per_document_head_tail",))]
+    [("document", 2, 512, ("none", "head_tail", "ptrr"), ("ptrr",), False),
+     ("document_chunked", 2, 512, ("per_document_head_tail",), ("per_document_head_tail",), False),
+     ("document_chunked", 4, 2048, ALL_LB, (), False)]
 )
 
 
-def _run(pool, mask_kind, B, S, lbs, inductor=(), heads=(HEADS, HEADS)) -> None:
-    done = pool.run(_check_config, mask_kind, B, S, lbs, inductor, heads)
+def _run(pool, mask_kind, B, S, lbs, inductor=(), compiled=False, heads=(HEADS, HEADS)) -> None:
+    done = pool.run(_check_config, mask_kind, B, S, lbs, inductor, heads, compiled)
     want = []
     for lb in lbs:
         want.append(_case_name(mask_kind, B, S, lb, heads))
@@ -310,23 +329,89 @@ def _run(pool, mask_kind, B, S, lbs, inductor=(), heads=(HEADS, HEADS)) -> None:
     assert done == [want] * WORLD
 
 
-def test_flex_cp_causal_and_document_masks(ranks):
-    pool = ranks(WORLD)
-    for mask_kind, B, S, lbs in CAUSAL_CASES + DOC_CASES:
-        inductor = ()
-        if mask_kind == "causal" and S == 512:
-            inductor = ("none", "head_tail")
-        elif mask_kind.startswith("document") and B == 2 and S == 512:
-            inductor = lbs if FULL else tuple(lb for lb in lbs if lb == "ptrr")
-        _run(pool, mask_kind, B, S, lbs, inductor)
+@pytest.mark.parametrize("case", CAUSAL_CASES + DOC_CASES, ids=lambda c: f"{c[0]}-B{c[1]}-S{c[2]}")
+def test_flex_cp_matches_full_sequence(ranks, case):
+    _run(ranks(WORLD), *case)
 
 
 def test_flex_cp_sliding_window_and_gqa(ranks):
     pool = ranks(WORLD)
     _run(pool, "sliding_window", 1, 512, ("none", "head_tail", "ptrr"))
-    _run(pool, "causal", 1, 512, ("none", "head_tail"), heads=(4, 2))  # 2 KV groups
+    _run(pool, "causal", 1, 512, ("none", "head_tail"), ("head_tail",), heads=(4, 2))  # 2 KV groups
 
 
 def test_small_sequence_raises_not_implemented(ranks):
     msgs = ranks(WORLD).run(_check_small_sequence_errors)
     assert msgs[0] == msgs[1] and len(msgs[0]) == 3
+
+
+def _check_hook_arguments() -> int:
+    """q/k/v positionally or by keyword; every other argument reaches the
+    module as the very same object; K/V arrive gathered and unexpanded (GQA)."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+
+    class Probe(nn.Module):
+        def forward(self, *args, **kwargs):
+            return args, kwargs
+
+    probe = parallelize_module(Probe(), _mesh(), _ContextParallel(
+        seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX))
+    q = _randn((1, 4, 8, 4), 1)
+    k_full, v_full = _randn((1, 2, 8 * n, 4), 2), _randn((1, 2, 8 * n, 6), 3)
+    k, v = k_full.chunk(n, 2)[rank], v_full.chunk(n, 2)[rank]
+    mask = create_block_mask(causal, 1, 1, 8 * n, 8 * n, device="cpu", BLOCK_SIZE=8)
+    score_mod, scale, opts, aux = (lambda s, b, h, qi, ki: s), 0.5, {"BACKEND": "AUTO"}, AuxRequest(lse=True)
+    rest = (score_mod, mask, scale, True, False, opts)
+    calls = [
+        ((q, k, v, *rest), {"return_aux": aux}),
+        ((q,), {"key": k, "value": v, "score_mod": score_mod, "block_mask": mask,
+                "enable_gqa": True, "return_aux": aux}),
+        ((), {"query": q, "key": k, "value": v, "scale": scale, "return_lse": False}),
+        ((q, k), {"value": v, "kernel_options": opts}),
+    ]
+    for args, kwargs in calls:
+        got_args, got_kwargs = probe(*args, **kwargs)
+        assert len(got_args) == len(args) and set(got_kwargs) == set(kwargs)
+        get = lambda i, name: got_args[i] if i < len(args) else got_kwargs[name]
+        assert get(0, "query") is q
+        assert torch.equal(get(1, "key"), k_full) and torch.equal(get(2, "value"), v_full)
+        for i, a in enumerate(args[3:], start=3):
+            assert got_args[i] is a, f"positional argument {i} was replaced"
+        for name, a in kwargs.items():
+            if name not in ("query", "key", "value"):
+                assert got_kwargs[name] is a, f"keyword {name} was replaced"
+    for bad, name in (((q, k), "value"), ((q, None, v), "key")):
+        with pytest.raises(ValueError, match=f"`{name}`"):
+            probe(*bad)
+    return len(calls)
+
+
+def test_hook_passes_arguments_through(ranks):
+    assert ranks(WORLD).run(_check_hook_arguments) == [4, 4]
+
+
+def _check_fullgraph_no_graph_break() -> int:
+    """The CP module compiles to exactly one graph holding cplib's all-gather."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(_cp_model(), backend=counter, fullgraph=True)
+    S = 512
+    full_mask = create_block_mask(causal, 1, 1, S, S, device="cpu")
+    lb = _HeadTailLoadBalancer(S, WORLD, "cpu")
+    tensors = [_randn((1, HEADS, S, DIM), seed) for seed in (1, 2, 3)]
+    with torch.compiler.set_stance("force_eager"):
+        q, k, v, mask = _context_parallel_shard(_mesh(), [*tensors, full_mask], [2, 2, 2, 0], lb)
+    with _cpu_flex_grads():
+        q.requires_grad_(True)
+        out, aux = compiled(q, k, v, block_mask=mask, return_aux=AuxRequest(lse=True))
+        (out.sum() + aux.lse.sum()).backward()
+    assert counter.frame_count == 1, f"{counter.frame_count} graphs: a graph break"
+    targets = {node.target for node in counter.graphs[0].graph.nodes}
+    gather = torch.ops.cplib_c.flex_cp_allgather
+    assert gather in targets or gather.default in targets, "cplib's all-gather is not in the graph"
+    return counter.frame_count
+
+
+def test_compiled_cp_module_has_no_graph_break(ranks):
+    assert ranks(WORLD).run(_check_fullgraph_no_graph_break) == [1, 1]
