@@ -53,8 +53,6 @@ def _rearrange_indices(load_balancer: Any, B: int, seq_len: int,
     """The balancer's ``(1 | B, S)`` rearrange indices, checked against the mask."""
     if load_balancer is None:
         return None
-    # Generated first: a balancer rejects what it cannot rearrange with its own
-    # message (PTRR: "num_tasks ... must be divisible by group_size ...").
     idx = load_balancer._generate_indices(restore=False)
     if idx is None:
         return None
@@ -118,13 +116,13 @@ def _create_cp_block_mask(
     q_block, kv_block = _block_sizes(block_size)
     check_mesh(device_mesh)
     rank, world = device_mesh.get_local_rank(), device_mesh.size()
-    device = device_mesh.device_type
-    indices = _rearrange_indices(load_balancer, B, Q_LEN, device)
     if Q_LEN % (world * q_block) != 0:
         raise NotImplementedError(
             f"Q_LEN {Q_LEN} is not divisible by CP mesh world size {world} * "
             f"BLOCK_SIZE {q_block}. This is not supported yet."
         )
+    device = device_mesh.device_type
+    indices = _rearrange_indices(load_balancer, B, Q_LEN, device)
     if indices is not None and KV_LEN != Q_LEN:
         raise ValueError(
             f"cplib: a load balancer rearranges queries and keys alike, so KV_LEN ({KV_LEN}) "
