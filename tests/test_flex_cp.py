@@ -37,7 +37,7 @@ GQA, 4 q / 2 kv heads   causal S=512 x {none, head-tail}         -
 inductor forward        causal S=512 head-tail; document B=2     every balancer of causal
                         S=512 PTRR and per-doc head-tail         S=512, document B=2 S=512,
                                                                  GQA head-tail
-compiled mask builder   causal S=512 head-tail, document PTRR    -
+compiled mask builder   causal S=512 head-tail                   -
 S=128 errors            none, head-tail, PTRR                    -
 world sizes 1 / 4       ws=1: causal S=512 x {none, head-tail,   ws=4: the same
                         PTRR}
@@ -347,7 +347,7 @@ DOC_CASES = (
      for B in (2, 4, 8) for S in (512, 2048)
      for kind, lbs in (("document", ("none", "head_tail", "ptrr")), ("document_chunked", ALL_LB))]
     if FULL else
-    [("document", 2, 512, ("none", "head_tail", "ptrr"), ("ptrr",), ("ptrr",)),
+    [("document", 2, 512, ("none", "head_tail", "ptrr"), ("ptrr",), ()),
      ("document_chunked", 2, 512, ("per_document_head_tail",), ("per_document_head_tail",), ()),
      ("document_chunked", 4, 2048, ALL_LB, (), ())]
 )
