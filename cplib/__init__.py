@@ -7,6 +7,7 @@ import logging
 from . import _native  # noqa: F401  (loads cplib._C and its ops)
 from ._context_parallel import ContextParallelHandle, context_parallel
 from ._flex_allgather import flex_cp_allgather
+from ._flex_mask import _create_cp_block_mask, _create_cp_block_mask as create_cp_block_mask
 from ._load_balancer import (
     _HeadTailLoadBalancer,
     _LoadBalancer,
@@ -73,6 +74,8 @@ __all__ = [
     "enable_context_parallel_dispatcher",
     "merge_partial_",
     "ring_sdpa",
+    "_create_cp_block_mask",
+    "create_cp_block_mask",
     "shard",
     "unshard",
     "__version__",

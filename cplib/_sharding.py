@@ -96,9 +96,8 @@ def _block_mask_type() -> type | None:
 
 
 def _shard_block_mask(mesh: DeviceMesh, mask: Any, load_balancer: _LoadBalancer | None) -> Any:
-    raise NotImplementedError(
-        "cplib: sharding a flex-attention BlockMask is not implemented yet; shard tensors only"
-    )
+    from ._flex_mask import _shard_block_mask as shard_flex_mask  # needs flex attention
+    return shard_flex_mask(mesh, mask, load_balancer)
 
 
 def shard(mesh: DeviceMesh, buffers: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],

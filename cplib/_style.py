@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from ._flex_allgather import flex_cp_allgather
+from ._flex_hook import _flex_input_hook, _register_flex_input_hook
 from ._options import RingConfig, _cp_options, rotate_method_name
 from ._sdpa_dispatch import CPDispatchMode, dispatcher_enabled
 from ._sharding import check_mesh
@@ -49,9 +49,7 @@ class _ContextParallel(ParallelStyle):
             module.forward = functools.partial(_sdpa_forward, module.forward, group)
             return module
         if self.attention_type == self.AttentionType.FLEX:
-            module.register_forward_pre_hook(
-                functools.partial(self.flex_input_fn, mesh=mesh), with_kwargs=True)
-            return module
+            return _register_flex_input_hook(module, mesh, self.seq_dim)
         raise ValueError(f"cplib: unknown attention type {self.attention_type!r}")
 
     def flex_input_fn(self, module: nn.Module | None, args: Any, kwargs: Any,
@@ -59,21 +57,8 @@ class _ContextParallel(ParallelStyle):
         """Replaces the key and value arguments (positional or keyword, as
         ``flex_attention(query, key, value, ...)``) by their all-gathered
         full sequences."""
-        names = ("query", "key", "value")
-        args = list(args)
-        values = [args[i] if i < len(args) else kwargs.get(name) for i, name in enumerate(names)]
-        q, k, v = values
-        for name, t in zip(names, values):
-            if t is None:
-                raise ValueError(f"cplib: flex attention module was called without {name}")
-        k, v = flex_cp_allgather(k.contiguous(), v.contiguous(), self.seq_dim,
-                                 check_mesh(mesh).group_name)
-        for i, (name, t) in enumerate(zip(names[1:], (k, v)), start=1):
-            if i < len(args):
-                args[i] = t
-            else:
-                kwargs[name] = t
-        return tuple(args), kwargs
+        return _flex_input_hook(module, args, kwargs, seq_dim=self.seq_dim,
+                                group_name=check_mesh(mesh).group_name)
 
 
 def _sdpa_forward(forward: Any, group: dist.ProcessGroup, *args: Any, **kwargs: Any) -> Any:
