@@ -16,6 +16,10 @@ using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 // Raises ValueError naming the group when nothing is registered under it.
 PG resolve_group(std::string_view group_name);
 
+// True for groups implemented in Python (e.g. torch's threaded test group),
+// which may lack send/recv.
+bool is_python_group(const PG& pg);
+
 // Collectives on dim 0 of contiguous buffers; each returns its Work unwaited.
 WorkPtr all_gather_dim0(const PG& pg, at::Tensor& out, at::Tensor& in);
 WorkPtr reduce_scatter_sum_dim0(const PG& pg, at::Tensor& out, at::Tensor& in);
