@@ -16,6 +16,7 @@ import argparse
 import datetime
 import os
 import socket
+import statistics
 import sys
 import traceback
 
@@ -38,6 +39,17 @@ def _fwd_bwd(conv):
     return run
 
 
+def _interleaved(fns: dict, iters: int) -> dict:
+    """Median seconds of each fn, measured round-robin (one run of each per
+    round, ranks aligned by a barrier) so that load changes on a shared
+    machine hit every variant alike."""
+    times = {k: [] for k in fns}
+    for _ in range(iters + 1):  # the first round is warm-up
+        for k, fn in fns.items():
+            times[k].append(timeit(fn, warmup=0, iters=1, sync=dist.barrier))
+    return {k: statistics.median(v[1:]) for k, v in times.items()}
+
+
 def _worker(rank: int, n: int, port: int, args, results) -> None:
     import cplib
 
@@ -52,13 +64,16 @@ def _worker(rank: int, n: int, port: int, args, results) -> None:
         weight = (torch.randn(c, c, 3, 3, generator=g) * 0.05).requires_grad_(True)
         bias = torch.zeros(c, requires_grad=True)
         x = x_full.chunk(n, -1)[rank].contiguous().requires_grad_(True)
-        kw = dict(warmup=1, iters=args.iters, sync=dist.barrier)
-        row = {"rank": rank, "local_shape": list(x.shape)}
         name = dist.group.WORLD.group_name
-        row["tp_conv"] = timeit(_fwd_bwd(lambda: cplib.tp_conv(x, weight, bias, padding=1,
-                                                               group=name)), **kw)
-        row["local_shard"] = timeit(_fwd_bwd(lambda: F.conv2d(x, weight, bias, padding=1)), **kw)
-        row["torch_dtensor"] = _time_torch_dtensor(x_full, weight, bias, n, kw)
+        tp = lambda: cplib.tp_conv(x, weight, bias, padding=1, group=name)  # noqa: E731
+        local = lambda: F.conv2d(x, weight, bias, padding=1)  # noqa: E731
+        fns = {"tp_conv": _fwd_bwd(tp), "local_shard": _fwd_bwd(local)}
+        torch_fwd, torch_note = _torch_dtensor_forward(x_full, weight, bias, n)
+        if torch_fwd is not None:
+            fns["tp_conv_fwd"] = lambda: tp()
+            fns["torch_dtensor_fwd"] = torch_fwd
+        row = {"rank": rank, "local_shape": list(x.shape), "torch_dtensor_note": torch_note}
+        row.update(_interleaved(fns, args.iters))
         results.put((rank, row))
     except BaseException:
         results.put((rank, {"error": traceback.format_exc()}))
@@ -66,25 +81,30 @@ def _worker(rank: int, n: int, port: int, args, results) -> None:
         dist.destroy_process_group()
 
 
-def _time_torch_dtensor(x_full, weight, bias, n, kw):
-    """torch's own DTensor conv handlers (upstream ``_tp_conv``) on the same shard."""
+def _torch_dtensor_forward(x_full, weight, bias, n):
+    """torch's own DTensor conv handlers (upstream ``_tp_conv``) on the same
+    shard: returns (forward fn or None, what happened to forward+backward)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 
+    mesh = init_device_mesh("cpu", (n,))
+    conv = nn.Conv2d(weight.shape[1], weight.shape[0], 3, padding=1)
+    with torch.no_grad():
+        conv.weight.copy_(weight)
+        conv.bias.copy_(bias)
+    dconv = distribute_module(conv, mesh)
+    x = distribute_tensor(x_full, mesh, [Shard(3)]).detach().requires_grad_(True)
     try:
-        mesh = init_device_mesh("cpu", (n,))
-        conv = nn.Conv2d(weight.shape[1], weight.shape[0], 3, padding=1)
-        with torch.no_grad():
-            conv.weight.copy_(weight)
-            conv.bias.copy_(bias)
-        dconv = distribute_module(conv, mesh)
-        x = distribute_tensor(x_full, mesh, [Shard(3)]).detach().requires_grad_(True)
-        t = timeit(_fwd_bwd(lambda: dconv(x)), **kw)
-        if x.grad is None:
-            return f"ran ({t:.3f}s) but x.grad is None: upstream backward drops grad_input"
-        return t
-    except Exception as exc:  # report what happens, as the issue asks
-        return f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        dconv(x)
+    except Exception as exc:
+        return None, f"forward failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    try:
+        _fwd_bwd(lambda: dconv(x))()
+        note = ("forward+backward ran but x.grad is None (upstream backward drops grad_input)"
+                if x.grad is None else "forward+backward ran")
+    except Exception as exc:
+        note = f"backward failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    return (lambda: dconv(x)), note
 
 
 def _time_full(args) -> float:
@@ -127,17 +147,15 @@ def main() -> None:
     table = []
     for r in range(n):
         row = rows[r]
-        torch_t = row["torch_dtensor"]
         table.append([r, "x".join(map(str, row["local_shape"])), row["tp_conv"],
-                      row["local_shard"], row["tp_conv"] / row["local_shard"],
-                      torch_t if isinstance(torch_t, float) else "n/a", full, full / n])
-    cols = ["rank", "local input", "tp_conv s", "local shard s", "ratio", "torch DTensor s",
-            "full 1-proc s", "full/N s"]
-    print_table(f"3x3 conv {args.channels}->{args.channels}, fwd+bwd, N={n} (gloo, 1 thread/rank)",
+                      row["local_shard"], row["tp_conv"] / row["local_shard"], full, full / n,
+                      row.get("tp_conv_fwd", "n/a"), row.get("torch_dtensor_fwd", "n/a")])
+    cols = ["rank", "local input", "tp_conv fwd+bwd s", "local shard fwd+bwd s", "ratio",
+            "full 1-proc fwd+bwd s", "full/N s", "tp_conv fwd s", "torch DTensor fwd s"]
+    print_table(f"3x3 conv {args.channels}->{args.channels}, N={n} (gloo, 1 thread/rank)",
                 cols, table)
     for r in range(n):
-        if not isinstance(rows[r]["torch_dtensor"], float):
-            print(f"torch DTensor _tp_conv, rank {r}: {rows[r]['torch_dtensor']}")
+        print(f"torch DTensor _tp_conv, rank {r}: {rows[r]['torch_dtensor_note']}")
     worst = max(rows[r]["tp_conv"] / rows[r]["local_shard"] for r in range(n))
     print(f"worst rank tp_conv / local shard = {worst:.3f} (target <= 1.15)")
     write_json(NAME, {"args": vars(args), "ranks": rows, "full_single_process_s": full,
@@ -148,9 +166,9 @@ def main() -> None:
         "local shard (no exchange)": (labels, [rows[r]["local_shard"] for r in range(n)]),
         "full / N (ideal)": (labels, [full / n] * n),
     }
-    torch_ok = [rows[r]["torch_dtensor"] for r in range(n)]
-    if all(isinstance(t, float) for t in torch_ok):
-        series["torch DTensor _tp_conv"] = (labels, torch_ok)
+    if all("torch_dtensor_fwd" in rows[r] for r in range(n)):
+        series["tp_conv fwd only"] = (labels, [rows[r]["tp_conv_fwd"] for r in range(n)])
+        series["torch DTensor fwd only"] = (labels, [rows[r]["torch_dtensor_fwd"] for r in range(n)])
     print(plot(NAME, f"3x3 conv fwd+bwd per rank, N={n}", "rank", "seconds", series, kind="bar"))
     print(machine())
 

@@ -47,6 +47,8 @@ CASES = [
     ("2d depthwise k7 p3", (1, 4, 5, 7), -1, (4, 1, 7, 7), dict(padding=3, groups=4), True, True),
     ("2d no bias", (2, 3, 4, 5), -1, (4, 3, 3, 3), dict(padding=1), False, True),
     ("2d input without grad", (2, 3, 4, 5), -1, (4, 3, 3, 3), dict(padding=1), True, False),
+    ("2d channels_last input", (2, 3, 4, 5), -1, (4, 3, 3, 3), dict(padding=1), True, True),
+    ("2d channels_last input dim2", (2, 3, 4, 5), 2, (4, 3, 3, 3), dict(padding=1), True, True),
     ("2d uneven +1", (1, 2, 4, 5), -1, (3, 2, 3, 3), dict(padding=1), True, True),
     ("3d k3 p1 last", (1, 2, 3, 4, 4), -1, (3, 2, 3, 3, 3), dict(padding=1), True, True),
     ("3d k3 p1 dim2", (1, 2, 4, 3, 3), 2, (3, 2, 3, 3, 3), dict(padding=1), True, True),
@@ -97,7 +99,8 @@ def _check_case(case, dtype) -> None:
 
     # Sharded: this rank's torch.chunk slice.
     widths = [c.shape[dim] for c in x_full.chunk(n, dim)]
-    x = x_full.chunk(n, dim)[rank].clone().requires_grad_(x_grad)
+    fmt = torch.channels_last if "channels_last" in name else torch.contiguous_format
+    x = x_full.chunk(n, dim)[rank].clone(memory_format=fmt).requires_grad_(x_grad)
     w = w_full.clone().requires_grad_(True)
     b = b_full.clone().requires_grad_(True) if has_bias else None
     out = cplib.tp_conv(x, w, b, dim=shard_dim, group=_group(), **kw)
