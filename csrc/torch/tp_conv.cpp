@@ -7,7 +7,7 @@
 #include <torch/library.h>
 
 #include "comm.h"
-#include "tp_conv_halo.h"
+#include "tp_conv_impl.h"
 #include "tp_conv_plan.h"
 
 namespace cplib {
@@ -43,10 +43,15 @@ at::Tensor tp_convolution(const at::Tensor& x, const at::Tensor& w,
                           int64_t shard_dim, c10::string_view group_name) {
   Resolved r = resolve(x, w, b, stride, padding, dilation, groups, shard_dim, group_name);
   const TpConvPlan& p = r.plan;
-  const std::vector<int64_t> no_output_padding(p.stride.size(), 0);
-  const at::Tensor input = p.exchange ? extend_input(r.pg, p, x) : x;
-  return fresh_contiguous(at::convolution(input, w, b, p.stride, p.conv_padding, p.dilation,
-                                          /*transposed=*/false, no_output_padding, groups));
+  at::Tensor out;
+  if (!p.exchange)
+    out = at::convolution(x, w, b, p.stride, p.padding, p.dilation, /*transposed=*/false,
+                          zeros_like_params(p), groups);
+  else if (p.patched)
+    out = tp_conv_patched(r.pg, p, x, w, b, groups);
+  else
+    out = tp_conv_extended(r.pg, p, x, w, b, groups);
+  return fresh_contiguous(out);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> tp_convolution_backward(
@@ -56,19 +61,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tp_convolution_backward(
   Resolved r = resolve(x, w, c10::nullopt, stride, padding, dilation, groups, shard_dim,
                        group_name);
   const TpConvPlan& p = r.plan;
-  const std::vector<int64_t> no_output_padding(p.stride.size(), 0);
-  const std::vector<int64_t> bias_sizes{w.size(0)};
-  const auto bias_opt = output_mask[2] ? c10::optional<at::IntArrayRef>(bias_sizes) : c10::nullopt;
-  at::Tensor input = x;
-  if (p.exchange) {
-    // grad_input reads only the input's shape; grad_weight needs the halos.
-    input = output_mask[1] ? extend_input(r.pg, p, x)
-                           : at::empty(p.extended_sizes(x), x.options());
+  ConvGrads grads;
+  if (!p.exchange) {
+    const std::vector<int64_t> bias_sizes{w.size(0)};
+    grads = at::convolution_backward(
+        grad_out, x, w,
+        output_mask[2] ? c10::optional<at::IntArrayRef>(bias_sizes) : c10::nullopt, p.stride,
+        p.padding, p.dilation, /*transposed=*/false, zeros_like_params(p), groups, output_mask);
+  } else if (p.patched) {
+    grads = tp_conv_patched_backward(r.pg, p, grad_out, x, w, groups, output_mask);
+  } else {
+    grads = tp_conv_extended_backward(r.pg, p, grad_out, x, w, groups, output_mask);
   }
-  auto [gi, gw, gb] = at::convolution_backward(grad_out, input, w, bias_opt, p.stride,
-                                               p.conv_padding, p.dilation, /*transposed=*/false,
-                                               no_output_padding, groups, output_mask);
-  if (p.exchange && gi.defined()) gi = return_halo_grads(r.pg, p, gi);
+  auto& [gi, gw, gb] = grads;
   return {fresh_contiguous(gi), fresh_contiguous(gw), fresh_contiguous(gb)};
 }
 

@@ -1,7 +1,5 @@
 #include "tp_conv_halo.h"
 
-#include <vector>
-
 #include "cplib/halo.h"
 #include "dtype.h"
 
@@ -12,9 +10,8 @@
 namespace cplib {
 namespace {
 
-// Distinct tags per direction and pass, so no message can match another.
-constexpr int kTagFwdToRight = 0x6301, kTagFwdToLeft = 0x6302;
-constexpr int kTagBwdToRight = 0x6303, kTagBwdToLeft = 0x6304;
+// Tags per pass (+0: rightward, +1: leftward), so no message matches another.
+constexpr int kTagInput = 0x6300, kTagGrad = 0x6310;
 
 cplib_halo_slab slab_of(const at::Tensor& t, int64_t dim, int64_t start, int64_t width) {
   TORCH_CHECK(t.dim() <= CPLIB_HALO_MAX_DIMS, "cplib: halo tensors have at most ",
@@ -39,8 +36,9 @@ std::vector<int64_t> slab_shape(const at::Tensor& t, int64_t dim, int64_t width)
   return s;
 }
 
-// t[..., start:start+width, ...] -> fresh contiguous tensor.
-at::Tensor pack(const at::Tensor& t, int64_t dim, int64_t start, int64_t width) {
+}  // namespace
+
+at::Tensor pack_slab(const at::Tensor& t, int64_t dim, int64_t start, int64_t width) {
   at::Tensor buf = at::empty(slab_shape(t, dim, width), t.options());
   cplib_halo_slab s = slab_of(t, dim, start, width);
   if (t.is_cuda()) {
@@ -57,8 +55,9 @@ at::Tensor pack(const at::Tensor& t, int64_t dim, int64_t start, int64_t width) 
   return buf;
 }
 
-// Contiguous buf -> t[..., start:start+buf.size(dim), ...].
-void unpack(at::Tensor& t, int64_t dim, int64_t start, const at::Tensor& buf) {
+void unpack_slab(at::Tensor& t, int64_t dim, int64_t start, const at::Tensor& buf) {
+  TORCH_CHECK(buf.is_contiguous() && buf.scalar_type() == t.scalar_type(),
+              "cplib: halo buffer must be contiguous and of the tensor's dtype");
   cplib_halo_slab s = slab_of(t, dim, start, buf.size(dim));
   if (t.is_cuda()) {
 #ifdef CPLIB_WITH_CUDA
@@ -73,94 +72,65 @@ void unpack(at::Tensor& t, int64_t dim, int64_t start, const at::Tensor& buf) {
   }
 }
 
-struct P2P {
-  at::Tensor buf;
-  int peer;
-  int tag;
-  bool send;
-};
-
-// Posts every send and receive before waiting on any. NCCL needs them in one
-// coalesced group (a send and a receive with the same peer would otherwise
-// wait on each other); gloo runs each op on its own.
-class Exchange {
- public:
-  Exchange(const PG& pg, std::vector<P2P> ops) : pg_(pg), ops_(std::move(ops)) {
-    if (ops_.empty()) return;
-    coalesce_ = ops_[0].buf.is_cuda();
-    if (coalesce_) pg_->startCoalescing(c10::DeviceType::CUDA);
-    for (auto& op : ops_)
-      works_.push_back(op.send ? send(pg_, op.buf, op.peer, op.tag)
-                               : recv(pg_, op.buf, op.peer, op.tag));
-    if (coalesce_) {
-      works_.clear();  // the group's one handle covers every op
-      works_.push_back(pg_->endCoalescing(c10::DeviceType::CUDA));
-    }
+NeighbourExchange::NeighbourExchange(const PG& pg, const TpConvPlan& p, int tag_base,
+                                     const at::Tensor& like, const at::Tensor& send_left,
+                                     const at::Tensor& send_right, int64_t recv_left_width,
+                                     int64_t recv_right_width) {
+  const int to_right = tag_base, to_left = tag_base + 1;
+  from_left = at::empty(slab_shape(like, p.dim, recv_left_width), like.options());
+  from_right = at::empty(slab_shape(like, p.dim, recv_right_width), like.options());
+  struct Op {
+    at::Tensor buf;
+    int peer, tag;
+    bool send;
+  };
+  std::vector<Op> ops;
+  if (recv_left_width) ops.push_back({from_left, p.rank - 1, to_right, false});
+  if (recv_right_width) ops.push_back({from_right, p.rank + 1, to_left, false});
+  if (send_left.defined()) ops.push_back({send_left, p.rank - 1, to_left, true});
+  if (send_right.defined()) ops.push_back({send_right, p.rank + 1, to_right, true});
+  if (ops.empty()) return;
+  // NCCL: a send and a receive with the same peer would wait on each other
+  // unless they are issued as one group; gloo runs each op on its own.
+  const bool coalesce = like.is_cuda();
+  if (coalesce) pg->startCoalescing(c10::DeviceType::CUDA);
+  for (auto& op : ops) {
+    keep_.push_back(op.buf);
+    WorkPtr w = op.send ? send(pg, op.buf, op.peer, op.tag) : recv(pg, op.buf, op.peer, op.tag);
+    if (!coalesce) works_.push_back(w);
   }
-  void wait_all() {
-    for (auto& w : works_) wait(w);
-    works_.clear();
-  }
-  ~Exchange() {
-    // An exception between posting and waiting must not leave buffers that
-    // the backend still reads or writes.
-    try {
-      wait_all();
-    } catch (...) {
-    }
-  }
-
- private:
-  PG pg_;
-  std::vector<P2P> ops_;
-  std::vector<WorkPtr> works_;
-  bool coalesce_ = false;
-};
-
-}  // namespace
-
-at::Tensor extend_input(const PG& pg, const TpConvPlan& p, const at::Tensor& x) {
-  const at::Tensor xc = x.contiguous();
-  const int64_t d = p.dim, w = p.width;
-  at::Tensor from_left = at::empty(slab_shape(xc, d, p.halo_left), xc.options());
-  at::Tensor from_right = at::empty(slab_shape(xc, d, p.halo_right), xc.options());
-  std::vector<P2P> ops;
-  if (p.halo_left) ops.push_back({from_left, p.rank - 1, kTagFwdToRight, false});
-  if (p.halo_right) ops.push_back({from_right, p.rank + 1, kTagFwdToLeft, false});
-  if (p.send_left) ops.push_back({pack(xc, d, 0, p.send_left), p.rank - 1, kTagFwdToLeft, true});
-  if (p.send_right)
-    ops.push_back({pack(xc, d, w - p.send_right, p.send_right), p.rank + 1, kTagFwdToRight, true});
-  Exchange ex(pg, std::move(ops));
-
-  at::Tensor ext = at::empty(p.extended_sizes(xc), xc.options());
-  unpack(ext, d, p.left, xc);
-  if (p.left > p.halo_left) ext.narrow(d, 0, p.left).zero_();  // global border: zero padding
-  if (p.right > p.halo_right) ext.narrow(d, p.left + w, p.right).zero_();
-  ex.wait_all();
-  if (p.halo_left) unpack(ext, d, 0, from_left);
-  if (p.halo_right) unpack(ext, d, p.left + w, from_right);
-  return ext;
+  if (coalesce) works_.push_back(pg->endCoalescing(c10::DeviceType::CUDA));
 }
 
-at::Tensor return_halo_grads(const PG& pg, const TpConvPlan& p, const at::Tensor& grad_ext) {
-  const at::Tensor g = grad_ext.contiguous();
-  const int64_t d = p.dim, w = p.width;
-  // The neighbours return what they received from this rank: send_* columns.
-  at::Tensor from_left = at::empty(slab_shape(g, d, p.send_left), g.options());
-  at::Tensor from_right = at::empty(slab_shape(g, d, p.send_right), g.options());
-  std::vector<P2P> ops;
-  if (p.send_left) ops.push_back({from_left, p.rank - 1, kTagBwdToRight, false});
-  if (p.send_right) ops.push_back({from_right, p.rank + 1, kTagBwdToLeft, false});
-  if (p.halo_left) ops.push_back({pack(g, d, 0, p.halo_left), p.rank - 1, kTagBwdToLeft, true});
-  if (p.halo_right)
-    ops.push_back({pack(g, d, p.left + w, p.halo_right), p.rank + 1, kTagBwdToRight, true});
-  Exchange ex(pg, std::move(ops));
+void NeighbourExchange::wait() {
+  for (auto& w : works_) cplib::wait(w);
+  works_.clear();
+  keep_.clear();
+}
 
-  at::Tensor grad_x = pack(g, d, p.left, w);
-  ex.wait_all();
-  if (p.send_left) grad_x.narrow(d, 0, p.send_left).add_(from_left);
-  if (p.send_right) grad_x.narrow(d, w - p.send_right, p.send_right).add_(from_right);
-  return grad_x;
+NeighbourExchange::~NeighbourExchange() {
+  // Unwound by an exception: the backend must be done with the buffers.
+  try {
+    wait();
+  } catch (...) {
+  }
+}
+
+std::unique_ptr<NeighbourExchange> exchange_input_halos(const PG& pg, const TpConvPlan& p,
+                                                       const at::Tensor& x) {
+  const at::Tensor left = p.send_left ? pack_slab(x, p.dim, 0, p.send_left) : at::Tensor();
+  const at::Tensor right =
+      p.send_right ? pack_slab(x, p.dim, p.width - p.send_right, p.send_right) : at::Tensor();
+  return std::make_unique<NeighbourExchange>(pg, p, kTagInput, x, left, right, p.halo_left,
+                                             p.halo_right);
+}
+
+std::unique_ptr<NeighbourExchange> return_halo_grads(const PG& pg, const TpConvPlan& p,
+                                                     const at::Tensor& like,
+                                                     const at::Tensor& grad_halo_left,
+                                                     const at::Tensor& grad_halo_right) {
+  return std::make_unique<NeighbourExchange>(pg, p, kTagGrad, like, grad_halo_left,
+                                             grad_halo_right, p.send_left, p.send_right);
 }
 
 }  // namespace cplib

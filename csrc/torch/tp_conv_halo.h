@@ -1,7 +1,10 @@
-// Halo exchange for tp_convolution: building the extended local input and
-// returning halo gradients to their owners. Packing runs in the C core
+// Halo exchange for tp_convolution: the neighbour messages (both sends and
+// both receives in flight at once) and slab packing through the C core
 // (csrc/core/halo.c, csrc/cuda/halo.cu).
 #pragma once
+
+#include <memory>
+#include <vector>
 
 #include <ATen/ATen.h>
 
@@ -10,13 +13,40 @@
 
 namespace cplib {
 
-// [zero pad | left halo] x [right halo | zero pad] along plan.dim, as a fresh
-// contiguous tensor. Both sends and both receives are in flight together,
-// overlapped with copying x into the middle.
-at::Tensor extend_input(const PG& pg, const TpConvPlan& plan, const at::Tensor& x);
+// t[..., start:start+width, ...] along dim -> fresh contiguous tensor.
+at::Tensor pack_slab(const at::Tensor& t, int64_t dim, int64_t start, int64_t width);
+// Contiguous buf -> t[..., start:start+buf.size(dim), ...].
+void unpack_slab(at::Tensor& t, int64_t dim, int64_t start, const at::Tensor& buf);
 
-// grad of the extended input -> grad of x: the middle, plus the halo
-// gradients the neighbours send back (they belong to this rank's borders).
-at::Tensor return_halo_grads(const PG& pg, const TpConvPlan& plan, const at::Tensor& grad_ext);
+// Messages to and from the two neighbours, posted together on construction
+// (one coalesced group on NCCL) and completed by wait() or the destructor.
+class NeighbourExchange {
+ public:
+  // send_* may be undefined (nothing to send that way); recv_*_width columns
+  // of `like`'s other sizes are received from each side (0: none).
+  NeighbourExchange(const PG& pg, const TpConvPlan& plan, int tag_base, const at::Tensor& like,
+                    const at::Tensor& send_left, const at::Tensor& send_right,
+                    int64_t recv_left_width, int64_t recv_right_width);
+  NeighbourExchange(const NeighbourExchange&) = delete;
+  NeighbourExchange& operator=(const NeighbourExchange&) = delete;
+  ~NeighbourExchange();
+  void wait();
+  at::Tensor from_left, from_right;  // valid after wait()
+
+ private:
+  std::vector<WorkPtr> works_;
+  std::vector<at::Tensor> keep_;  // buffers the backend reads or writes
+};
+
+// Forward pass: the input columns the neighbours need (send_left/right of x)
+// go out, the halo columns (halo_left/right) come in.
+std::unique_ptr<NeighbourExchange> exchange_input_halos(const PG& pg, const TpConvPlan& plan, const at::Tensor& x);
+
+// Backward pass: the gradients of the halo columns go back to their owners,
+// the gradients of this rank's own border columns (send_left/right) come in.
+std::unique_ptr<NeighbourExchange> return_halo_grads(const PG& pg, const TpConvPlan& plan,
+                                                     const at::Tensor& like,
+                                                     const at::Tensor& grad_halo_left,
+                                                     const at::Tensor& grad_halo_right);
 
 }  // namespace cplib

@@ -21,6 +21,11 @@ struct TpConvPlan {
   int64_t left = 0, right = 0;            // columns prepended / appended
   int64_t halo_left = 0, halo_right = 0;  // of which come from the neighbours
   int64_t send_left = 0, send_right = 0;  // columns sent to the left / right neighbour
+  int64_t halo = 0;                       // dilation * (kernel - 1) along dim
+  // left == right and the shard is at least a window wide: convolve x itself
+  // with padding `left` and recompute only the border columns from small
+  // [halo | edge] slabs (no copy of x). Otherwise convolve the extended copy.
+  bool patched = false;
 
   std::vector<int64_t> extended_sizes(const at::Tensor& x) const;
 };
