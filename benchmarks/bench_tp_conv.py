@@ -67,10 +67,10 @@ def _worker(rank: int, n: int, port: int, args, results) -> None:
         name = dist.group.WORLD.group_name
         tp = lambda: cplib.tp_conv(x, weight, bias, padding=1, group=name)  # noqa: E731
         local = lambda: F.conv2d(x, weight, bias, padding=1)  # noqa: E731
-        fns = {"tp_conv": _fwd_bwd(tp), "local_shard": _fwd_bwd(local)}
+        fns = {"tp_conv": _fwd_bwd(tp), "local_shard": _fwd_bwd(local),
+               "tp_conv_fwd": lambda: tp(), "local_shard_fwd": lambda: local()}
         torch_fwd, torch_note = _torch_dtensor_forward(x_full, weight, bias, n)
         if torch_fwd is not None:
-            fns["tp_conv_fwd"] = lambda: tp()
             fns["torch_dtensor_fwd"] = torch_fwd
         row = {"rank": rank, "local_shape": list(x.shape), "torch_dtensor_note": torch_note}
         row.update(_interleaved(fns, args.iters))
@@ -149,9 +149,11 @@ def main() -> None:
         row = rows[r]
         table.append([r, "x".join(map(str, row["local_shape"])), row["tp_conv"],
                       row["local_shard"], row["tp_conv"] / row["local_shard"], full, full / n,
-                      row.get("tp_conv_fwd", "n/a"), row.get("torch_dtensor_fwd", "n/a")])
+                      row["tp_conv_fwd"], row["local_shard_fwd"],
+                      row.get("torch_dtensor_fwd", "n/a")])
     cols = ["rank", "local input", "tp_conv fwd+bwd s", "local shard fwd+bwd s", "ratio",
-            "full 1-proc fwd+bwd s", "full/N s", "tp_conv fwd s", "torch DTensor fwd s"]
+            "full 1-proc fwd+bwd s", "full/N s", "tp_conv fwd s", "local shard fwd s",
+            "torch DTensor fwd s"]
     print_table(f"3x3 conv {args.channels}->{args.channels}, N={n} (gloo, 1 thread/rank)",
                 cols, table)
     for r in range(n):
@@ -166,8 +168,9 @@ def main() -> None:
         "local shard (no exchange)": (labels, [rows[r]["local_shard"] for r in range(n)]),
         "full / N (ideal)": (labels, [full / n] * n),
     }
+    series["tp_conv fwd only"] = (labels, [rows[r]["tp_conv_fwd"] for r in range(n)])
+    series["local shard fwd only"] = (labels, [rows[r]["local_shard_fwd"] for r in range(n)])
     if all("torch_dtensor_fwd" in rows[r] for r in range(n)):
-        series["tp_conv fwd only"] = (labels, [rows[r]["tp_conv_fwd"] for r in range(n)])
         series["torch DTensor fwd only"] = (labels, [rows[r]["torch_dtensor_fwd"] for r in range(n)])
     print(plot(NAME, f"3x3 conv fwd+bwd per rank, N={n}", "rank", "seconds", series, kind="bar"))
     print(machine())

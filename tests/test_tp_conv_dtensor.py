@@ -26,12 +26,13 @@ def _rand(shape, dtype, seed):
 
 
 def _train_and_compare(module: nn.Module, x_shape, shard_dim: int, steps: int, dtype,
-                       x_grad: bool, what: str) -> float:
+                       x_grad: bool, what: str, mesh_shape=None, placements=None) -> float:
     """``steps`` SGD steps on the DTensor module and on a copy with full
     inputs; compares outputs and input grads each step and parameters at the
     end. Returns the weight MSE (the upstream test's metric)."""
     n = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (n,))
+    mesh = init_device_mesh("cpu", mesh_shape or (n,))
+    placements = placements or [Shard(shard_dim)]
     module = module.to(dtype)
     ref = copy.deepcopy(module)
     dmodule = distribute_module(module, mesh)  # parameters replicated
@@ -40,22 +41,23 @@ def _train_and_compare(module: nn.Module, x_shape, shard_dim: int, steps: int, d
     tol = TOL[dtype]
     for step in range(steps):
         x_full = _rand(x_shape, dtype, 100 + step)
-        x = distribute_tensor(x_full, mesh, [Shard(shard_dim)])
+        x = distribute_tensor(x_full, mesh, placements)
         xr = x_full.clone()
         if x_grad:
             x = x.detach().requires_grad_(True)
             xr.requires_grad_(True)
         out, out_ref = dmodule(x), ref(xr)
-        assert isinstance(out, DTensor) and out.placements == (Shard(shard_dim),)
+        assert isinstance(out, DTensor) and out.placements == tuple(placements)
         assert_close(out.full_tensor(), out_ref.detach(), what=f"{what} out step {step}", **tol)
         cot = _rand(out_ref.shape, dtype, 200 + step) * 1e-3
-        out.backward(distribute_tensor(cot, mesh, [Shard(shard_dim)]))
+        out.backward(distribute_tensor(cot, mesh, placements))
         out_ref.backward(cot)
         if x_grad:
             assert_close(x.grad.full_tensor(), xr.grad, what=f"{what} grad_input step {step}",
                          **tol)
         for (name, p), pr in zip(dmodule.named_parameters(), ref.parameters()):
-            assert p.grad.placements == (Replicate(),), f"{name} grad {p.grad.placements}"
+            assert all(isinstance(q, Replicate) for q in p.grad.placements), \
+                f"{name} grad {p.grad.placements}"
             assert_close(p.grad.to_local(), pr.grad, what=f"{what} grad {name} step {step}", **tol)
         opt.step()
         opt_ref.step()
@@ -107,6 +109,11 @@ def _check_modules() -> None:
         # Batch sharding needs no exchange, whatever the parameters (torch #176446).
         _train_and_compare(nn.Conv2d(3, 4, 3, stride=2, padding=2, dilation=2), (2 * n, 3, 7, 9),
                            0, 2, f64, True, "batch shard")
+        if n == 4:  # 2-D mesh: batch on one mesh dim, width on the other (either order)
+            _train_and_compare(nn.Conv2d(3, 4, 3, padding=1), (4, 3, 5, 8), 3, 2, f64, True,
+                               "2-D mesh batch x width", (2, 2), [Shard(0), Shard(3)])
+            _train_and_compare(nn.Conv2d(3, 4, 5, padding=2), (4, 3, 8, 5), 2, 2, f64, True,
+                               "2-D mesh height x batch", (2, 2), [Shard(2), Shard(0)])
         if n <= 2:  # a non-"same" conv whose output DTensor's Shard layout matches at n<=2
             _train_and_compare(nn.Conv2d(3, 4, 3), (1, 3, 5, 6 * n), 3, 2, f64, True,
                                "conv2d valid padding")
