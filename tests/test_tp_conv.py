@@ -206,14 +206,14 @@ def _conv_block(x, w, b, name):
     return torch.tanh(y).sum(dim=1)
 
 
-def _check_compiled() -> None:
+def _check_compiled(backend: str) -> None:
     rank, n = dist.get_rank(), dist.get_world_size()
     x = _rand((2, 3, 4, 6 * n), torch.float32, 8).chunk(n, -1)[rank].clone().requires_grad_(True)
     w = _rand((4, 3, 3, 3), torch.float32, 9).requires_grad_(True)
     b = _rand((4,), torch.float32, 10).requires_grad_(True)
     x2, w2, b2 = (t.detach().clone().requires_grad_(True) for t in (x, w, b))
     torch._dynamo.reset()
-    compiled = torch.compile(_conv_block, backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(_conv_block, backend=backend, fullgraph=True)
     e = _conv_block(x, w, b, _group())
     c = compiled(x2, w2, b2, _group())
     assert_close(c, e, atol=1e-5, rtol=1e-5, what="compiled out")
@@ -223,9 +223,10 @@ def _check_compiled() -> None:
         assert_close(got, want, atol=1e-5, rtol=1e-5, what=f"compiled grad {what}")
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_compile_fullgraph(ranks, world_size):
-    ranks(world_size).run(_check_compiled)
+@pytest.mark.parametrize("world_size,backend", [(1, "aot_eager"), (2, "aot_eager"),
+                                                (4, "aot_eager"), (2, "inductor")])
+def test_compile_fullgraph(ranks, world_size, backend):
+    ranks(world_size).run(_check_compiled, backend)
 
 
 def _expect(exc, fn, *args, match: str, **kwargs) -> str:
