@@ -24,12 +24,6 @@ Resolved resolve(const at::Tensor& x, const at::Tensor& w, const c10::optional<a
   PG pg = resolve_group(std::string_view(group_name.data(), group_name.size()));
   TpConvPlan plan = make_tp_conv_plan(x, w, b, stride, padding, dilation, groups, shard_dim,
                                       pg->getRank(), pg->getSize());
-  // torch's threaded test group (ProcessLocalGroup) implements no send/recv.
-  TORCH_CHECK_NOT_IMPLEMENTED(!plan.exchange || !is_python_group(pg),
-                              "cplib.tp_conv: process group '",
-                              std::string(group_name.data(), group_name.size()),
-                              "' is implemented in Python and cannot run the halo exchange ",
-                              "(point-to-point send/recv); use a gloo or NCCL group");
   return {std::move(pg), std::move(plan)};
 }
 

@@ -75,7 +75,13 @@ void unpack_slab(at::Tensor& t, int64_t dim, int64_t start, const at::Tensor& bu
 NeighbourExchange::NeighbourExchange(const PG& pg, const TpConvPlan& p, int tag_base,
                                      const at::Tensor& like, const at::Tensor& send_left,
                                      const at::Tensor& send_right, int64_t recv_left_width,
-                                     int64_t recv_right_width) {
+                                     int64_t recv_right_width, int64_t leftward,
+                                     int64_t rightward) {
+  if (is_python_group(pg)) {
+    gather_fallback(pg, p, like, send_left, send_right, recv_left_width, recv_right_width,
+                    leftward, rightward);
+    return;
+  }
   const int to_right = tag_base, to_left = tag_base + 1;
   from_left = at::empty(slab_shape(like, p.dim, recv_left_width), like.options());
   from_right = at::empty(slab_shape(like, p.dim, recv_right_width), like.options());
@@ -102,6 +108,26 @@ NeighbourExchange::NeighbourExchange(const PG& pg, const TpConvPlan& p, int tag_
   if (coalesce) works_.push_back(pg->endCoalescing(c10::DeviceType::CUDA));
 }
 
+void NeighbourExchange::gather_fallback(const PG& pg, const TpConvPlan& p,
+                                        const at::Tensor& like, const at::Tensor& send_left,
+                                        const at::Tensor& send_right, int64_t recv_left_width,
+                                        int64_t recv_right_width, int64_t leftward,
+                                        int64_t rightward) {
+  const int64_t d = p.dim, n = pg->getSize();
+  at::Tensor mine = at::zeros(slab_shape(like, d, leftward + rightward), like.options());
+  if (send_left.defined()) unpack_slab(mine, d, 0, send_left.contiguous());
+  if (send_right.defined()) unpack_slab(mine, d, leftward, send_right.contiguous());
+  auto all_shape = mine.sizes().vec();
+  all_shape[0] *= n;
+  at::Tensor all = at::empty(all_shape, mine.options());
+  cplib::wait(all_gather_dim0(pg, all, mine));
+  const int64_t b = mine.size(0);
+  if (recv_left_width)
+    from_left = pack_slab(all.narrow(0, (p.rank - 1) * b, b), d, leftward, recv_left_width);
+  if (recv_right_width)
+    from_right = pack_slab(all.narrow(0, (p.rank + 1) * b, b), d, 0, recv_right_width);
+}
+
 void NeighbourExchange::wait() {
   for (auto& w : works_) cplib::wait(w);
   works_.clear();
@@ -122,7 +148,7 @@ std::unique_ptr<NeighbourExchange> exchange_input_halos(const PG& pg, const TpCo
   const at::Tensor right =
       p.send_right ? pack_slab(x, p.dim, p.width - p.send_right, p.send_right) : at::Tensor();
   return std::make_unique<NeighbourExchange>(pg, p, kTagInput, x, left, right, p.halo_left,
-                                             p.halo_right);
+                                             p.halo_right, p.rh, p.lh);
 }
 
 std::unique_ptr<NeighbourExchange> return_halo_grads(const PG& pg, const TpConvPlan& p,
@@ -130,7 +156,8 @@ std::unique_ptr<NeighbourExchange> return_halo_grads(const PG& pg, const TpConvP
                                                      const at::Tensor& grad_halo_left,
                                                      const at::Tensor& grad_halo_right) {
   return std::make_unique<NeighbourExchange>(pg, p, kTagGrad, like, grad_halo_left,
-                                             grad_halo_right, p.send_left, p.send_right);
+                                             grad_halo_right, p.send_left, p.send_right, p.lh,
+                                             p.rh);
 }
 
 }  // namespace cplib

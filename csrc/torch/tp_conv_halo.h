@@ -23,10 +23,13 @@ void unpack_slab(at::Tensor& t, int64_t dim, int64_t start, const at::Tensor& bu
 class NeighbourExchange {
  public:
   // send_* may be undefined (nothing to send that way); recv_*_width columns
-  // of `like`'s other sizes are received from each side (0: none).
+  // of `like`'s other sizes are received from each side (0: none). Every
+  // leftward message of this pass is `leftward` columns wide on the ranks that
+  // send one, every rightward one `rightward` (used by the gather fallback).
   NeighbourExchange(const PG& pg, const TpConvPlan& plan, int tag_base, const at::Tensor& like,
                     const at::Tensor& send_left, const at::Tensor& send_right,
-                    int64_t recv_left_width, int64_t recv_right_width);
+                    int64_t recv_left_width, int64_t recv_right_width, int64_t leftward,
+                    int64_t rightward);
   NeighbourExchange(const NeighbourExchange&) = delete;
   NeighbourExchange& operator=(const NeighbourExchange&) = delete;
   ~NeighbourExchange();
@@ -36,6 +39,13 @@ class NeighbourExchange {
  private:
   std::vector<WorkPtr> works_;
   std::vector<at::Tensor> keep_;  // buffers the backend reads or writes
+  // Python-implemented groups (torch's threaded test group) have no send/recv:
+  // every rank all-gathers [leftward | rightward] slabs and keeps its
+  // neighbours' parts (O(N) traffic; for tests, e.g. several ranks on one GPU).
+  void gather_fallback(const PG& pg, const TpConvPlan& p, const at::Tensor& like,
+                       const at::Tensor& send_left, const at::Tensor& send_right,
+                       int64_t recv_left_width, int64_t recv_right_width, int64_t leftward,
+                       int64_t rightward);
 };
 
 // Forward pass: the input columns the neighbours need (send_left/right of x)

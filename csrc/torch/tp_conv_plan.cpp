@@ -103,6 +103,8 @@ TpConvPlan make_tp_conv_plan(const at::Tensor& x, const at::Tensor& w,
   p.send_left = first ? 0 : rh;
   p.send_right = last ? 0 : lh;
   p.halo = halo;
+  p.lh = lh;
+  p.rh = rh;
   p.patched = p.left == p.right && p.width >= halo;
   TORCH_CHECK_VALUE(p.width >= std::max(p.send_left, p.send_right), "cplib.tp_conv: local width ",
                     p.width, " along shard_dim=", p.dim, " on rank ", rank,

@@ -22,6 +22,7 @@ struct TpConvPlan {
   int64_t halo_left = 0, halo_right = 0;  // of which come from the neighbours
   int64_t send_left = 0, send_right = 0;  // columns sent to the left / right neighbour
   int64_t halo = 0;                       // dilation * (kernel - 1) along dim
+  int64_t lh = 0, rh = 0;                 // halo columns a window needs left / right
   // left == right and the shard is at least a window wide: convolve x itself
   // with padding `left` and recompute only the border columns from small
   // [halo | edge] slabs (no copy of x). Otherwise convolve the extended copy.
