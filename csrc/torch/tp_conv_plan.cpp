@@ -1,6 +1,6 @@
 #include "tp_conv_plan.h"
 
-#include <string>
+#include <algorithm>
 
 #include "checks.h"
 
