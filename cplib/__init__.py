@@ -39,6 +39,7 @@ ContextParallel = _ContextParallel
 RotateMethod = _RotateMethod
 enable_context_parallel_dispatcher = _enable_context_parallel_dispatcher
 disable_context_parallel_dispatcher = _disable_context_parallel_dispatcher
+from ._tp_conv import disable_dtensor_conv, enable_dtensor_conv, tp_conv
 
 __version__ = "0.1.0"
 
@@ -74,6 +75,9 @@ __all__ = [
     "enable_context_parallel_dispatcher",
     "merge_partial_",
     "ring_sdpa",
+    "tp_conv",
+    "enable_dtensor_conv",
+    "disable_dtensor_conv",
     "_create_cp_block_mask",
     "create_cp_block_mask",
     "shard",

@@ -184,8 +184,7 @@ class _PTRRLoadBalancer(_LoadBalancer):
         n = process_time.numel()
         if n % group_size != 0:
             raise NotImplementedError(
-                f"cplib: PTRR needs the number of tasks ({n}) to be divisible by "
-                f"group_size ({group_size})"
+                f"cplib: PTRR num_tasks {n} must be divisible by group_size {group_size}"
             )
         order = torch.sort(process_time, descending=True, stable=True).indices
         rounds = order.view(-1, group_size).clone()

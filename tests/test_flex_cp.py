@@ -388,10 +388,6 @@ def test_small_sequence_raises_not_implemented(ranks):
     assert msgs[0] == msgs[1] and len(msgs[0]) == 3
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "cplib._load_balancer._PTRRLoadBalancer (front-end branch) words its error "
-    "'needs the number of tasks (1) to be divisible by group_size (2)', not torch's "
-    "'must be divisible by group_size' that issue 5 requires; a one-line fix there"))
 def test_small_sequence_ptrr_message(ranks):
     msg, = ranks(WORLD).run(_check_small_sequence_errors, ("ptrr",))[0]
     assert "must be divisible by group_size" in msg, msg

@@ -41,6 +41,7 @@ std::vector<at::Tensor> rank_chunks(at::Tensor& flat, int64_t n) {
 
 }  // namespace
 
+
 WorkPtr all_gather_dim0(const PG& pg, at::Tensor& out, at::Tensor& in) {
   if (python_group(pg)) {
     std::vector<std::vector<at::Tensor>> outs{rank_chunks(out, pg->getSize())};

@@ -18,7 +18,8 @@ using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 PG resolve_group(std::string_view group_name);
 
 // Groups implemented in Python (the threaded test group) only see the
-// list-form collectives, the split all-to-all, send and recv from C++.
+// list-form collectives and the split all-to-all from C++; torch's threaded
+// group has no send/recv.
 bool python_group(const PG& pg);
 
 // Collectives on dim 0 of contiguous buffers; each returns its Work unwaited.
