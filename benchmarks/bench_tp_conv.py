@@ -13,21 +13,17 @@ thread per rank), against
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import socket
-import statistics
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import machine, plot, print_table, timeit, write_json  # noqa: E402
+from common import (  # noqa: E402
+    interleaved, machine, plot, print_table, run_on_ranks, timeit, write_json)
 
 NAME = "bench_tp_conv"
 
@@ -39,46 +35,27 @@ def _fwd_bwd(conv):
     return run
 
 
-def _interleaved(fns: dict, iters: int) -> dict:
-    """Median seconds of each fn, measured round-robin (one run of each per
-    round, ranks aligned by a barrier) so that load changes on a shared
-    machine hit every variant alike."""
-    times = {k: [] for k in fns}
-    for _ in range(iters + 1):  # the first round is warm-up
-        for k, fn in fns.items():
-            times[k].append(timeit(fn, warmup=0, iters=1, sync=dist.barrier))
-    return {k: statistics.median(v[1:]) for k, v in times.items()}
-
-
-def _worker(rank: int, n: int, port: int, args, results) -> None:
+def _rank_bench(args) -> dict:
     import cplib
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=n,
-                            timeout=datetime.timedelta(seconds=600))
-    try:
-        c, b, h, w_full = args.channels, args.batch, args.height, args.width
-        g = torch.Generator().manual_seed(0)
-        x_full = torch.randn(b, c, h, w_full, generator=g)
-        weight = (torch.randn(c, c, 3, 3, generator=g) * 0.05).requires_grad_(True)
-        bias = torch.zeros(c, requires_grad=True)
-        x = x_full.chunk(n, -1)[rank].contiguous().requires_grad_(True)
-        name = dist.group.WORLD.group_name
-        tp = lambda: cplib.tp_conv(x, weight, bias, padding=1, group=name)  # noqa: E731
-        local = lambda: F.conv2d(x, weight, bias, padding=1)  # noqa: E731
-        fns = {"tp_conv": _fwd_bwd(tp), "local_shard": _fwd_bwd(local),
-               "tp_conv_fwd": lambda: tp(), "local_shard_fwd": lambda: local()}
-        torch_fwd, torch_note = _torch_dtensor_forward(x_full, weight, bias, n)
-        if torch_fwd is not None:
-            fns["torch_dtensor_fwd"] = torch_fwd
-        row = {"rank": rank, "local_shape": list(x.shape), "torch_dtensor_note": torch_note}
-        row.update(_interleaved(fns, args.iters))
-        results.put((rank, row))
-    except BaseException:
-        results.put((rank, {"error": traceback.format_exc()}))
-    finally:
-        dist.destroy_process_group()
+    rank, n = dist.get_rank(), dist.get_world_size()
+    c, b, h, w_full = args.channels, args.batch, args.height, args.width
+    g = torch.Generator().manual_seed(0)
+    x_full = torch.randn(b, c, h, w_full, generator=g)
+    weight = (torch.randn(c, c, 3, 3, generator=g) * 0.05).requires_grad_(True)
+    bias = torch.zeros(c, requires_grad=True)
+    x = x_full.chunk(n, -1)[rank].contiguous().requires_grad_(True)
+    name = dist.group.WORLD.group_name
+    tp = lambda: cplib.tp_conv(x, weight, bias, padding=1, group=name)  # noqa: E731
+    local = lambda: F.conv2d(x, weight, bias, padding=1)  # noqa: E731
+    fns = {"tp_conv": _fwd_bwd(tp), "local_shard": _fwd_bwd(local),
+           "tp_conv_fwd": lambda: tp(), "local_shard_fwd": lambda: local()}
+    torch_fwd, torch_note = _torch_dtensor_forward(x_full, weight, bias, n)
+    if torch_fwd is not None:
+        fns["torch_dtensor_fwd"] = torch_fwd
+    row = {"rank": rank, "local_shape": list(x.shape), "torch_dtensor_note": torch_note}
+    row.update(interleaved(fns, args.iters, sync=dist.barrier))
+    return row
 
 
 def _torch_dtensor_forward(x_full, weight, bias, n):
@@ -128,20 +105,7 @@ def main() -> None:
     args = ap.parse_args()
     n = args.ranks
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, n, port, args, results)) for r in range(n)]
-    for p in procs:
-        p.start()
-    rows = dict(results.get() for _ in range(n))
-    for p in procs:
-        p.join()
-    for r, row in rows.items():
-        if "error" in row:
-            sys.exit(f"rank {r} failed:\n{row['error']}")
+    rows = run_on_ranks(n, _rank_bench, args)
     full = _time_full(args)  # alone, after the ranks are done: no core contention
 
     table = []

@@ -97,3 +97,60 @@ def plot(name: str, title: str, xlabel: str, ylabel: str,
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def interleaved(fns: dict[str, Callable[[], Any]], iters: int,
+                sync: Callable[[], None] | None = None) -> dict[str, float]:
+    """Median seconds of each fn, measured round-robin (one run of each per
+    round, after one warm-up round) so that load changes on a shared machine
+    hit every variant alike."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(iters + 1):
+        for k, fn in fns.items():
+            times[k].append(timeit(fn, warmup=0, iters=1, sync=sync))
+    return {k: statistics.median(v[1:]) for k, v in times.items()}
+
+
+def _rank_main(rank: int, n: int, port: int, timeout_s: float, fn, args, results) -> None:
+    import traceback
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=n,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        results.put((rank, True, fn(*args)))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_ranks(n: int, fn: Callable[..., Any], *args: Any,
+                 timeout_s: float = 1800) -> list[Any]:
+    """Runs module-level ``fn(*args)`` on ``n`` fresh gloo ranks over loopback
+    (one intra-op thread each) and returns the per-rank results; exits with
+    every failing rank's traceback."""
+    import socket
+    import sys
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(r, n, port, timeout_s, fn, args, results))
+             for r in range(n)]
+    for p in procs:
+        p.start()
+    got = [results.get() for _ in procs]
+    for p in procs:
+        p.join()
+    errors = [f"rank {r} failed:\n{payload}" for r, ok, payload in sorted(got) if not ok]
+    if errors:
+        sys.exit("\n".join(errors))
+    return [payload for _, _, payload in sorted(got, key=lambda t: t[0])]
