@@ -28,6 +28,8 @@ B, H, D = 1, 8, 64
 S = int(os.environ.get("CPLIB_BENCH_SEQ", "8192"))
 ITERS = int(os.environ.get("CPLIB_BENCH_ITERS", "3"))
 ROTATIONS = ["p2p", "alltoall", "allgather"]
+WORLDS = [int(x) for x in os.environ.get("CPLIB_BENCH_WORLDS", "2,4").split(",")]
+WITH_TORCH = os.environ.get("CPLIB_BENCH_TORCH", "1") == "1"
 
 
 def _shard(t, rank, n, lb):
@@ -67,6 +69,19 @@ def _torch_step(q, k, v, causal, lb, rotate):
             torch.ones_like(out), "grad_out", q, k, v, out, lse, causal, dropout_p=0.0)
 
 
+def _cpu_seconds(fn, iters):
+    """Median CPU seconds of this process (all its threads) per call: on a
+    shared, oversubscribed machine this is the work a rank does, free of the
+    time it waits for a core."""
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        t0 = time.process_time()
+        fn()
+        times.append(time.process_time() - t0)
+    return sorted(times)[len(times) // 2]
+
+
 def _time_rank(impl, causal, lb, rotate):
     rank, n = dist.get_rank(), dist.get_world_size()
     q, k, v = _inputs(rank, n, lb)
@@ -74,9 +89,10 @@ def _time_rank(impl, causal, lb, rotate):
     try:
         t = timeit(lambda: step(q, k, v, causal, lb, rotate), warmup=1, iters=ITERS,
                    sync=dist.barrier)
+        cpu = _cpu_seconds(lambda: step(q, k, v, causal, lb, rotate), ITERS)
     except Exception as exc:  # torch's ring may not run: report why
         return f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
-    return t
+    return t, cpu
 
 
 def _rss_kib(field: str) -> int:
@@ -137,7 +153,13 @@ def _single_full(causal):
     def step():
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         out.backward(torch.ones_like(out))
-    return timeit(step, warmup=1, iters=ITERS)
+    wall = timeit(step, warmup=1, iters=ITERS)
+    cpu = []
+    for _ in range(ITERS):
+        t0 = time.process_time()
+        step()
+        cpu.append(time.process_time() - t0)
+    return wall, sorted(cpu)[len(cpu) // 2]
 
 
 def main() -> None:
@@ -149,39 +171,43 @@ def main() -> None:
     torch.set_num_threads(threads)
     rows, payload = [], {"B": B, "H": H, "S": S, "D": D, "dtype": "float32", "rows": []}
     modes = [("causal+lb", True, True), ("non-causal", False, False)]
-    for n in (2, 4):
+    for n in WORLDS:
         # torch's rotater has no send/recv method: only alltoall and allgather.
         jobs = [(_time_rank, (impl, c, lb, rot)) for _, c, lb in modes for rot in ROTATIONS
-                for impl in ("cplib", "torch") if impl == "cplib" or rot != "p2p"]
+                for impl in ("cplib", "torch")
+                if impl == "cplib" or (WITH_TORCH and rot != "p2p")]
         per_rank = _run(n, jobs)
         for j, (fn, (impl, c, lb, rot)) in enumerate(jobs):
             vals = [r[j] for r in per_rank]
             mode = "causal+lb" if c else "non-causal"
-            ideal = single[c] / n
+            ideal, ideal_cpu = single[c][0] / n, single[c][1] / n
             if any(isinstance(x, str) for x in vals):
                 err = next(x for x in vals if isinstance(x, str))
-                rows.append((n, mode, rot, impl, err, ideal, "-"))
+                rows.append((n, mode, rot, impl, err, ideal, "-", "-", ideal_cpu, "-"))
                 continue
-            t = max(vals)
-            rows.append((n, mode, rot, impl, t, ideal, t / ideal))
+            t, cpu = max(x[0] for x in vals), max(x[1] for x in vals)
+            rows.append((n, mode, rot, impl, t, ideal, t / ideal, cpu, ideal_cpu, cpu / ideal_cpu))
             payload["rows"].append(dict(n=n, mode=mode, rotate=rot, impl=impl, seconds=t,
-                                        ideal=ideal, ratio=t / ideal))
+                                        ideal=ideal, ratio=t / ideal, cpu_seconds=cpu,
+                                        ideal_cpu=ideal_cpu, cpu_ratio=cpu / ideal_cpu))
     print_table(f"ring fwd+bwd per rank, B={B} H={H} S={S} D={D} fp32, 1 thread/rank "
-                f"(single-process full: causal {single[True]:.3f}s, non-causal "
-                f"{single[False]:.3f}s)",
-                ["N", "mode", "rotate", "impl", "s/rank", "ideal s", "ratio"], rows)
+                f"(single-process full wall/cpu: causal {single[True][0]:.3f}/{single[True][1]:.3f}s, "
+                f"non-causal {single[False][0]:.3f}/{single[False][1]:.3f}s)",
+                ["N", "mode", "rotate", "impl", "wall s/rank", "ideal wall", "ratio",
+                 "cpu s/rank", "ideal cpu", "cpu ratio"], rows)
     mem_rows = []
-    for rot in ROTATIONS:
+    for rot in ROTATIONS if os.environ.get("CPLIB_BENCH_MEMORY", "1") == "1" else []:
         peaks = _run(4, [(_peak_memory, (rot,))])
         mem_rows.append((rot, max(p[0] for p in peaks)))
-    ag = dict(mem_rows)["allgather"]
+    ag = dict(mem_rows).get("allgather", float("nan"))
     mem_rows = [(r, m, m / ag) for r, m in mem_rows]
-    print_table(f"peak memory per rank beyond the inputs, N=4, causal+lb fwd+bwd (MiB)",
-                ["rotate", "MiB", "vs allgather"], mem_rows)
+    if mem_rows:
+        print_table("peak memory per rank beyond the inputs, N=4, causal+lb fwd+bwd (MiB)",
+                    ["rotate", "MiB", "vs allgather"], mem_rows)
     payload["single_full"] = single
     payload["memory_mib"] = {r: m for r, m, _ in mem_rows}
     write_json("bench_ring_cpu", payload)
-    ok = [r for r in payload["rows"] if r["impl"] == "cplib" and r["n"] == 2]
+    ok = [r for r in payload["rows"] if r["impl"] == "cplib" and r["n"] == WORLDS[0]]
     plot("bench_ring_cpu", f"cplib ring fwd+bwd / ideal (S={S})", "config", "time / ideal",
          {rot: (list(range(len([r for r in ok if r["rotate"] == rot]))),
                 [r["ratio"] for r in ok if r["rotate"] == rot]) for rot in ROTATIONS}, kind="bar")

@@ -31,6 +31,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_backward_cpu(
     const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, bool causal);
 
 #ifdef CPLIB_WITH_CUDA
+// The backend every block of this ring uses: `backend` itself, or for auto
+// the one scaled_dot_product_attention would pick for the local shapes (so
+// torch.nn.attention.sdpa_kernel is honoured). Raises NotImplementedError
+// when only the math backend would do.
+int64_t resolve_backend_cuda(int64_t backend, const at::Tensor& q, const at::Tensor& k,
+                             const at::Tensor& v, bool causal, std::optional<double> scale);
 BlockResult block_forward_cuda(const Config& cfg, const at::Tensor& q, const at::Tensor& k,
                                const at::Tensor& v, bool causal);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> block_backward_cuda(

@@ -18,15 +18,9 @@
 namespace cplib::ring {
 namespace {
 
-int64_t pick_backend(const Config& cfg, const at::Tensor& q, const at::Tensor& k,
-                     const at::Tensor& v, bool causal) {
-  if (cfg.backend != kBackendAuto) return cfg.backend;
-  const int64_t b = at::_fused_sdp_choice(q, k, v, std::nullopt, 0.0, causal, cfg.scale, false);
-  TORCH_CHECK_NOT_IMPLEMENTED(b == kBackendFlash || b == kBackendEfficient || b == kBackendCudnn,
-                              "cplib.ring_sdpa: no fused SDPA backend returning a log-sum-exp "
-                              "accepts these inputs (dtype ", q.scalar_type(), ", head dim ",
-                              q.size(3), "); scaled_dot_product_attention would pick backend ", b);
-  return b;
+int64_t pick_backend(const Config& cfg) {
+  TORCH_CHECK(cfg.backend != kBackendAuto, "cplib.ring_sdpa: backend not resolved");
+  return cfg.backend;
 }
 
 at::Tensor philox_placeholder(const at::Tensor& like) {
@@ -38,10 +32,27 @@ constexpr int64_t kEfficientLseAlign = 32;
 
 }  // namespace
 
+int64_t resolve_backend_cuda(int64_t backend, const at::Tensor& q, const at::Tensor& k,
+                             const at::Tensor& v, bool causal, std::optional<double> scale) {
+  if (backend != kBackendAuto) return backend;
+  // The blocks see k/v expanded to q's heads: ask about that shape (a
+  // stride-0 view, no copy).
+  auto as_q_heads = [&q](const at::Tensor& t) {
+    return t.narrow(1, 0, 1).expand({t.size(0), q.size(1), t.size(2), t.size(3)});
+  };
+  const int64_t b = at::_fused_sdp_choice(q, as_q_heads(k), as_q_heads(v), std::nullopt, 0.0,
+                                          causal, scale, false);
+  TORCH_CHECK_NOT_IMPLEMENTED(b == kBackendFlash || b == kBackendEfficient || b == kBackendCudnn,
+                              "cplib.ring_sdpa: no fused SDPA backend returning a log-sum-exp "
+                              "accepts these inputs (dtype ", q.scalar_type(), ", head dim ",
+                              q.size(3), "); scaled_dot_product_attention would pick backend ", b);
+  return b;
+}
+
 BlockResult block_forward_cuda(const Config& cfg, const at::Tensor& q, const at::Tensor& k,
                                const at::Tensor& v, bool causal) {
   const int64_t Lq = q.size(2);
-  switch (pick_backend(cfg, q, k, v, causal)) {
+  switch (pick_backend(cfg)) {
     case kBackendFlash: {
       auto r = at::_scaled_dot_product_flash_attention(q, k, v, 0.0, causal, false, cfg.scale);
       return {std::get<0>(r), std::get<1>(r)};
@@ -67,7 +78,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_backward_cuda(
   // Strided lse rows give wrong gradients in these kernels (upstream's note).
   const at::Tensor go = grad_out.contiguous(), o = out.contiguous();
   const at::Tensor seed = philox_placeholder(q), offset = philox_placeholder(q);
-  switch (pick_backend(cfg, q, k, v, causal)) {
+  switch (pick_backend(cfg)) {
     case kBackendFlash:
       return at::_scaled_dot_product_flash_attention_backward(
           go, q, k, v, o, lse.contiguous(), at::Tensor(), at::Tensor(), Lq, Lk, 0.0, causal, seed,

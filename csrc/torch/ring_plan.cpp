@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "ring.h"
+#include "ring_block.h"
 
 namespace cplib::ring {
 
@@ -71,6 +72,10 @@ Config check_args(const char* op, const at::Tensor& q, const at::Tensor& k, cons
   cfg.load_balanced = load_balanced;
   cfg.scale = scale;
   cfg.backend = backend;
+#ifdef CPLIB_WITH_CUDA
+  // Chosen once, before any communication, so every rank fails alike.
+  if (q.is_cuda()) cfg.backend = resolve_backend_cuda(backend, q, k, v, is_causal, scale);
+#endif
   cfg.rotate = static_cast<Rotate>(rotate);
   cfg.groups = q.size(1) / k.size(1);
   return cfg;
