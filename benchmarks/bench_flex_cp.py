@@ -21,20 +21,15 @@ barrier), so load changes on a shared machine hit every variant alike.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import socket
-import statistics
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import machine, plot, print_table, timeit, write_json  # noqa: E402
+from common import interleaved, machine, plot, print_table, run_on_ranks, write_json  # noqa: E402
 
 NAME = "bench_flex_cp"
 
@@ -64,14 +59,6 @@ class _Model(nn.Module):
 def _inputs(args, S: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(S)
     return [torch.randn(args.batch, args.heads, S, args.dim, generator=g) for _ in range(3)]
-
-
-def _interleaved(fns: dict, iters: int, sync) -> dict:
-    times: dict = {k: [] for k in fns}
-    for _ in range(iters + 1):  # the first round is warm-up
-        for k, fn in fns.items():
-            times[k].append(timeit(fn, warmup=0, iters=1, sync=sync))
-    return {k: statistics.median(v[1:]) for k, v in times.items()}
 
 
 def _cp_variant(lib, mesh, args, S: int, balanced: bool):
@@ -115,41 +102,33 @@ def _parts(cplib, mesh, args, S: int) -> dict:
             "cplib_allgather_only": lambda: cplib.flex_cp_allgather(k, v, 2, group)}
 
 
-def _worker(rank: int, n: int, port: int, args, results) -> None:
+def _rank_bench(args) -> list[dict]:
     import cplib
     import torch.distributed.tensor.experimental._context_parallel._attention as torch_cp
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.experimental._context_parallel import _load_balancer
 
-    torch.set_num_threads(1)
     torch._dynamo.config.recompile_limit = 64
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=n,
-                            timeout=datetime.timedelta(seconds=900))
-    try:
-        mesh = DeviceMesh("cpu", list(range(n)))
-        torch_lib = argparse.Namespace(
-            _HeadTailLoadBalancer=_load_balancer._HeadTailLoadBalancer,
-            _context_parallel_shard=torch_cp._context_parallel_shard,
-            _ContextParallel=torch_cp._ContextParallel)
-        rows = []
-        for S in args.seqs:
-            fns = {"cplib": _cp_variant(cplib, mesh, args, S, False),
-                   "cplib_head_tail": _cp_variant(cplib, mesh, args, S, True)}
-            note = ""
-            try:
-                fns["torch_head_tail"] = _cp_variant(torch_lib, mesh, args, S, True)
-            except Exception as exc:  # torch's prototype may not run on CPU/gloo
-                note = f"torch flex CP failed: {type(exc).__name__}: {exc}"[:300]
-            fns.update(_parts(cplib, mesh, args, S))
-            row = {"S": S, "torch_note": note}
-            row.update(_interleaved(fns, args.iters, dist.barrier))
-            rows.append(row)
-        results.put((rank, rows))
-    except BaseException:
-        results.put((rank, {"error": traceback.format_exc()}))
-    finally:
-        dist.destroy_process_group()
+    n = dist.get_world_size()
+    mesh = DeviceMesh("cpu", list(range(n)))
+    torch_lib = argparse.Namespace(
+        _HeadTailLoadBalancer=_load_balancer._HeadTailLoadBalancer,
+        _context_parallel_shard=torch_cp._context_parallel_shard,
+        _ContextParallel=torch_cp._ContextParallel)
+    rows = []
+    for S in args.seqs:
+        fns = {"cplib": _cp_variant(cplib, mesh, args, S, False),
+               "cplib_head_tail": _cp_variant(cplib, mesh, args, S, True)}
+        note = ""
+        try:
+            fns["torch_head_tail"] = _cp_variant(torch_lib, mesh, args, S, True)
+        except Exception as exc:  # torch's prototype may not run on CPU/gloo
+            note = f"torch flex CP failed: {type(exc).__name__}: {exc}"[:300]
+        fns.update(_parts(cplib, mesh, args, S))
+        row = {"S": S, "torch_note": note}
+        row.update(interleaved(fns, args.iters, dist.barrier))
+        rows.append(row)
+    return rows
 
 
 def main() -> None:
@@ -162,21 +141,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=5)
     args = p.parse_args()
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, args.ranks, port, args, results))
-             for r in range(args.ranks)]
-    for proc in procs:
-        proc.start()
-    per_rank = dict(results.get() for _ in procs)
-    for proc in procs:
-        proc.join()
-    errors = [v["error"] for v in per_rank.values() if isinstance(v, dict)]
-    if errors:
-        sys.exit("\n".join(errors))
+    per_rank = dict(enumerate(run_on_ranks(args.ranks, _rank_bench, args, timeout_s=900)))
 
     n = args.ranks
     columns = ["S", "full 1 proc (ms)", "ideal full/N (ms)", "cplib CP (ms)",

@@ -11,18 +11,16 @@ inputs for the three rotations at N = 4.
 
 from __future__ import annotations
 
-import datetime
 import os
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import machine, plot, print_table, timeit, write_json  # noqa: E402
+from common import machine, plot, print_table, run_on_ranks, timeit, write_json  # noqa: E402
 
 B, H, D = 1, 8, 64
 S = int(os.environ.get("CPLIB_BENCH_SEQ", "8192"))
@@ -118,31 +116,12 @@ def _peak_memory(rotate):
     return (_rss_kib("VmHWM") - base) / 1024.0
 
 
-def _worker(rank, n, port, jobs, results):
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=n,
-                            timeout=datetime.timedelta(seconds=1800))
-    try:
-        results.put((rank, [fn(*args) for fn, args in jobs]))
-    finally:
-        dist.destroy_process_group()
+def _run_jobs(jobs):
+    return [fn(*args) for fn, args in jobs]
 
 
 def _run(n, jobs):
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, n, port, jobs, results)) for r in range(n)]
-    for p in procs:
-        p.start()
-    got = dict(results.get() for _ in range(n))
-    for p in procs:
-        p.join()
-    return [got[r] for r in range(n)]
+    return run_on_ranks(n, _run_jobs, jobs)
 
 
 def _single_full(causal):
