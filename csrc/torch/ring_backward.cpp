@@ -14,7 +14,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
     const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse) {
   const int64_t Lq = q.size(2), Lk = k.size(2);
   const auto acc_opts = q.options().dtype(acc_dtype(q));
-  at::Tensor dq = at::zeros(q.sizes(), acc_opts);
+  at::Tensor dq;  // step 0 (the local block, every row) initialises it
 
   BlockRing ring(cfg, pack_kv(k, v));
   GradRing grads(cfg, k.numel() + v.numel(), acc_opts);
@@ -30,7 +30,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
       std::tie(gq, gk, gv) = block_backward(
           cfg, rows(grad_out), rows(q), expand_k(kb.narrow(2, s.kv_start, s.kv_len)),
           expand_v(vb.narrow(2, s.kv_start, s.kv_len)), rows(out), rows(lse), s.causal);
-      rows(dq).add_(gq);
+      if (i == 0) {
+        dq = gq.to(acc_opts.dtype()).contiguous();  // the kernel's gq is (B, L, H, D)-strided
+      } else {
+        rows(dq).add_(gq);
+      }
     }
     // Computing first lets the accumulator's arrival overlap the block backward.
     at::Tensor acc = grads.at(i);
