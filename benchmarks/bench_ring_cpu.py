@@ -142,9 +142,6 @@ def _single_full(causal):
 
 
 def main() -> None:
-    # Every large buffer gets its own mapping, so RSS tracks live memory
-    # (inherited by the spawned ranks).
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     threads = torch.get_num_threads()
     single = {c: _single_full(c) for c in (True, False)}
     torch.set_num_threads(threads)
@@ -175,9 +172,20 @@ def main() -> None:
                 ["N", "mode", "rotate", "impl", "wall s/rank", "ideal wall", "ratio",
                  "cpu s/rank", "ideal cpu", "cpu ratio"], rows)
     mem_rows = []
-    for rot in ROTATIONS if os.environ.get("CPLIB_BENCH_MEMORY", "1") == "1" else []:
-        peaks = _run(4, [(_peak_memory, (rot,))])
-        mem_rows.append((rot, max(p[0] for p in peaks)))
+    # For the memory ranks only, every large buffer gets its own mapping, so
+    # RSS tracks live memory (spawned ranks inherit the environment). The
+    # timed ranks keep malloc's defaults, as the single-process baseline does.
+    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    try:
+        for rot in ROTATIONS if os.environ.get("CPLIB_BENCH_MEMORY", "1") == "1" else []:
+            peaks = _run(4, [(_peak_memory, (rot,))])
+            mem_rows.append((rot, max(p[0] for p in peaks)))
+    finally:
+        if saved is None:
+            os.environ.pop("MALLOC_MMAP_THRESHOLD_")
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
     ag = dict(mem_rows).get("allgather", float("nan"))
     mem_rows = [(r, m, m / ag) for r, m in mem_rows]
     if mem_rows:

@@ -78,3 +78,39 @@ def test_merge_opcheck():
     out, lse, blk_out, blk_lse, row0 = _case(torch.float32, torch.bfloat16)
     torch.library.opcheck(torch.ops.cplib_c.merge_partial_.default,
                           (out, lse, blk_out, blk_lse, row0))
+
+
+@pytest.mark.parametrize("blk_dtype", [torch.float32, torch.bfloat16])
+def test_merge_extreme_lse_gaps(blk_dtype):
+    # The vectorised exp/log1p: gaps from 0 to beyond float's exp range, both
+    # signs, ties, and -inf on either side or both, against fp64.
+    gaps = torch.tensor([0.0, 1e-7, 1e-3, 0.3466, 0.5, 1.0, 5.0, 17.0, 30.0, 86.9, 87.5, 100.0,
+                         1e4, torch.inf])
+    a = torch.cat([torch.zeros_like(gaps), -gaps, torch.full_like(gaps, 3.0)])
+    c = torch.cat([-gaps, torch.zeros_like(gaps), 3.0 - gaps])
+    a, c = torch.cat([a, c, torch.tensor([-torch.inf])]), torch.cat([c, a, torch.tensor([-torch.inf])])
+    R, D = a.numel(), 19
+    g = torch.Generator().manual_seed(5)
+    out = torch.randn(1, 1, R, D, generator=g)
+    blk_out = torch.randn(1, 1, R, D, generator=g, dtype=torch.float64).to(blk_dtype)
+    lse, blk_lse = a.view(1, 1, R).clone(), c.view(1, 1, R).clone()
+    ref_out, ref_lse = _reference(out, lse, blk_out, blk_lse, 0)
+    cplib.merge_partial_(out, lse, blk_out, blk_lse, 0)
+    assert_close(out.double(), ref_out, atol=2e-6, rtol=2e-6, what="merged out")
+    assert torch.equal(lse.isinf(), ref_lse.isinf()), "lse -inf pattern"
+    finite = ref_lse.isfinite()
+    # lse is near 0 where the max is 0: judge it at float resolution of O(1)
+    assert_close(lse.double()[finite], ref_lse[finite], atol=1e-7, rtol=2.5e-7, what="merged lse")
+
+
+@pytest.mark.parametrize("acc_dtype", [torch.float32, torch.float64])
+def test_merge_rows_across_chunks_and_threads(acc_dtype):
+    # 517 rows span three 256-row chunks with a ragged end; B*H*R*D is past
+    # the threshold where the rows are split across OpenMP threads.
+    out, lse, blk_out, blk_lse, row0 = _case(acc_dtype, acc_dtype, B=2, H=3, L=600, R=517, D=40,
+                                             row0=50, seed=7)
+    ref_out, ref_lse = _reference(out, lse, blk_out, blk_lse, row0)
+    cplib.merge_partial_(out, lse, blk_out, blk_lse, row0)
+    tol = 1e-12 if acc_dtype == torch.float64 else 2e-6
+    assert_close(out.double(), ref_out, atol=tol, rtol=tol, what="merged out")
+    assert_close(lse.double(), ref_lse, atol=tol, rtol=tol, what="merged lse")

@@ -17,16 +17,15 @@ std::tuple<at::Tensor, at::Tensor> ring_forward(const Config& cfg, const at::Ten
   at::Tensor out = at::empty({B, H, Lq, v.size(3)}, acc_opts);
   at::Tensor lse = at::empty({B, H, Lq}, acc_opts);
 
-  BlockRing ring(cfg, pack_kv(k, v));
+  BlockRing ring(cfg, {k.contiguous(), v.contiguous()});
   HeadExpander expand_k(cfg.groups, k), expand_v(cfg.groups, v);
   for (int64_t i = 0; i < cfg.size; ++i) {
-    at::Tensor blk = ring.fetch(i);
+    const KV blk = ring.fetch(i);
     const Step s = plan_step(cfg, i, Lq, Lk);
     if (s.skip) continue;
-    auto [kb, vb] = unpack_kv(blk, k.sizes(), v.sizes());
     BlockResult r = block_forward(cfg, q.narrow(2, s.q_start, s.q_len),
-                                  expand_k(kb.narrow(2, s.kv_start, s.kv_len)),
-                                  expand_v(vb.narrow(2, s.kv_start, s.kv_len)), s.causal);
+                                  expand_k(blk[0].narrow(2, s.kv_start, s.kv_len)),
+                                  expand_v(blk[1].narrow(2, s.kv_start, s.kv_len)), s.causal);
     if (i == 0) {  // the local block covers every row: it initialises the accumulators
       out.copy_(r.out);
       lse.copy_(r.lse);
