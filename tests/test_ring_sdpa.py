@@ -151,9 +151,11 @@ def _bytes_for(rotate: str, hkv: int, backward: bool) -> int:
         out.sum().backward()
     sent = ops.ring_debug_bytes_sent(True)
     kv_block = 2 * b * hkv * s_local * d * 4  # k and v, float32, Hkv heads
-    if not backward:  # our block reaches the N-1 other ranks
+    if not backward:
         assert sent == (n - 1) * kv_block, (rotate, hkv, sent)
-    else:  # k/v again, then their gradient accumulators go N steps round the ring
+    elif rotate == "allgather":  # payloads: the gather, then the gradients reduce-scattered
+        assert sent == 2 * (n - 1) * kv_block, (rotate, hkv, sent)
+    else:  # k/v go N-1 steps, their gradient accumulators N
         assert sent == (n - 1) * kv_block + n * kv_block, (rotate, hkv, sent)
     return sent
 

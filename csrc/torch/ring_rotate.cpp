@@ -1,6 +1,7 @@
 // Ring rotation: "p2p" posts a send/recv pair per part and step, "alltoall"
 // one all-to-all per part whose only non-empty splits are the two
-// neighbours, "allgather" gathers every block up front.
+// neighbours, "allgather" gathers every block up front (and reduce-scatters
+// gradients at the end).
 #include "ring_rotate.h"
 
 #include <atomic>
@@ -93,14 +94,25 @@ void BlockRing::finish() { wait_all(pending_); }
 
 GradRing::GradRing(const Config& cfg, const at::Tensor& k, const at::Tensor& v,
                    at::ScalarType acc)
-    : cfg_(cfg) {
+    : cfg_(cfg), sizes_{k.sizes().vec(), v.sizes().vec()} {
   const auto opts = k.options().dtype(acc).memory_format(at::MemoryFormat::Contiguous);
-  buf_[0] = {at::empty(k.sizes(), opts), at::empty(v.sizes(), opts)};
+  if (cfg.rotate == Rotate::allgather && cfg.size > 1) {
+    for (int p = 0; p < 2; ++p) all_[p] = at::zeros(cfg.size * c10::multiply_integers(sizes_[p]), opts);
+    return;
+  }
+  buf_[0] = {at::empty(sizes_[0], opts), at::empty(sizes_[1], opts)};
   fresh_[0] = true;
   if (cfg.size > 1) buf_[1] = empty_like_kv(buf_[0]);
 }
 
 KV& GradRing::slot(int64_t i) {
+  if (all_[0].defined()) {
+    for (int p = 0; p < 2; ++p) {
+      const int64_t numel = all_[p].numel() / cfg_.size;
+      view_[p] = all_[p].narrow(0, source_rank(cfg_, i) * numel, numel).view(sizes_[p]);
+    }
+    return view_;
+  }
   wait_all(pending_);
   return buf_[i % 2];
 }
@@ -119,18 +131,26 @@ void GradRing::add(int64_t i, const at::Tensor& gk, const at::Tensor& gv, int64_
 }
 
 void GradRing::pass(int64_t i) {
-  if (cfg_.size == 1) return;
+  if (all_[0].defined() || cfg_.size == 1) return;
   KV& cur = slot(i);
   if (fresh_[i % 2]) {  // no step wrote it: nothing attended this block here
     for (auto& t : cur) t.zero_();
     fresh_[i % 2] = false;
   }
-  // "allgather" gathered k/v up front but passes gradients on like p2p:
-  // gloo's reduce-scatter of all N blocks costs far more than N-1 shifts.
   shift_kv(cfg_, cur, buf_[(i + 1) % 2], kGradTag, pending_);
 }
 
 KV GradRing::result() {
+  if (all_[0].defined()) {
+    KV own;
+    for (int p = 0; p < 2; ++p) {
+      own[p] = at::empty(sizes_[p], all_[p].options());
+      at::Tensor flat = own[p].view(-1);
+      g_bytes_sent += static_cast<int64_t>(all_[p].nbytes() - flat.nbytes());
+      wait(reduce_scatter_sum_dim0(cfg_.pg, flat, all_[p]));
+    }
+    return own;
+  }
   wait_all(pending_);
   if (cfg_.size == 1) return buf_[0];
   // After N passes the accumulator of our own block sits where step N would read.

@@ -38,8 +38,7 @@ class BlockRing {
 
 // Gradient accumulators (accumulator dtype) of the visiting blocks. The
 // accumulator of the block a rank holds at step i is handed on with it, so
-// after N steps each block's gradient is back on its owner (with every
-// rotation: "allgather" gathers k/v, not gradients). A rank's own
+// after N steps each block's gradient is back on its owner. A rank's own
 // accumulator starts as its first contribution, not as zeros.
 class GradRing {
  public:
@@ -56,8 +55,11 @@ class GradRing {
   KV& slot(int64_t i);  // step i's accumulator, once it has arrived
 
   const Config& cfg_;
+  std::array<std::vector<int64_t>, 2> sizes_;  // of k and v
   std::array<KV, 2> buf_;
   std::array<bool, 2> fresh_{false, false};  // allocated, not yet written
+  KV all_;  // allgather: every block's partial gradient, reduce-scattered at the end
+  KV view_;  // allgather: step i's block within all_
   std::vector<WorkPtr> pending_;
 };
 
