@@ -7,7 +7,7 @@ DEPS   := $(VENV)/.deps-installed
 EDIT   := $(VENV)/.cplib-editable
 NPROC  ?= 2
 
-.PHONY: all build demo test bench cuda-check clean
+.PHONY: all build demo test bench cuda-check cuda-build clean
 
 all: build
 
@@ -43,6 +43,21 @@ cuda-check:
 	  echo "nvcc -c $$f (sm_90)"; \
 	  nvcc -std=c++17 -arch=sm_90 -Icsrc/include -Xcompiler -Wall,-Wextra -c $$f -o /dev/null || exit 1; \
 	done
+
+# The whole extension built with CUDA against a CUDA build of torch, in its
+# own venv and build folder (the CPU .venv and cplib/_C*.so are untouched).
+# Compiling needs no GPU; CUDA_HOME defaults to /usr/local/cuda, and the
+# headers torch's CUDA build pulls in (cuSPARSE, cuBLAS) come from its pip
+# nvidia-* packages.
+CUDA_VENV  := .venv-cuda
+CUDA_TORCH ?= torch==2.14.1
+cuda-build:
+	test -x $(CUDA_VENV)/bin/python || $(PYTHON) -m venv $(CUDA_VENV)
+	$(CUDA_VENV)/bin/pip install -q $(CUDA_TORCH) numpy==2.4.6 setuptools==84.2.1 ninja==1.13.2 wheel==0.45.1
+	NVINC=$$($(CUDA_VENV)/bin/python -c "import glob, os, sysconfig; print(':'.join(glob.glob(os.path.join(sysconfig.get_paths()['purelib'], 'nvidia', '*', 'include'))))"); \
+	CPATH="$$NVINC$${CPATH:+:$$CPATH}" CUDA_HOME=$${CUDA_HOME:-/usr/local/cuda} CPLIB_CUDA=1 MAX_JOBS=$(NPROC) \
+	  $(CUDA_VENV)/bin/python setup.py -q build_ext --build-lib build/cuda/lib --build-temp build/cuda/tmp
+	@ls -l build/cuda/lib/cplib/_C*.so
 
 clean:
 	rm -rf build cplib/_C*.so *.egg-info

@@ -5,7 +5,12 @@
 #include <c10/util/Exception.h>
 #include <torch/version.h>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+// torch 2.14 moved the Python group's header into c10d/py/.
+#if __has_include(<torch/csrc/distributed/c10d/py/PyProcessGroup.hpp>)
+#include <torch/csrc/distributed/c10d/py/PyProcessGroup.hpp>
+#else
 #include <torch/csrc/distributed/c10d/PyProcessGroup.hpp>
+#endif
 
 // torch 2.13 renamed _allgather_base/_reduce_scatter_base/alltoall_base and
 // kept the old names as deprecated aliases; the old names are the ones that
