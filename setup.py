@@ -61,12 +61,14 @@ class BuildExt(cpp_extension.BuildExtension):
 
 
 def _extension():
-    sources = _rel(glob.glob(os.path.join(ROOT, "csrc", "torch", "*.cpp")))
+    # csrc/torch/ is grouped by feature (ring/, conv/, comm/, ...); includes
+    # name the folder, relative to csrc/torch.
+    sources = _rel(glob.glob(os.path.join(ROOT, "csrc", "torch", "**", "*.cpp"), recursive=True))
     # torch picks the C++ standard its headers need (C++17 or C++20).
     cxx = [*OPT, "-fopenmp", "-Wall", "-Wextra", "-Wno-unused-parameter"]
     kwargs = dict(
         name="cplib._C",
-        include_dirs=[INCLUDE],
+        include_dirs=[INCLUDE, os.path.join(ROOT, "csrc", "torch")],
         extra_link_args=["-fopenmp"],
     )
     if _want_cuda():

@@ -11,7 +11,7 @@ __all__ = ["flex_cp_allgather"]
 
 
 def _check_pair(k: torch.Tensor, v: torch.Tensor, dim: int, op: str) -> None:
-    # Mirrors check_pair in csrc/torch/allgather.cpp so traced code fails the same way.
+    # Mirrors check_pair in csrc/torch/flex/allgather.cpp so traced code fails the same way.
     if k.dim() != v.dim():
         raise ValueError(
             f"cplib.{op}: k and v must have the same number of dimensions, "

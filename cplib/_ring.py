@@ -1,5 +1,5 @@
 """Fake kernels and autograd for ``cplib_c::ring_sdpa`` (ring attention over a
-process group, implemented in C++: csrc/torch/ring_*.cpp) and its Python
+process group, implemented in C++: csrc/torch/ring/) and its Python
 entry point ``ring_sdpa``."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from ._native import GroupLike, group_name_of, group_size, ops
 
 __all__ = ["ring_sdpa", "ROTATE_CODES", "BACKEND_CODES"]
 
-# Integer codes of the ops' `rotate` and `backend` arguments (see csrc/torch/ring.h).
+# Integer codes of the ops' `rotate` and `backend` arguments (see csrc/torch/ring/ring.h).
 ROTATE_CODES: dict[str, int] = {"p2p": 0, "alltoall": 1, "allgather": 2}
 # -1 = auto: chosen as scaled_dot_product_attention would (honours
 # torch.nn.attention.sdpa_kernel); the others are at::SDPBackend values.
@@ -29,7 +29,7 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _check(op: str, q, k, v, group_name: str, is_causal: bool, load_balanced: bool,
            scale: float | None, backend: int, rotate: int) -> None:
-    # Mirrors check_args in csrc/torch/ring_plan.cpp so traced code fails the same way.
+    # Mirrors check_args in csrc/torch/ring/ring_plan.cpp so traced code fails the same way.
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"cplib.{op}: expected q, k, v of shape (B, H, S_local, D), got q "
                          f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")

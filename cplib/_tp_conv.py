@@ -16,7 +16,7 @@ kernel span ``d*(k-1)+1``, padding 0): every local width must then be a
 multiple of ``s`` and no exchange is needed. Sharding the batch dim (0) needs
 no exchange at all, whatever the parameters. (How a rank computes its columns
 - convolving its input in place and patching the border columns, or one
-extended copy - is described in csrc/torch/tp_conv_impl.h and the README.)
+extended copy - is described in csrc/torch/conv/tp_conv_impl.h and the README.)
 
 Gradients. ``grad_input`` is exact: halo gradients are sent back and added to
 the neighbours' borders. ``grad_weight`` and ``grad_bias`` are this rank's

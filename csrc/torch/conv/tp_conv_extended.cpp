@@ -1,7 +1,7 @@
 // tp_convolution on the extended copy of the local input (asymmetric halos,
 // or shards narrower than a window).
-#include "tp_conv_halo.h"
-#include "tp_conv_impl.h"
+#include "conv/tp_conv_halo.h"
+#include "conv/tp_conv_impl.h"
 
 namespace cplib {
 namespace {

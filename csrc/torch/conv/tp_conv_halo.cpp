@@ -1,7 +1,7 @@
-#include "tp_conv_halo.h"
+#include "conv/tp_conv_halo.h"
 
 #include "cplib/halo.h"
-#include "dtype.h"
+#include "common/dtype.h"
 
 #ifdef CPLIB_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>

@@ -2,8 +2,8 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include "checks.h"
-#include "comm.h"
+#include "common/checks.h"
+#include "comm/comm.h"
 
 namespace cplib {
 namespace {

@@ -4,8 +4,8 @@
 #include <torch/library.h>
 
 #include "cplib/merge.h"
-#include "dtype.h"
-#include "merge_op.h"
+#include "common/dtype.h"
+#include "merge/merge_op.h"
 
 #ifdef CPLIB_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>

@@ -2,8 +2,8 @@
 // meet which rows of the visiting k/v block).
 #include <cmath>
 
-#include "ring.h"
-#include "ring_block.h"
+#include "ring/ring.h"
+#include "ring/ring_block.h"
 
 namespace cplib::ring {
 

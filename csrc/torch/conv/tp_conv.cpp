@@ -6,9 +6,9 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include "comm.h"
-#include "tp_conv_impl.h"
-#include "tp_conv_plan.h"
+#include "comm/comm.h"
+#include "conv/tp_conv_impl.h"
+#include "conv/tp_conv_plan.h"
 
 namespace cplib {
 namespace {

@@ -10,7 +10,7 @@
 
 #include <ATen/ATen.h>
 
-#include "ring.h"
+#include "ring/ring.h"
 
 namespace cplib::ring {
 

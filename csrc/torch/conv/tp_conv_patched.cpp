@@ -3,8 +3,8 @@
 // the `left` / `right` border output columns whose windows reach into a
 // neighbour; those are recomputed from small [halo | edge] slabs. The main
 // convolution overlaps the halo exchange.
-#include "tp_conv_halo.h"
-#include "tp_conv_impl.h"
+#include "conv/tp_conv_halo.h"
+#include "conv/tp_conv_impl.h"
 
 namespace cplib {
 namespace {

@@ -1,4 +1,4 @@
-#include "ring_heads.h"
+#include "ring/ring_heads.h"
 
 namespace cplib::ring {
 

@@ -2,10 +2,10 @@
 // block backward with the merged global (out, lse), dQ accumulates locally and
 // the block's dK/dV accumulator travels with it, so after N steps every
 // block's gradient is back on its owner. All accumulation is fp32 (fp64).
-#include "ring_block.h"
-#include "ring_forward.h"
-#include "ring_heads.h"
-#include "ring_rotate.h"
+#include "ring/ring_block.h"
+#include "ring/ring_forward.h"
+#include "ring/ring_heads.h"
+#include "ring/ring_rotate.h"
 
 namespace cplib::ring {
 

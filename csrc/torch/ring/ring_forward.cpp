@@ -1,12 +1,12 @@
 // Ring attention forward: each step attends the local q to the visiting k/v
 // block and merges the partial (out, lse) into fp32 (fp64) accumulators in
 // place, over just the rows the step touched.
-#include "ring_forward.h"
+#include "ring/ring_forward.h"
 
-#include "merge_op.h"
-#include "ring_block.h"
-#include "ring_heads.h"
-#include "ring_rotate.h"
+#include "merge/merge_op.h"
+#include "ring/ring_block.h"
+#include "ring/ring_heads.h"
+#include "ring/ring_rotate.h"
 
 namespace cplib::ring {
 

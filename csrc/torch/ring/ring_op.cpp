@@ -4,8 +4,8 @@
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <torch/library.h>
 
-#include "ring_forward.h"
-#include "ring_rotate.h"
+#include "ring/ring_forward.h"
+#include "ring/ring_rotate.h"
 
 namespace cplib::ring {
 namespace {

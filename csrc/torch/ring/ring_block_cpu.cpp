@@ -3,7 +3,7 @@
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu_backward.h>
 
-#include "ring_block.h"
+#include "ring/ring_block.h"
 
 namespace cplib::ring {
 

@@ -1,8 +1,8 @@
-#include "tp_conv_plan.h"
+#include "conv/tp_conv_plan.h"
 
 #include <algorithm>
 
-#include "checks.h"
+#include "common/checks.h"
 
 namespace cplib {
 namespace {

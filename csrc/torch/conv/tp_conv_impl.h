@@ -8,8 +8,8 @@
 
 #include <ATen/ATen.h>
 
-#include "comm.h"
-#include "tp_conv_plan.h"
+#include "comm/comm.h"
+#include "conv/tp_conv_plan.h"
 
 namespace cplib {
 

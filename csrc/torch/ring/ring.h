@@ -15,7 +15,7 @@
 
 #include <ATen/ATen.h>
 
-#include "comm.h"
+#include "comm/comm.h"
 
 namespace cplib::ring {
 

@@ -13,7 +13,7 @@
 #include <ATen/ops/_scaled_dot_product_flash_attention.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention_backward.h>
 
-#include "ring_block.h"
+#include "ring/ring_block.h"
 
 namespace cplib::ring {
 namespace {

@@ -2,11 +2,11 @@
 // one all-to-all per part whose only non-empty splits are the two
 // neighbours, "allgather" gathers every block up front (and reduce-scatters
 // gradients at the end).
-#include "ring_rotate.h"
+#include "ring/ring_rotate.h"
 
 #include <atomic>
 
-#include "ring_heads.h"
+#include "ring/ring_heads.h"
 
 namespace cplib::ring {
 
