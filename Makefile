@@ -61,3 +61,11 @@ cuda-build:
 
 clean:
 	rm -rf build cplib/_C*.so *.egg-info
+
+# The GPU check of issue 11 on a GPU machine: build with the system compiler,
+# the whole suite, the CUDA demo, the GPU benchmark and compute-sanitizer, in
+# one output folder ($OUT, else benchmarks/out/gpu-check/). Uses the
+# installed python3 and torch (no venv, no network).
+.PHONY: gpu-check
+gpu-check:
+	benchmarks/gpu/run.sh

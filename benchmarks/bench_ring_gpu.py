@@ -1,0 +1,533 @@
+"""Ring attention on one GPU shared by N ranks (torch's threaded process
+group), forward + backward, against the ideal and against torch's own context
+parallelism, measured in the same run (issue 12):
+
+- full SDPA: one full-sequence call on the fastest backend (flash, efficient
+  and cuDNN are each timed alone; the best sets the ideal). The N ranks' work
+  runs one after another on the one GPU, so t(ring) / t(full) is the ring's
+  whole overhead and 1.00 is ideal;
+- cplib.ring_sdpa per backend (flash, efficient, cuDNN, and auto) and per
+  rotation (p2p, alltoall, allgather);
+- torch's _templated_ring_attention forward and backward with its flash and
+  cuDNN ops (alltoall and allgather: torch has no send/recv rotation);
+- a GQA row (Hq=16, Hkv=4), and the CUDA merge kernel's bandwidth against a
+  device-to-device copy of the same bytes.
+
+B=1, H=16, D=128, bf16; each time is the median of 5 steps after 2 warm-ups,
+every rank's work included (barrier and device synchronisation around each
+step). Prints the tables, writes bench_ring_gpu.json and bench_ring_gpu.png
+(ratio against S) under benchmarks/out/ (or $CPLIB_BENCH_OUT).
+
+    python benchmarks/bench_ring_gpu.py                 # default rows, about 3 min on an H100
+    python benchmarks/bench_ring_gpu.py --all           # S 8k..64k x N 2,4 x causal or not
+    python benchmarks/bench_ring_gpu.py --device cpu --smoke   # the code path, tiny, no GPU
+
+Process-global state (SDPA backend flags, torch's _cp_options) is set in the
+main thread only, never in the rank threads. The efficient backend's rings
+run last: a sticky CUDA error there cannot spoil the other figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import itertools
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+import common  # noqa: E402
+from common import machine, plot, print_table, write_json  # noqa: E402
+from harness import run_threaded  # noqa: E402
+
+import cplib  # noqa: E402
+
+ROTATIONS = ["p2p", "alltoall", "allgather"]
+TORCH_ROTATIONS = ["alltoall", "allgather"]
+
+
+@dataclass(frozen=True)
+class Config:
+    s: int
+    n: int
+    causal: bool
+    hq: int
+    hkv: int
+
+    @property
+    def label(self) -> str:
+        gqa = f" GQA {self.hq}/{self.hkv}" if self.hq != self.hkv else ""
+        return f"S={self.s} N={self.n} {'causal' if self.causal else 'non-causal'}{gqa}"
+
+
+@dataclass
+class Setup:
+    device: torch.device
+    dtype: torch.dtype
+    b: int
+    d: int
+    warmup: int
+    iters: int
+    backends: list[str]      # cplib / full SDPA backends
+    torch_ops: list[str]     # torch CP ops
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _err(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    # run_threaded's AssertionError starts with a summary line; the cause is
+    # the last line of the first rank's traceback.
+    cause = next((ln for ln in reversed(text) if ln and not ln.startswith(" ")), "")
+    return f"error: {type(exc).__name__}: {cause[:160]}"
+
+
+def _median_time(step: Callable[[], Any], warmup: int, iters: int,
+                 sync: Callable[[], None]) -> float:
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(iters):
+        sync()
+        t0 = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _inputs(cfg: Config, st: Setup) -> list[torch.Tensor]:
+    g = torch.Generator(device=st.device).manual_seed(cfg.s + cfg.hkv)
+    shapes = [(st.b, cfg.hq, cfg.s, st.d), (st.b, cfg.hkv, cfg.s, st.d),
+              (st.b, cfg.hkv, cfg.s, st.d), (st.b, cfg.hq, cfg.s, st.d)]
+    return [torch.randn(sh, generator=g, device=st.device, dtype=st.dtype) for sh in shapes]
+
+
+def _shard(t: torch.Tensor, rank: int, n: int, lb: bool) -> torch.Tensor:
+    if not lb:
+        return t.chunk(n, dim=2)[rank].contiguous()
+    c = t.chunk(2 * n, dim=2)
+    return torch.cat([c[rank], c[2 * n - 1 - rank]], dim=2)
+
+
+# ---------------------------------------------------------------- full SDPA (main thread)
+
+
+def _kernel(backend: str):
+    from torch.nn.attention import SDPBackend
+    return {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+            "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+
+
+def time_full(cfg: Config, st: Setup, backend: str, full: list[torch.Tensor]) -> float | str:
+    """One full-sequence SDPA forward+backward, on one backend (main thread)."""
+    q, k, v, dout = (t.detach().requires_grad_(i < 3) for i, t in enumerate(full))
+
+    def timed(k, v, gqa):
+        def step():
+            q.grad = k.grad = v.grad = None
+            F.scaled_dot_product_attention(q, k, v, is_causal=cfg.causal,
+                                           enable_gqa=gqa).backward(dout)
+        if st.device.type != "cuda":
+            return _median_time(step, st.warmup, st.iters, lambda: None)
+        from torch.nn.attention import sdpa_kernel
+        with sdpa_kernel([_kernel(backend)]):
+            return _median_time(step, st.warmup, st.iters, lambda: _sync(st.device))
+    try:
+        return timed(k, v, cfg.hq != cfg.hkv)
+    except RuntimeError as exc:
+        if cfg.hq == cfg.hkv:
+            return _err(exc)
+    # A backend that refuses enable_gqa: the same call on K/V expanded
+    # beforehand (same attention work, K/V read Hq/Hkv times).
+    groups = cfg.hq // cfg.hkv
+    kx, vx = (t.detach().repeat_interleave(groups, dim=1).requires_grad_(True) for t in (k, v))
+    try:
+        return timed(kx, vx, False)
+    except RuntimeError as exc:
+        return _err(exc)
+
+
+# ---------------------------------------------------------------- rings (rank threads)
+
+
+def _barrier() -> None:
+    dist.all_reduce(torch.zeros(1))
+
+
+def _time_ranks(step: Callable[[], Any], st: Setup) -> float:
+    """Median wall time of a step of every rank: the GPU is shared, so the
+    device synchronisation and barrier around it take in all ranks' work."""
+    def sync():
+        _sync(st.device)
+        _barrier()
+    return _median_time(step, st.warmup, st.iters, sync)
+
+
+def _all_finite(*ts: torch.Tensor) -> bool:
+    flag = torch.tensor([float(all(bool(torch.isfinite(t).all()) for t in ts))])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return flag.item() == 1.0
+
+
+def _cplib_rank(cfg: Config, st: Setup, full: list[torch.Tensor], backend: str | None,
+                rotate: str) -> tuple[float, bool]:
+    rank, n = dist.get_rank(), dist.get_world_size()
+    lb = cfg.causal
+    q, k, v, dout = (_shard(t, rank, n, lb) for t in full)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    last: list[torch.Tensor] = []
+
+    def step():
+        q.grad = k.grad = v.grad = None
+        out, _ = cplib.ring_sdpa(q, k, v, dist.group.WORLD, is_causal=cfg.causal,
+                                 load_balanced=lb, rotate=rotate, backend=backend)
+        out.backward(dout)
+        last[:] = [out.detach()]
+    seconds = _time_ranks(step, st)
+    return seconds, _all_finite(last[0], q.grad, k.grad, v.grad)
+
+
+def _torch_cp_ops(name: str):
+    """(forward op, backward op, forward kwargs, backward kwargs from the
+    forward's extra outputs, grad_out's keyword) for torch's ring."""
+    aten = torch.ops.aten
+    if name == "cpu":
+        return (aten._scaled_dot_product_flash_attention_for_cpu,
+                aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+                dict(dropout_p=0.0), lambda rest: dict(dropout_p=0.0))
+    if name == "flash":
+        return (aten._scaled_dot_product_flash_attention,
+                aten._scaled_dot_product_flash_attention_backward.default,
+                dict(dropout_p=0.0, scale=None),
+                lambda r: dict(cum_seq_q=r[0], cum_seq_k=r[1], max_q=r[2], max_k=r[3],
+                               dropout_p=0.0, philox_seed=r[4], philox_offset=r[5], scale=None))
+    return (aten._scaled_dot_product_cudnn_attention,
+            aten._scaled_dot_product_cudnn_attention_backward.default,
+            dict(attn_bias=None, compute_log_sumexp=True, dropout_p=0.0,
+                 return_debug_mask=False, scale=None),
+            lambda r: dict(philox_seed=r[4], philox_offset=r[5], attn_bias=None, cum_seq_q=r[0],
+                           cum_seq_k=r[1], max_q=r[2], max_k=r[3], dropout_p=0.0, scale=None))
+
+
+def torch_cp_module():
+    """torch's private ring functions, or the reason they cannot be used."""
+    try:
+        from torch.distributed.tensor.experimental._context_parallel import _attention as A
+        fwd, bwd, opts = (A._templated_ring_attention, A._templated_ring_attention_backward,
+                          A._cp_options)
+        _ = (A._RotateMethod.ALL_TO_ALL, A._RotateMethod.ALL_GATHER)
+    except (ImportError, AttributeError) as exc:
+        return f"unavailable: {type(exc).__name__}: {exc}"
+    first = next(iter(inspect.signature(fwd).parameters))
+    if first != "group":
+        return f"unavailable: _templated_ring_attention takes '{first}' first, not a group"
+    return A
+
+
+def _torch_rank(cfg: Config, st: Setup, full: list[torch.Tensor], op: str) -> tuple[float, bool]:
+    A = torch_cp_module()
+    rank, n = dist.get_rank(), dist.get_world_size()
+    groups = cfg.hq // cfg.hkv
+    # torch's ring passes k/v to the fused op as they are: expand GQA heads first.
+    q, k, v, dout = (_shard(t if i in (0, 3) else t.repeat_interleave(groups, dim=1),
+                            rank, n, cfg.causal) for i, t in enumerate(full))
+    fwd, bwd, fwd_kw, bwd_kw = _torch_cp_ops(op)
+    group = dist.group.WORLD
+    last: list[torch.Tensor] = []
+
+    def step():
+        with torch.no_grad():
+            out, lse, *rest = A._templated_ring_attention(group, 2, fwd, q, k, v,
+                                                          is_causal=cfg.causal, **fwd_kw)
+            grads = A._templated_ring_attention_backward(group, 2, bwd, dout, "grad_out", q, k,
+                                                         v, out, lse, cfg.causal, **bwd_kw(rest))
+        last[:] = [out, *grads[:3]]
+    seconds = _time_ranks(step, st)
+    return seconds, _all_finite(*last)
+
+
+def run_ring(fn, cfg: Config, st: Setup, full: list[torch.Tensor], *args) -> float | str:
+    """One variant on cfg.n rank threads: seconds, or the error (a rank's
+    failure wakes the others, so one variant cannot hang the rest)."""
+    try:
+        res = run_threaded(cfg.n, fn, cfg, st, full, *args)
+    except Exception as exc:  # noqa: BLE001 - every failure becomes a table cell
+        return _err(exc)
+    seconds = max(r[0] for r in res)
+    return seconds if res[0][1] else f"NaN/inf output after {seconds * 1e3:.2f} ms"
+
+
+def time_torch_cp(cfg: Config, st: Setup, full: list[torch.Tensor], op: str,
+                  rotate: str) -> float | str:
+    A = torch_cp_module()
+    if isinstance(A, str):
+        return A
+    opts = A._cp_options
+    saved = (opts.enable_load_balance, opts.rotate_method)
+    # Global options: set here in the main thread, before the rank threads start.
+    opts.enable_load_balance = cfg.causal
+    opts.rotate_method = {"alltoall": A._RotateMethod.ALL_TO_ALL,
+                          "allgather": A._RotateMethod.ALL_GATHER}[rotate]
+    try:
+        return run_ring(_torch_rank, cfg, st, full, op)
+    finally:
+        opts.enable_load_balance, opts.rotate_method = saved
+
+
+# ---------------------------------------------------------------- merge kernel
+
+
+def merge_bandwidth(st: Setup, shapes: list[tuple[int, int, int, int]]) -> list[dict]:
+    """GB/s of cplib.merge_partial_ (fp32 accumulators, block in st.dtype)
+    against a device-to-device copy of the same bytes (read + written)."""
+    rows = []
+    reps = 20 if st.device.type == "cuda" else 2
+    for b, h, l, d in shapes:
+        g = torch.Generator(device=st.device).manual_seed(l)
+        mk = lambda shape, dt: torch.randn(shape, generator=g, device=st.device).to(dt)  # noqa: E731
+        out, lse = mk((b, h, l, d), torch.float32), mk((b, h, l), torch.float32)
+        blk_out, blk_lse = mk((b, h, l, d), st.dtype), mk((b, h, l), torch.float32)
+        traffic = 2 * out.nbytes + 2 * lse.nbytes + blk_out.nbytes + blk_lse.nbytes
+        src = torch.empty(traffic // 2, dtype=torch.uint8, device=st.device)
+        dst = torch.empty_like(src)
+
+        def repeat(fn):
+            return lambda: [fn() for _ in range(reps)]
+        sync = lambda: _sync(st.device)  # noqa: E731
+        t_merge = _median_time(repeat(lambda: cplib.merge_partial_(out, lse, blk_out, blk_lse)),
+                               2, max(st.iters, 5), sync) / reps
+        t_copy = _median_time(repeat(lambda: dst.copy_(src)), 2, max(st.iters, 5), sync) / reps
+        rows.append(dict(shape=f"{b}x{h}x{l}x{d}", block_dtype=str(st.dtype).split(".")[-1],
+                         bytes=traffic, merge_gbps=traffic / t_merge / 1e9,
+                         copy_gbps=traffic / t_copy / 1e9, ratio=t_copy / t_merge))
+    return rows
+
+
+# ---------------------------------------------------------------- driver
+
+
+def _configs(args) -> list[Config]:
+    h = args.heads
+    if args.smoke:
+        seqs, worlds = [128, 256], [2]
+        base = [Config(s, n, c, h, h) for s, n, c in itertools.product(seqs, worlds, (True, False))]
+        return base + [Config(256, 2, True, h, max(h // 4, 1))]
+    if args.seqs:
+        seqs = [int(x) for x in args.seqs.split(",")]
+        worlds = [int(x) for x in args.worlds.split(",")]
+        return [Config(s, n, c, h, h)
+                for s, n, c in itertools.product(seqs, worlds, (True, False))]
+    if args.all:
+        base = [Config(s, n, c, h, h) for s, n, c in
+                itertools.product([8192, 16384, 32768, 65536], [2, 4], (True, False))]
+        return base + [Config(32768, 4, True, h, h // 4)]
+    # The rows of issue 12 that carry its goals, in about 3 minutes; the most
+    # telling first, so that a --budget cut drops the least.
+    return [Config(32768, 4, True, h, h), Config(65536, 4, True, h, h),
+            Config(32768, 4, True, h, h // 4), Config(32768, 2, True, h, h),
+            Config(8192, 4, True, h, h), Config(32768, 4, False, h, h)]
+
+
+def _ms(x: float | str) -> str:
+    return f"{x * 1e3:.2f}" if isinstance(x, float) else x
+
+
+def _best(cells: dict[str, float | str]) -> tuple[str, float] | tuple[None, None]:
+    ok = {k: v for k, v in cells.items() if isinstance(v, float)}
+    if not ok:
+        return None, None
+    key = min(ok, key=ok.get)
+    return key, ok[key]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes: check the code path")
+    p.add_argument("--all", action="store_true", help="S 8192..65536 x N 2,4 x causal or not")
+    p.add_argument("--seqs", help="comma-separated S values (with --worlds), instead of the rows")
+    p.add_argument("--worlds", default="2,4")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--no-torch", action="store_true", help="skip torch's own ring")
+    p.add_argument("--budget", type=float, default=0,
+                   help="seconds; configurations not started by then are reported as skipped")
+    p.add_argument("--out", help="output folder (default $CPLIB_BENCH_OUT or benchmarks/out)")
+    args = p.parse_args()
+    if args.out:
+        common.OUT_DIR = args.out
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_ring_gpu: no CUDA GPU visible; nothing measured "
+              "(use --device cpu --smoke to check the code path)", flush=True)
+        return 0 if os.environ.get("CPLIB_BENCH_REQUIRE_GPU", "0") != "1" else 1
+    t_start = time.perf_counter()
+    dev = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    cuda = dev.type == "cuda"
+    if args.smoke:
+        args.heads, args.head_dim = 4, 16
+    st = Setup(device=dev, dtype=torch.bfloat16 if cuda else torch.float32, b=1,
+               d=args.head_dim, warmup=args.warmup, iters=args.iters,
+               backends=["flash", "efficient", "cudnn"] if cuda else ["flash"],
+               torch_ops=[] if args.no_torch else (["flash", "cudnn"] if cuda else ["cpu"]))
+    if cuda:
+        torch.cuda.set_device(dev)
+    configs = _configs(args)
+    print(f"bench_ring_gpu: {machine()}; B={st.b} H={args.heads} D={st.d} "
+          f"{str(st.dtype).split('.')[-1]}, fwd+bwd, median of {st.iters} after {st.warmup} "
+          f"warm-ups; {len(configs)} configurations", flush=True)
+
+    merge_shapes = ([(1, 16, 8192, 128), (1, 32, 32768, 128)] if cuda and not args.smoke
+                    else [(1, 4, 256, 16)])
+    merge = merge_bandwidth(st, merge_shapes)
+
+    # Efficient rings last (see the docstring); everything else first.
+    results: dict[Config, dict[str, Any]] = {}
+    late = [b for b in st.backends if b == "efficient"]
+    early = [b for b in st.backends if b not in late] + ([None] if cuda else [])
+    for phase, backends in (("main", early), ("efficient", late)):
+        for cfg in configs:
+            r = results.setdefault(cfg, {"full": {}, "cplib": {}, "torch": {}})
+            if args.budget and time.perf_counter() - t_start > args.budget:
+                print(f"  {phase}: {cfg.label} skipped (--budget {args.budget:.0f} s spent)",
+                      flush=True)
+                for b, rot in itertools.product(backends, ROTATIONS):
+                    r["cplib"].setdefault(f"{b or 'auto'}/{rot}", "skipped: time budget")
+                continue
+            full = _inputs(cfg, st)
+            if phase == "main":
+                for b in (st.backends if cuda else ["cpu"]):
+                    r["full"][b] = time_full(cfg, st, b, full)
+                for op, rot in itertools.product(st.torch_ops, TORCH_ROTATIONS):
+                    r["torch"][f"{op}/{rot}"] = time_torch_cp(cfg, st, full, op, rot)
+            for b, rot in itertools.product(backends, ROTATIONS):
+                if b is None and rot != "p2p":
+                    continue  # auto: the default call only
+                r["cplib"][f"{b or 'auto'}/{rot}"] = run_ring(_cplib_rank, cfg, st, full, b, rot)
+            del full
+            if cuda:
+                torch.cuda.empty_cache()
+            print(f"  {phase}: {cfg.label} done ({time.perf_counter() - t_start:.0f} s)",
+                  flush=True)
+
+    # ---- tables
+    summary, detail, payload_rows = [], [], []
+    for cfg, r in results.items():
+        fb, ft = _best(r["full"])
+        explicit = {k: v for k, v in r["cplib"].items() if not k.startswith("auto/")}
+        cb, ct = _best(explicit)
+        tb, tt = _best(r["torch"])
+        auto = r["cplib"].get("auto/p2p", "-")
+        summary.append((cfg.s, cfg.n, "yes" if cfg.causal else "no",
+                        "MHA" if cfg.hq == cfg.hkv else f"GQA {cfg.hq}/{cfg.hkv}",
+                        f"{_ms(ft)} ({fb})" if ft else "-", f"{_ms(ct)} ({cb})" if ct else "-",
+                        f"{ct / ft:.2f}" if ct and ft else "-", _ms(auto),
+                        f"{_ms(tt)} ({tb})" if tt else (next(iter(r["torch"].values()), "-")),
+                        f"{ct / tt:.2f}" if ct and tt else "-"))
+        for impl in ("full", "cplib", "torch"):
+            for key, val in r[impl].items():
+                detail.append((cfg.label, impl, key, _ms(val),
+                               f"{val / ft:.2f}" if isinstance(val, float) and ft else "-"))
+        payload_rows.append(dict(
+            s=cfg.s, n=cfg.n, causal=cfg.causal, hq=cfg.hq, hkv=cfg.hkv,
+            full_ms={k: (v * 1e3 if isinstance(v, float) else v) for k, v in r["full"].items()},
+            cplib_ms={k: (v * 1e3 if isinstance(v, float) else v) for k, v in r["cplib"].items()},
+            torch_ms={k: (v * 1e3 if isinstance(v, float) else v) for k, v in r["torch"].items()},
+            best_full=fb, best_cplib=cb, best_torch=tb,
+            cplib_over_full=ct / ft if ct and ft else None,
+            cplib_over_torch=ct / tt if ct and tt else None))
+    print_table("detail: every variant (ms; / full = against the fastest full SDPA call)",
+                ["config", "impl", "backend/rotation", "ms", "/ full"], detail)
+    print_table("merge kernel against a device-to-device copy of the same bytes",
+                ["shape", "block dtype", "MiB", "merge GB/s", "copy GB/s", "merge/copy"],
+                [(m["shape"], m["block_dtype"], m["bytes"] / 2**20, m["merge_gbps"],
+                  m["copy_gbps"], m["ratio"]) for m in merge])
+    goals = _goals(payload_rows, merge)
+    print_table("goals of issue 12", ["goal", "measured", "met"], goals)
+    print_table(f"ring attention fwd+bwd, N ranks sharing one {dev.type} device "
+                f"(B={st.b} H={args.heads} D={st.d} {str(st.dtype).split('.')[-1]})",
+                ["S", "N", "causal", "heads", "full SDPA ms (best)", "cplib ms (best)",
+                 "cplib / full", "cplib auto p2p ms", "torch CP ms (best)", "cplib / torch"],
+                summary)
+    path = write_json("bench_ring_gpu", {
+        "B": st.b, "H": args.heads, "D": st.d, "dtype": str(st.dtype), "warmup": st.warmup,
+        "iters": st.iters, "rows": payload_rows, "merge": merge,
+        "goals": [dict(goal=g, measured=m, met=ok) for g, m, ok in goals],
+        "seconds": time.perf_counter() - t_start})
+    series = {}
+    for (n, causal) in sorted({(c["n"], c["causal"]) for c in payload_rows}):
+        rows = sorted((c for c in payload_rows if c["n"] == n and c["causal"] == causal
+                       and c["hq"] == c["hkv"]), key=lambda c: c["s"])
+        tag = f"N={n} {'causal' if causal else 'non-causal'}"
+        pts = [(c["s"], c["cplib_over_full"]) for c in rows if c["cplib_over_full"]]
+        if pts:
+            series[f"cplib/full {tag}"] = tuple(map(list, zip(*pts)))
+        pts = [(c["s"], c["cplib_over_torch"]) for c in rows if c["cplib_over_torch"]]
+        if pts:
+            series[f"cplib/torch {tag}"] = tuple(map(list, zip(*pts)))
+    png = plot("bench_ring_gpu", "ring attention fwd+bwd: cplib (best) / baseline", "S",
+               "time ratio (1.0 = baseline)", series) if series else "(no ratios to plot)"
+    print(f"{machine()}\njson: {path}\npng: {png}\n"
+          f"bench_ring_gpu: {time.perf_counter() - t_start:.0f} s", flush=True)
+    return 0
+
+
+def _goals(rows: list[dict], merge: list[dict]) -> list[tuple[str, str, str]]:
+    def find(s, n, causal, hq_eq_hkv=True):
+        return next((r for r in rows if r["s"] == s and r["n"] == n and r["causal"] == causal
+                     and (r["hq"] == r["hkv"]) == hq_eq_hkv), None)
+
+    def verdict(value, limit, below=True):
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            return "-", "not measured"
+        return f"{value:.2f}", "yes" if (value <= limit if below else value >= limit) else "NO"
+
+    out = []
+    r = find(32768, 4, True)
+    out.append(("cplib/full <= 1.10 at S=32768 N=4 causal",
+                *verdict(r and r["cplib_over_full"], 1.10)))
+    for r in (x for x in rows if x["s"] == 65536 and x["hq"] == x["hkv"]):
+        out.append((f"cplib/full <= 1.05 at S=65536 N={r['n']} "
+                    f"{'causal' if r['causal'] else 'non-causal'}",
+                    *verdict(r["cplib_over_full"], 1.05)))
+    worst = [x["cplib_over_torch"] for x in rows if x["s"] >= 16384 and x["cplib_over_torch"]]
+    out.append(("cplib/torch <= 0.80 at every S >= 16384 (worst)",
+                *verdict(max(worst) if worst else None, 0.80)))
+    if merge:
+        out.append(("merge >= 0.85 of copy bandwidth (worst)",
+                    *verdict(min(m["ratio"] for m in merge), 0.85, below=False)))
+    slower = []
+    for x in rows:
+        for b in ("flash", "efficient", "cudnn"):
+            p2p, ag = x["cplib_ms"].get(f"{b}/p2p"), x["cplib_ms"].get(f"{b}/allgather")
+            if isinstance(p2p, float) and isinstance(ag, float):
+                slower.append(p2p / ag)
+    out.append(("p2p no slower than allgather (worst p2p/allgather)",
+                *verdict(max(slower) if slower else None, 1.0)))
+    g = find(32768, 4, True, hq_eq_hkv=False)
+    mha = find(32768, 4, True)
+    if g and mha and g["best_cplib"] and mha["best_cplib"]:
+        ratio = g["cplib_ms"][g["best_cplib"]] / mha["cplib_ms"][mha["best_cplib"]]
+        out.append(("GQA 16/4 faster than MHA (cplib best, GQA/MHA)", *verdict(ratio, 1.0)))
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,311 @@
+#!/usr/bin/env bash
+# The GPU check (issue 11): from a copy of the repository on a GPU machine,
+#   build    the extension in place with the system compiler (CC=/usr/bin/gcc
+#            CXX=/usr/bin/g++; a libstdc++ linked into _C.so makes every error
+#            message segfault), MAX_JOBS=16, against the installed torch;
+#   tests    the whole suite, the CUDA matrix included;
+#   memcheck compute-sanitizer --tool memcheck over the CUDA kernels' checks;
+#   demo     examples/demo.py --device cuda (torchrun, NCCL, one rank);
+#   bench    benchmarks/bench_ring_gpu.py (issue 12's table, JSON, PNG), told
+#            to stop starting new rows 30 s before its limit;
+# each stage under a time limit, every stage run even after a failure. Logs,
+# JSON and PNGs go to one folder ($OUT when set, else
+# benchmarks/out/gpu-check/): summary.txt, tests.log, bench_ring_gpu.{json,png,log},
+# demo_loss.png and every log in gpu-check-logs.tar.gz. A summary is printed
+# last; the exit status is 0 only if every stage passed (2: no GPU visible).
+#
+#   benchmarks/gpu/run.sh                      # everything (about 7 min on an H100)
+#   benchmarks/gpu/run.sh --dry-run            # print what would run, run nothing
+#   benchmarks/gpu/run.sh --stages build,tests # some stages only
+#
+# Environment: PYTHON (python3), MAX_JOBS (16), CC / CXX (/usr/bin/gcc, /usr/bin/g++),
+# GPU_CHECK_BUDGET (seconds for all stages, 540), GPU_CHECK_TEST_WORKERS (pytest-xdist
+# workers, 4; 0 = one process), GPU_CHECK_BENCH_ARGS (extra bench_ring_gpu.py
+# arguments, e.g. --all), CPLIB_QUICK_TESTS (passed on to the suite).
+set -u -o pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+cd "$ROOT" || exit 1
+PY=${PYTHON:-python3}
+export CC=${CC:-/usr/bin/gcc} CXX=${CXX:-/usr/bin/g++} MAX_JOBS=${MAX_JOBS:-16}
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+BUDGET=${GPU_CHECK_BUDGET:-540}
+WORKERS=${GPU_CHECK_TEST_WORKERS:-4}
+OUT_DIR=${OUT:-$ROOT/benchmarks/out/gpu-check}
+ALL_STAGES="build tests memcheck demo bench"
+STAGES=$ALL_STAGES
+DRY=0
+
+while (($#)); do
+  case $1 in
+    --dry-run) DRY=1 ;;
+    --stages) STAGES=${2//,/ }; shift ;;
+    --stages=*) STAGES=${1#--stages=}; STAGES=${STAGES//,/ } ;;
+    -h|--help) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "${BASH_SOURCE[0]}"; exit 0 ;;
+    *) echo "run.sh: unknown argument '$1' (see --help)" >&2; exit 64 ;;
+  esac
+  shift
+done
+for s in $STAGES; do
+  [[ " $ALL_STAGES " == *" $s "* ]] || { echo "run.sh: unknown stage '$s' (stages: $ALL_STAGES)" >&2; exit 64; }
+done
+
+mkdir -p "$OUT_DIR"
+LOGS=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")
+START=$(date +%s)
+DEADLINE=$((START + BUDGET))
+declare -a SUMMARY=()
+FAILED=0
+SKIPPED=0
+RC=0 SECS=0 LIMIT=0
+
+note() { printf '[gpu-check %4ss] %s\n' "$(( $(date +%s) - START ))" "$*"; }
+
+have_gpu() {
+  [[ -n ${GPU_CHECK_FAKE_NO_GPU:-} ]] && return 1
+  "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null
+}
+
+# record STAGE RESULT SECONDS DETAILS
+record() {
+  SUMMARY+=("$(printf '%-9s %-5s %6s  %s' "$1" "$2" "$3" "$4")")
+  case $2 in FAIL) FAILED=1 ;; SKIP) SKIPPED=1 ;; esac
+  note "$1: $2 ($3 s) $4"
+}
+
+# Copies the main files next to the logs' tarball; run after every stage so
+# that a run cut short still leaves its logs behind.
+bundle() {
+  [[ -f $LOGS/tests.log ]] && cp "$LOGS/tests.log" "$OUT_DIR/"
+  [[ -f $LOGS/bench.log ]] && cp "$LOGS/bench.log" "$OUT_DIR/bench_ring_gpu.log"
+  tar -czf "$OUT_DIR/gpu-check-logs.tar.gz" -C "$LOGS" . 2>/dev/null
+}
+
+# run_limited STAGE CAP LOG CMD...: runs CMD with the stage's time limit
+# (its cap, or what is left of the budget); sets RC and SECS.
+run_limited() {
+  local stage=$1 cap=$2 log=$3; shift 3
+  local left=$((DEADLINE - $(date +%s)))
+  local limit=$((cap < left ? cap : left))
+  if ((DRY)); then
+    printf '  %-9s (limit %ss): %s\n' "$stage" "$cap" "$*"
+    RC=0 SECS=0
+    return
+  fi
+  if ((limit < 5)); then
+    echo "no time left of the ${BUDGET}s budget" >"$log"
+    RC=125 SECS=0
+    return
+  fi
+  local t0
+  t0=$(date +%s)
+  timeout -k 10 "$limit" "$@" >"$log" 2>&1
+  RC=$?
+  SECS=$(($(date +%s) - t0))
+  LIMIT=$limit
+}
+
+why() {  # a failed command's reason, from its exit status and log
+  case $RC in
+    124|137) echo "timed out after ${LIMIT}s" ;;
+    125) echo "not run: no time left of the ${BUDGET}s budget" ;;
+    *) echo "exit $RC: $(grep -v '^\s*$' "$1" | tail -n 1 | cut -c1-150)" ;;
+  esac
+}
+
+# ------------------------------------------------------------------ stages
+
+stage_build() {
+  local log=$LOGS/build.log missing=""
+  for c in "$CC" "$CXX"; do command -v "$c" >/dev/null || missing+=" $c"; done
+  if [[ -n $missing ]] && ((!DRY)); then
+    record build FAIL 0 "compiler not found:$missing (set CC/CXX to a GCC whose libstdc++ is shared)"
+    return
+  fi
+  local cuda=0
+  ((GPU)) && cuda=1
+  run_limited build 240 "$log" env CPLIB_CUDA=$cuda "$PY" setup.py build_ext --inplace
+  ((DRY)) && return
+  if ((RC != 0)); then record build FAIL "$SECS" "$(why "$log")"; return; fi
+  # The extension must use the shared libstdc++ (issue 11 item 7), carry the
+  # CUDA kernels when a GPU is there, and turn bad input into a ValueError.
+  local so
+  so=$(ls cplib/_C*.so 2>/dev/null | head -n 1)
+  if command -v readelf >/dev/null && ! readelf -d "$so" | grep -q 'NEEDED.*libstdc++'; then
+    record build FAIL "$SECS" "$so does not load the shared libstdc++ (linked in statically?): rebuild with CXX=/usr/bin/g++"
+    return
+  fi
+  if ! "$PY" - "$cuda" >>"$log" 2>&1 <<'EOF'
+import sys, torch, cplib
+if sys.argv[1] == "1":
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("cplib_c::ring_sdpa", "CUDA"), \
+        "cplib was built without its CUDA kernels"
+try:
+    cplib.merge_partial_(torch.zeros(1, 1, 2, 3), torch.zeros(1, 1, 2), torch.zeros(1, 1, 5, 3),
+                         torch.zeros(1, 1, 5), 0)
+except ValueError as exc:
+    print("bad input raised ValueError:", str(exc).splitlines()[0])
+else:
+    raise SystemExit("bad input did not raise ValueError")
+EOF
+  then
+    record build FAIL "$SECS" "post-build check failed (rc $?): $(tail -n 1 "$log" | cut -c1-150)"
+    return
+  fi
+  record build PASS "$SECS" "$(basename "$so") with $CXX, MAX_JOBS=$MAX_JOBS, CUDA=$cuda; bad input -> ValueError"
+}
+
+stage_tests() {
+  local log=$LOGS/tests.log args=(-q -rfE -p no:cacheprovider --junitxml="$LOGS/junit.xml")
+  if "$PY" -c 'import pytest_timeout' 2>/dev/null; then args+=(--timeout 240); fi
+  if ((WORKERS > 0)) && "$PY" -c 'import xdist' 2>/dev/null; then args+=(-n "$WORKERS"); fi
+  "$PY" -c 'import pytest' 2>/dev/null || ((DRY)) || { record tests FAIL 0 "pytest is not installed for $PY"; return; }
+  run_limited tests 270 "$log" env CPLIB_TEST_RUN_TIMEOUT=150 CPLIB_TEST_RANK_TIMEOUT=60 \
+    "$PY" -m pytest "${args[@]}" tests
+  ((DRY)) && return
+  local counts
+  counts=$("$PY" - "$LOGS/junit.xml" 2>/dev/null <<'EOF'
+import sys, xml.etree.ElementTree as ET
+root = ET.parse(sys.argv[1]).getroot()
+suites = [root] if root.tag == "testsuite" else list(root)
+n = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+print(f"{n['tests'] - n['failures'] - n['errors'] - n['skipped']} passed, {n['failures']} failed, "
+      f"{n['errors']} errors, {n['skipped']} skipped")
+EOF
+)
+  [[ -n $counts ]] || counts="no junit report: $(why "$log")"
+  if ((RC == 0)); then record tests PASS "$SECS" "$counts"
+  else record tests FAIL "$SECS" "$counts; $(why "$log")"; fi
+}
+
+stage_demo() {
+  local log=$LOGS/demo.log
+  if ((!GPU)) && ((!DRY)); then record demo SKIP 0 "no CUDA GPU visible"; return; fi
+  run_limited demo 120 "$log" "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 \
+    examples/demo.py --device cuda --out "$OUT_DIR/demo_loss.png"
+  ((DRY)) && return
+  local verdict
+  verdict=$(grep -m1 '^demo verdict:' "$log" | cut -c1-160)
+  if ((RC == 0)) && [[ $verdict == "demo verdict: PASS"* ]]; then
+    record demo PASS "$SECS" "$(grep -m1 '^throughput' "$log"); ${verdict#demo verdict: }"
+  else
+    record demo FAIL "$SECS" "${verdict:-$(why "$log")}"
+  fi
+}
+
+stage_bench() {
+  local log=$LOGS/bench.log
+  if ((!GPU)) && ((!DRY)); then record bench SKIP 0 "no CUDA GPU visible"; return; fi
+  # The bench stops starting configurations 30 s before its limit, so that it
+  # always gets to write its tables, JSON and PNG.
+  local cap=240 left=$((DEADLINE - $(date +%s)))
+  ((left < cap)) && cap=$left
+  # shellcheck disable=SC2086  # GPU_CHECK_BENCH_ARGS is a list of arguments
+  run_limited bench 240 "$log" env CPLIB_BENCH_OUT="$OUT_DIR" CPLIB_BENCH_REQUIRE_GPU=1 \
+    "$PY" benchmarks/bench_ring_gpu.py --budget $((cap > 60 ? cap - 30 : 30)) ${GPU_CHECK_BENCH_ARGS:-}
+  ((DRY)) && return
+  # bench_merge.py times the C merge on the CPU only; the CUDA merge kernel's
+  # bandwidth is part of bench_ring_gpu.py.
+  local goals
+  goals=$(awk '/^### goals/{f=1;next} /^###/{f=0} f && /\| (yes|NO) *\|$/' "$log" |
+          awk '{n++} /\| yes *\|$/{m++} END{printf "goals met %d of %d", m, n}')
+  if ((RC == 0)) && [[ -f $OUT_DIR/bench_ring_gpu.json ]]; then
+    local errs
+    errs=$(grep -c 'error: \|NaN/inf' "$log")
+    record bench PASS "$SECS" "$goals; $errs cells with errors or NaN (see bench_ring_gpu.log)"
+  else
+    record bench FAIL "$SECS" "$(why "$log")"
+  fi
+}
+
+stage_memcheck() {
+  local log=$LOGS/memcheck.log sanitizer
+  if ((!GPU)) && ((!DRY)); then record memcheck SKIP 0 "no CUDA GPU visible"; return; fi
+  sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
+  if [[ -z $sanitizer ]]; then
+    ((DRY)) && sanitizer=compute-sanitizer || { record memcheck FAIL 0 "compute-sanitizer not found (PATH, /usr/local/cuda/bin)"; return; }
+  fi
+  # Without the caching allocator each tensor is its own allocation, so
+  # memcheck sees an access past any tensor's end.
+  local cmd=(env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$sanitizer" --tool memcheck --error-exitcode 86)
+  run_limited memcheck 150 "$log" "${cmd[@]}" "$PY" benchmarks/gpu/kernels_check.py
+  ((DRY)) && return
+  local rc1=$RC secs=$SECS cases
+  cases=$(grep -o 'kernels_check: .* cases OK' "$log" | sed 's/kernels_check: //' | paste -sd, -)
+  # The CUDA cases of the kernels' own test files, when they have any.
+  local tests_note=""
+  if "$PY" -m pytest -q --collect-only -k cuda tests/test_merge.py tests/test_halo.py >/dev/null 2>&1; then
+    run_limited memcheck 120 "$LOGS/memcheck-tests.log" "${cmd[@]}" "$PY" -m pytest -q -p no:cacheprovider \
+      -k cuda tests/test_merge.py tests/test_halo.py
+    secs=$((secs + SECS))
+    tests_note="; tests -k cuda: $(grep -Eo '[0-9]+ passed|[0-9]+ failed' "$LOGS/memcheck-tests.log" | paste -sd, -)"
+    ((RC == 0)) || rc1=$RC
+  fi
+  local errors
+  errors=$(cat "$LOGS"/memcheck*.log | grep -Eo 'ERROR SUMMARY: [0-9]+ error' | awk '{s+=$3} END{print s+0}')
+  if ((rc1 == 0)); then
+    record memcheck PASS "$secs" "memcheck: $errors errors; ${cases:-no cases reported}$tests_note"
+  else
+    RC=$rc1
+    record memcheck FAIL "$secs" "memcheck: $errors errors; $(why "$log")$tests_note"
+  fi
+}
+
+# ------------------------------------------------------------------ main
+
+GPU=0
+if ((DRY)); then
+  GPU=1
+  echo "gpu-check dry run: stages '$STAGES', output $OUT_DIR, budget ${BUDGET}s, PYTHON=$PY CC=$CC CXX=$CXX MAX_JOBS=$MAX_JOBS"
+elif have_gpu; then
+  GPU=1
+fi
+{
+  date -u +"%Y-%m-%d %H:%M UTC"
+  uname -a
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 || true
+  "$PY" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "gpu", torch.cuda.get_device_name() if torch.cuda.is_available() else None)' 2>&1
+  command -v nvcc && nvcc --version | tail -n 1
+  "$CXX" --version 2>&1 | head -n 1
+  for m in pytest xdist pytest_timeout matplotlib ninja; do
+    "$PY" -c "import $m" 2>/dev/null && echo "$m: yes" || echo "$m: MISSING"
+  done
+  command -v compute-sanitizer || echo "compute-sanitizer: not on PATH"
+} >"$LOGS/env.txt" 2>&1
+DEVICE=$("$PY" -c 'import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA GPU", "| torch", torch.__version__)' 2>&1 | tail -n 1)
+((DRY)) || note "device: $DEVICE; output: $OUT_DIR; budget ${BUDGET}s"
+((GPU)) || note "no CUDA GPU visible: the GPU stages are skipped, and this run is no pass"
+
+for s in $ALL_STAGES; do
+  if [[ " $STAGES " == *" $s "* ]]; then
+    ((DRY)) || note "$s ..."
+    "stage_$s"
+    ((DRY)) || bundle
+  fi
+done
+((DRY)) && { rm -rf "$LOGS"; exit 0; }
+
+TOTAL=$(($(date +%s) - START))
+{
+  echo "=== GPU check summary: $DEVICE, $(date -u +"%Y-%m-%d %H:%M UTC")"
+  printf '%-9s %-5s %6s  %s\n' stage result secs details
+  printf '%s\n' "${SUMMARY[@]}"
+  if ((FAILED)); then RESULT=FAIL; elif ((SKIPPED)); then RESULT="INCOMPLETE (stages skipped)"; else RESULT=PASS; fi
+  printf '%-9s %-5s %6s  %s\n' total "$RESULT" "$TOTAL" "output in $OUT_DIR"
+} >"$LOGS/summary.txt"
+cp "$LOGS/summary.txt" "$OUT_DIR/summary.txt"
+bundle
+rm -rf "$LOGS"
+
+# The end of the bench's tables and the failing tests, then the summary.
+if [[ -f $OUT_DIR/bench_ring_gpu.log ]]; then
+  echo; awk '/^### goals of issue 12/{f=1} f' "$OUT_DIR/bench_ring_gpu.log" | head -n 40
+fi
+if [[ -f $OUT_DIR/tests.log ]] && grep -q '^FAILED\|^ERROR' "$OUT_DIR/tests.log"; then
+  echo; grep '^FAILED\|^ERROR' "$OUT_DIR/tests.log" | cut -c1-200 | head -n 30
+fi
+echo
+cat "$OUT_DIR/summary.txt"
+((FAILED)) && exit 1
+((SKIPPED)) && exit 2
+exit 0
