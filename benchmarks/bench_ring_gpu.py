@@ -486,6 +486,9 @@ def main() -> int:
                "time ratio (1.0 = baseline)", series) if series else "(no ratios to plot)"
     print(f"{machine()}\njson: {path}\npng: {png}\n"
           f"bench_ring_gpu: {time.perf_counter() - t_start:.0f} s", flush=True)
+    if not any(isinstance(v, float) for r in results.values() for v in r["cplib"].values()):
+        print("bench_ring_gpu: no cplib ring ran (every cell is an error)", flush=True)
+        return 1
     return 0
 
 
