@@ -171,7 +171,7 @@ stage_tests() {
   if ((WORKERS > 0)) && "$PY" -c 'import xdist' 2>/dev/null; then args+=(-n "$WORKERS"); fi
   "$PY" -c 'import pytest' 2>/dev/null || ((DRY)) || { record tests FAIL 0 "pytest is not installed for $PY"; return; }
   # shellcheck disable=SC2086  # GPU_CHECK_TESTS is a list of paths
-  run_limited tests 270 "$log" env CPLIB_TEST_RUN_TIMEOUT=150 CPLIB_TEST_RANK_TIMEOUT=60 \
+  run_limited tests 270 "$log" env CPLIB_TEST_RUN_TIMEOUT=200 CPLIB_TEST_RANK_TIMEOUT=90 \
     "$PY" -m pytest "${args[@]}" ${GPU_CHECK_TESTS:-tests}
   ((DRY)) && return
   local counts
