@@ -115,7 +115,7 @@ why() {  # a failed command's reason, from its exit status and log
     *) # the last error line (an exception, torchrun's cause), else the last line
        local line
        line=$(grep -E '^[A-Za-z_.]*(Error|Exception)\b|error: ' "$1" | grep -v '^torch.distributed.elastic' | tail -n 1)
-       [[ -n $line ]] || line=$(grep -Ev '^\s*$|^=+$' "$1" | tail -n 1)
+       [[ -n $line ]] || line=$(grep -Ev '^\s*$|^=+' "$1" | tail -n 1)
        echo "exit $RC: $(cut -c1-150 <<<"$line")" ;;
   esac
 }
@@ -253,7 +253,8 @@ stage_memcheck() {
   fi
   ((DRY)) && return
   local details
-  details=$(IFS=';'; echo "${MC_NOTES[*]}" | sed 's/;/; /g')
+  details=$(printf '%s; ' "${MC_NOTES[@]}")
+  details=${details%; }
   if [[ -z $MC_FAILED ]]; then record memcheck PASS "$MC_SECS" "$details"
   else record memcheck FAIL "$MC_SECS" "$details"; fi
 }
@@ -265,10 +266,13 @@ memcheck_run() {
   ((DRY)) && return
   MC_SECS=$((MC_SECS + SECS))
   errs=$(grep -Eo 'ERROR SUMMARY: [0-9]+ error' "$log" | awk '{s+=$3} END{print s+0}')
+  local ran
+  ran=$(grep -Eo '^kernels_check: .* cases OK|[0-9]+ (passed|failed|skipped)' "$log" |
+        sed 's/^kernels_check: //; s/ OK$//' | paste -sd, -)
   if ((RC == 0)); then
-    MC_NOTES+=("$name: $errs errors")
+    MC_NOTES+=("$name: $errs errors (${ran:-nothing reported})")
   else
-    MC_NOTES+=("$name: $errs errors, $(why "$log")")
+    MC_NOTES+=("$name: $errs errors (${ran:-nothing reported}), $(why "$log")")
     MC_FAILED+=" $name"
   fi
 }
