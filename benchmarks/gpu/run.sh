@@ -300,7 +300,7 @@ fi
 } >"$LOGS/env.txt" 2>&1
 DEVICE=$("$PY" -c 'import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA GPU", "| torch", torch.__version__)' 2>&1 | tail -n 1)
 ((DRY)) || note "device: $DEVICE; output: $OUT_DIR; budget ${BUDGET}s"
-((GPU)) || note "no CUDA GPU visible: the GPU stages are skipped, and this run is no pass"
+((GPU)) || note "no CUDA GPU visible: the GPU stages (memcheck, demo, bench) are skipped"
 
 for s in $ALL_STAGES; do
   if [[ " $STAGES " == *" $s "* ]]; then
