@@ -300,7 +300,9 @@ def merge_bandwidth(st: Setup, shapes: list[tuple[int, int, int, int]]) -> list[
     reps = 20 if st.device.type == "cuda" else 2
     for b, h, l, d in shapes:
         g = torch.Generator(device=st.device).manual_seed(l)
-        mk = lambda shape, dt: torch.randn(shape, generator=g, device=st.device).to(dt)  # noqa: E731
+
+        def mk(shape, dt):
+            return torch.randn(shape, generator=g, device=st.device).to(dt)
         out, lse = mk((b, h, l, d), torch.float32), mk((b, h, l), torch.float32)
         blk_out, blk_lse = mk((b, h, l, d), st.dtype), mk((b, h, l), torch.float32)
         traffic = 2 * out.nbytes + 2 * lse.nbytes + blk_out.nbytes + blk_lse.nbytes
