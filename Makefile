@@ -49,7 +49,7 @@ test: build
 # shadow the installed package.
 test-torch:
 	test -x $(TVENV)/bin/python || $(PYTHON) -m venv $(TVENV)
-	$(TPIP) install -q $(TORCH_PIN) -r requirements-dev.txt
+	$(TPIP) install -q -r requirements/torch-$(TORCH).txt -r requirements-dev.txt
 	MAX_JOBS=$(NPROC) $(TPIP) install -q --no-build-isolation --no-deps .
 	$(TVENV)/bin/python -c "import torch, cplib; print('cplib', cplib.__version__, 'from', cplib.__file__, 'on torch', torch.__version__)"
 	$(TVENV)/bin/pytest -q tests
