@@ -134,19 +134,17 @@ stage_build() {
   run_limited build 240 "$log" env CPLIB_CUDA=$cuda "$PY" setup.py build_ext --inplace
   ((DRY)) && return
   if ((RC != 0)); then record build FAIL "$SECS" "$(why "$log")"; return; fi
-  # The extension must use the shared libstdc++ (issue 11 item 7), carry the
-  # CUDA kernels when a GPU is there, and turn bad input into a ValueError.
+  # The extension must use the shared libstdc++ (issue 11 item 7; setup.py
+  # refuses such a build too), carry the CUDA kernels when a GPU is there, and
+  # turn bad input into a ValueError.
   local so
   so=$(ls cplib/_C*.so 2>/dev/null | head -n 1)
-  # std::ostream's _M_insert<long> is instantiated only inside libstdc++: a
-  # copy defined in _C.so is the static libstdc++ whose messages segfault.
-  if { command -v readelf >/dev/null && ! readelf -d "$so" | grep -q 'NEEDED.*libstdc++'; } ||
-     { command -v nm >/dev/null && nm --defined-only "$so" 2>/dev/null | grep -q '_ZNSo9_M_insertIlEERSoT_'; }; then
-    record build FAIL "$SECS" "$so carries its own libstdc++ (linked statically): rebuild with CXX=/usr/bin/g++"
-    return
-  fi
-  if ! "$PY" - "$cuda" >>"$log" 2>&1 <<'EOF'
-import sys, torch, cplib
+  if ! "$PY" - "$cuda" "$so" >>"$log" 2>&1 <<'EOF'
+import sys, torch
+from build_support.libstdcxx import carries_private_libstdcxx
+if carries_private_libstdcxx(sys.argv[2]):
+    raise SystemExit(f"{sys.argv[2]} carries its own libstdc++: rebuild with CXX=/usr/bin/g++")
+import cplib
 if sys.argv[1] == "1":
     assert torch._C._dispatch_has_kernel_for_dispatch_key("cplib_c::ring_sdpa", "CUDA"), \
         "cplib was built without its CUDA kernels"
@@ -159,7 +157,7 @@ else:
     raise SystemExit("bad input did not raise ValueError")
 EOF
   then
-    record build FAIL "$SECS" "post-build check failed (rc $?): $(tail -n 1 "$log" | cut -c1-150)"
+    record build FAIL "$SECS" "post-build check failed: $(tail -n 1 "$log" | cut -c1-150)"
     return
   fi
   record build PASS "$SECS" "$(basename "$so") with $CXX, MAX_JOBS=$MAX_JOBS, CUDA=$cuda; bad input -> ValueError"
