@@ -9,8 +9,8 @@ NPROC  ?= 2
 
 # `make test-torch TORCH=oldest|default|newest`: the suite against another
 # torch (requirements/torch-$(TORCH).txt), in its own venv, with cplib
-# pip-installed there (a wheel built against that torch; this also checks
-# that `pip install` works beside it).
+# pip-installed there (a CPU wheel built against that torch, whose registry
+# build is a CUDA one; this also checks that `pip install` works beside it).
 TORCH     ?= newest
 TORCH_PIN := $(shell sed -n 's/^\(torch==[^ ]*\).*/\1/p' requirements/torch-$(TORCH).txt)
 TVENV     := .venv-$(subst ==,-,$(TORCH_PIN))
@@ -50,8 +50,8 @@ test: build
 test-torch:
 	test -x $(TVENV)/bin/python || $(PYTHON) -m venv $(TVENV)
 	$(TPIP) install -q -r requirements/torch-$(TORCH).txt -r requirements-dev.txt
-	MAX_JOBS=$(NPROC) $(TPIP) install -q --no-build-isolation --no-deps .
-	$(TVENV)/bin/python -c "import torch, cplib; print('cplib', cplib.__version__, 'from', cplib.__file__, 'on torch', torch.__version__)"
+	CPLIB_CUDA=0 MAX_JOBS=$(NPROC) $(TPIP) install -q --no-build-isolation --no-deps .
+	cd / && $(CURDIR)/$(TVENV)/bin/python -c "import torch, cplib; print('cplib', cplib.__version__, 'from', cplib.__file__, 'on torch', torch.__version__)"
 	$(TVENV)/bin/pytest -q tests
 
 bench: build

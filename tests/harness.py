@@ -108,12 +108,21 @@ class RankPool:
             # Once a rank failed, the others get a short grace period: they
             # may be blocked in a collective the failed rank never joined.
             limit = deadline if not failures else min(deadline, time.monotonic() + FAILURE_GRACE_S)
+            dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
             try:
-                rid, rank, ok, payload = self._results.get(timeout=max(0.0, limit - time.monotonic()))
+                # Short waits, so that a rank process that died is noticed.
+                rid, rank, ok, payload = self._results.get(
+                    timeout=min(1.0, max(0.0, limit - time.monotonic())))
             except queue.Empty:
+                if time.monotonic() < limit and not dead:
+                    continue
                 self.close(force=True)
                 missing = sorted(set(range(self.world_size)) - set(got) - {r for r, _ in failures})
-                waited = "after another rank failed" if failures else f"in {RUN_TIMEOUT_S}s"
+                if dead:
+                    waited = f"(rank processes {dead} died: exit codes " \
+                             f"{[self._procs[r].exitcode for r in dead]})"
+                else:
+                    waited = "after another rank failed" if failures else f"in {RUN_TIMEOUT_S}s"
                 raise AssertionError(
                     f"ranks {missing} did not finish {fn.__name__} {waited} (pool closed, the "
                     "next test gets fresh ranks)\n" + _format_failures(failures)
@@ -260,6 +269,14 @@ def compare_with_reference(
         got = local[i].grad if combine_grad is None else combine_grad(i, local[i].grad)
         assert_close(got, shard_input(i, full[i].grad), atol=atol, rtol=rtol,
                      what=f"grad of input {i}")
+
+
+def cplib_import_root() -> str:
+    """The folder the cplib under test was imported from (the source tree, or
+    site-packages for an installed wheel): subprocesses must load that one."""
+    import cplib
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(cplib.__file__)))
 
 
 def rank_info() -> tuple[int, int]:

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import cplib
-from harness import assert_close
+from harness import assert_close, cplib_import_root
 
 WORLD_SIZES = [1, 2, 4]
 DTYPES = [torch.float32, torch.bfloat16, torch.float64]
@@ -186,5 +186,8 @@ def test_coexists_with_torch_cplib_namespace(order):
         "assert hasattr(torch.ops.cplib, 'flex_cp_allgather')",
         "print('ok')",
     ])
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    # Run where the cplib under test was imported from (`-c` puts the working
+    # folder first on the path).
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=cplib_import_root())
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+from harness import cplib_import_root
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -14,7 +16,8 @@ def _demo(tmp_path, *extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            os.path.join(ROOT, "examples", "demo.py"), "--steps", "3", "--seq-len", "128",
            "--batch", "2", "--out", str(tmp_path / "loss.png"), *extra]
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=cplib_import_root() + os.pathsep
+               + os.environ.get("PYTHONPATH", ""))
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
 
 

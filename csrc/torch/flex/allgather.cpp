@@ -11,16 +11,6 @@ namespace {
 
 // k and v may differ in heads (dim 1 of B,H,S,D: GQA) and features (last
 // dim); everything else must agree or the gathered pair is meaningless.
-// Check mode: every rank must pass the same shapes and seq_dim.
-void check_same_call(const PG& pg, const char* op, const at::Tensor& k, const at::Tensor& v,
-                     int64_t seq_dim) {
-  CallSignature sig;
-  sig.add_meta("k", k);
-  sig.add_meta("v", v);
-  sig.add("seq_dim", seq_dim);
-  maybe_check_consistent(pg, op, sig, k.device());
-}
-
 void check_pair(const at::Tensor& k, const at::Tensor& v, int64_t dim, const char* op) {
   TORCH_CHECK_VALUE(k.dim() == v.dim(), "cplib.", op, ": k and v must have the same number of ",
                     "dimensions, got k ", k.sizes(), " and v ", v.sizes());
@@ -35,6 +25,23 @@ void check_pair(const at::Tensor& k, const at::Tensor& v, int64_t dim, const cha
 }
 
 // [N, ..., S, ...] gathered chunks -> a fresh contiguous [..., N*S, ...].
+// The group and the normalised seq_dim, after every check: in check mode the
+// calls are first compared across ranks, so all of them fail alike.
+std::pair<PG, int64_t> checked_call(const char* op, const at::Tensor& k, const at::Tensor& v,
+                                    int64_t seq_dim, c10::string_view group_name) {
+  PG pg = resolve_group(std::string_view(group_name.data(), group_name.size()));
+  if (consistency_checks_enabled()) {
+    CallSignature sig;
+    sig.add_meta("k", k);
+    sig.add_meta("v", v);
+    sig.add("seq_dim", seq_dim);
+    check_consistent(pg, op, sig, k.device());
+  }
+  const int64_t dim = checked_dim(seq_dim, k.dim(), "seq_dim");
+  check_pair(k, v, dim, op);
+  return {std::move(pg), dim};
+}
+
 at::Tensor chunks_to_dim(const at::Tensor& chunks, int64_t dim) {
   if (dim == 0) return chunks.flatten(0, 1);
   auto moved = chunks.movedim(0, dim);  // [..., N, S, ...]
@@ -56,10 +63,7 @@ at::Tensor dim_to_chunks(const at::Tensor& full, int64_t dim, int64_t n) {
 std::tuple<at::Tensor, at::Tensor> flex_cp_allgather(const at::Tensor& k, const at::Tensor& v,
                                                      int64_t seq_dim,
                                                      c10::string_view group_name) {
-  PG pg = resolve_group(std::string_view(group_name.data(), group_name.size()));
-  check_same_call(pg, "flex_cp_allgather", k, v, seq_dim);
-  const int64_t dim = checked_dim(seq_dim, k.dim(), "seq_dim");
-  check_pair(k, v, dim, "flex_cp_allgather");
+  const auto [pg, dim] = checked_call("flex_cp_allgather", k, v, seq_dim, group_name);
   const int64_t n = pg->getSize();
 
   at::Tensor kin = k.contiguous(), vin = v.contiguous();
@@ -88,10 +92,8 @@ std::tuple<at::Tensor, at::Tensor> flex_cp_allgather_backward(const at::Tensor& 
                                                               const at::Tensor& grad_v,
                                                               int64_t seq_dim,
                                                               c10::string_view group_name) {
-  PG pg = resolve_group(std::string_view(group_name.data(), group_name.size()));
-  check_same_call(pg, "flex_cp_allgather_backward", grad_k, grad_v, seq_dim);
-  const int64_t dim = checked_dim(seq_dim, grad_k.dim(), "seq_dim");
-  check_pair(grad_k, grad_v, dim, "flex_cp_allgather_backward");
+  const auto [pg, dim] =
+      checked_call("flex_cp_allgather_backward", grad_k, grad_v, seq_dim, group_name);
   const int64_t n = pg->getSize();
   TORCH_CHECK_VALUE(grad_k.size(dim) % n == 0, "cplib.flex_cp_allgather_backward: sequence ",
                     "length ", grad_k.size(dim), " is not divisible by the group size ", n);
