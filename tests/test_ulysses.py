@@ -315,3 +315,49 @@ def _check_threaded() -> int:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ulysses_sdpa_threaded_group(threaded, world_size):
     assert threaded(world_size, _check_threaded) == [2] * world_size
+
+
+# ---------------------------------------------------------------- CUDA (threaded group)
+
+
+def _check_cuda(dtype: torch.dtype, backend: str) -> list[str]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    kernel = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+              "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+    rank, n, name = _world()
+    dev = torch.device("cuda", 0)
+    report = []
+    for causal, hkv in ((True, 4), (False, 2), (True, 1)):
+        b, hq, s, d = 2, 4, 128 * n, 64
+        q, k, v, cot = (global_tensor((b, h, s, d), dtype, 20 + i)
+                        for i, h in enumerate((hq, hkv, hkv, hq)))
+        ref = reference(q, k, v, cot, is_causal=causal, scale=None)
+        with sdpa_kernel([kernel]):
+            qs, ks, vs = (t.to(dev).requires_grad_(True) for t in (q, k, v))
+            kx, vx = (t.repeat_interleave(hq // hkv, dim=1) for t in (ks, vs))
+            F.scaled_dot_product_attention(qs, kx, vx, is_causal=causal).backward(cot.to(dev))
+            ql, kl, vl = (shard_seq(t, rank, n, False).to(dev).requires_grad_(True)
+                          for t in (q, k, v))
+            out, lse = cplib.ulysses_sdpa(ql, kl, vl, name, is_causal=causal, backend=backend)
+            out.backward(shard_seq(cot, rank, n, False).to(dev))
+        torch.cuda.synchronize()
+        assert torch.allclose(lse.cpu().double(), shard_seq(ref[1], rank, n, False), atol=2e-2)
+        single = [qs.grad.cpu(), ks.grad.cpu(), vs.grad.cpu()]
+        for label, got, sgl, want in zip(("dq", "dk", "dv"), (ql.grad, kl.grad, vl.grad),
+                                         single, ref[2:]):
+            err = _rel_err(got.cpu(), shard_seq(want, rank, n, False))
+            single_err = _rel_err(shard_seq(sgl, rank, n, False), shard_seq(want, rank, n, False))
+            report.append(f"{dtype} {backend} {label} causal={causal} hkv={hkv}: ulysses "
+                          f"{err:.3e} single {single_err:.3e}")
+            assert err <= 1.5 * single_err, report[-1]
+        out_err = _rel_err(out.cpu(), shard_seq(ref[0], rank, n, False))
+        assert out_err < 2e-2, (backend, causal, hkv, out_err)
+    return report
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("backend", ["flash", "efficient", "cudnn"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_ulysses_sdpa_cuda_threaded(threaded, world_size, backend, dtype):
+    print("\n".join(threaded(world_size, _check_cuda, dtype, backend)[0]))
