@@ -1,9 +1,13 @@
 // cplib_c::ring_sdpa / ring_sdpa_backward: ring attention over a process
 // group (codes for `rotate` and `backend` are documented in ring.h), and a
 // debug counter of the bytes the rings have sent.
+#include <initializer_list>
+
 #include <ATen/core/LegacyTypeDispatch.h>
+#include <c10/util/bit_cast.h>
 #include <torch/library.h>
 
+#include "comm/consistency.h"
 #include "ring/ring_forward.h"
 #include "ring/ring_rotate.h"
 
@@ -17,12 +21,32 @@ std::string_view sv(c10::string_view s) { return {s.data(), s.size()}; }
 // autograd's view-rebase check when the op is called with grad mode on.
 using NoViewTracking = at::AutoDispatchBelowADInplaceOrView;
 
+// Check mode: every rank must make the same call (before any validation
+// that could raise on one rank only).
+void check_same_call(const char* op, std::string_view group_name,
+                     std::initializer_list<std::pair<const char*, const at::Tensor*>> tensors,
+                     bool is_causal, bool load_balanced, std::optional<double> scale,
+                     int64_t backend, int64_t rotate) {
+  if (!consistency_checks_enabled()) return;
+  CallSignature sig;
+  for (const auto& [name, t] : tensors) sig.add_meta(name, *t);
+  sig.add("is_causal", is_causal);
+  sig.add("load_balanced", load_balanced);
+  sig.add("scale given", scale.has_value());
+  sig.add("scale (float64 bits)", scale ? c10::bit_cast<int64_t>(*scale) : 0);
+  sig.add("backend", backend);
+  sig.add("rotate", rotate);
+  check_consistent(resolve_group(group_name), op, sig, tensors.begin()->second->device());
+}
+
 std::tuple<at::Tensor, at::Tensor> ring_sdpa(const at::Tensor& q, const at::Tensor& k,
                                              const at::Tensor& v, c10::string_view group_name,
                                              bool is_causal, bool load_balanced,
                                              std::optional<double> scale, int64_t backend,
                                              int64_t rotate) {
   NoViewTracking guard;
+  check_same_call("ring_sdpa", sv(group_name), {{"q", &q}, {"k", &k}, {"v", &v}}, is_causal,
+                  load_balanced, scale, backend, rotate);
   Config cfg = check_args("ring_sdpa", q, k, v, sv(group_name), is_causal, load_balanced, scale,
                           backend, rotate);
   return ring_forward(cfg, q, k, v);
@@ -32,6 +56,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_sdpa_backward(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, c10::string_view group_name, bool is_causal,
     bool load_balanced, std::optional<double> scale, int64_t backend, int64_t rotate) {
+  check_same_call("ring_sdpa_backward", sv(group_name),
+                  {{"q", &q}, {"k", &k}, {"v", &v}, {"grad_out", &grad_out}, {"out", &out},
+                   {"lse", &lse}},
+                  is_causal, load_balanced, scale, backend, rotate);
   const std::vector<int64_t> out_sizes{q.size(0), q.size(1), q.size(2), v.size(3)};
   const std::vector<int64_t> lse_sizes{q.size(0), q.size(1), q.size(2)};
   TORCH_CHECK_VALUE(q.dim() == 4 && v.dim() == 4, "cplib.ring_sdpa_backward: expected 4-D q and v",
