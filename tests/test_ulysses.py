@@ -303,6 +303,21 @@ def test_ulysses_bad_heads_raise_on_every_rank(ranks):
     assert "2 query heads" in per_rank[0][3]
 
 
+def _check_mismatched_lengths() -> str:
+    """Check mode: ranks passing different shard lengths all raise, nothing hangs."""
+    rank, n, name = _world()
+    q = torch.randn(1, 4, 2 + rank, 8)
+    with cplib.consistency_checks():
+        with pytest.raises(ValueError, match="ulysses_reshard") as info:
+            cplib.ulysses_sdpa(q, q, q, name)
+    return str(info.value)
+
+
+def test_ulysses_check_mode_mismatched_lengths_raise_on_every_rank(ranks):
+    messages = ranks(2).run(_check_mismatched_lengths)
+    assert messages[0] == messages[1]
+
+
 # ---------------------------------------------------------------- threaded group
 
 
