@@ -30,6 +30,8 @@ from ._sdpa_dispatch import (
 )
 from ._sharding import _context_parallel_shard, context_parallel_unshard, shard, unshard
 from ._style import _ContextParallel
+from ._ulysses import ulysses_reshard, ulysses_sdpa, usp_sdpa
+from ._usp import usp_load_balancer
 
 # Public names for what torch keeps private (same objects).
 LoadBalancer = _LoadBalancer
@@ -79,6 +81,10 @@ __all__ = [
     "consistency_checks_enabled",
     "set_consistency_checks",
     "ring_sdpa",
+    "ulysses_reshard",
+    "ulysses_sdpa",
+    "usp_sdpa",
+    "usp_load_balancer",
     "tp_conv",
     "enable_dtensor_conv",
     "disable_dtensor_conv",

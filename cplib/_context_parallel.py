@@ -15,6 +15,7 @@ from ._load_balancer import _HeadTailLoadBalancer, _LoadBalancer
 from ._options import RingConfig, _cp_options, _RotateMethod, parse_rotate_method, rotate_method_name
 from ._sdpa_dispatch import CPDispatchMode
 from ._sharding import check_mesh, check_shardable, shard_tensor, unshard
+from ._usp import check_degrees, ulysses_layout, usp_groups
 
 __all__ = ["context_parallel", "ContextParallelHandle"]
 
@@ -36,9 +37,9 @@ class ContextParallelHandle:
 
 
 def _validate(buffers: list, seq_dims: list, no_restore: list, world_size: int,
-              load_balance: bool | None) -> bool:
+              load_balance: bool | None, ring_degree: int) -> bool:
     """All argument checks, from shapes alone (identical on every rank).
-    Returns whether the head-tail layout is used."""
+    Returns whether the head-tail layout (over ``ring_degree`` positions) is used."""
     if len(buffers) != len(seq_dims):
         raise ValueError(
             f"cplib.context_parallel: buffer_seq_dims has {len(seq_dims)} entries but there are "
@@ -65,12 +66,14 @@ def _validate(buffers: list, seq_dims: list, no_restore: list, world_size: int,
         return bool(_cp_options.enable_load_balance if load_balance is None else load_balance)
     lengths = [b.shape[d] for b, d in zip(buffers, seq_dims)]
     wanted = _cp_options.enable_load_balance if load_balance is None else load_balance
-    divisible = all(length % (2 * world_size) == 0 for length in lengths)
+    divisible = all(length % (2 * ring_degree) == 0 for length in lengths)
     same = len(set(lengths)) == 1
     if load_balance and not (divisible and same):
+        what = ("2 * world_size" if ring_degree == world_size
+                else "2 * ring_degree (world_size / ulysses_degree)")
         raise ValueError(
             f"cplib.context_parallel: load_balance=True needs every buffer's sequence length to "
-            f"be the same and divisible by 2 * world_size = {2 * world_size}; got lengths "
+            f"be the same and divisible by {what} = {2 * ring_degree}; got lengths "
             f"{lengths}"
         )
     # Without an explicit request, fall back to sequential sharding as torch does.
@@ -86,6 +89,7 @@ def context_parallel(
     no_restore_buffers: set[torch.Tensor] | None = None,
     rotate_method: str | _RotateMethod | None = None,
     load_balance: bool | None = None,
+    ulysses_degree: int = 1,
 ) -> Generator[ContextParallelHandle, None, None]:
     """Context parallelism for the code inside the ``with`` block.
 
@@ -107,6 +111,14 @@ def context_parallel(
     context only (``load_balance=True`` makes an indivisible length a
     ValueError instead of a silent fallback), and the context yields a
     :class:`ContextParallelHandle` whose ``unshard`` knows the layout.
+
+    ``ulysses_degree=U`` (USP, cplib/_usp.py) splits the N ranks into
+    N/U ring positions x U Ulysses ranks: every SDPA call runs Ulysses
+    (all-to-all over heads) within groups of U consecutive ranks and ring
+    attention across them; U = N is pure Ulysses, U = 1 (default) the ring.
+    U must divide N and the heads of every attention call (ValueError).
+    With load balancing the layout is head-tail over the N/U ring positions
+    (lengths divisible by 2N/U and by N), then cut in N pieces.
     """
     group = check_mesh(mesh)
     buffers = [] if buffers is None else list(buffers)
@@ -115,12 +127,14 @@ def context_parallel(
     rotate = parse_rotate_method(_cp_options.rotate_method if rotate_method is None
                                  else rotate_method)
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
-    balanced = _validate(buffers, seq_dims, no_restore, world_size, load_balance)
+    ring_degree = check_degrees(world_size, ulysses_degree)
+    balanced = _validate(buffers, seq_dims, no_restore, world_size, load_balance, ring_degree)
 
     balancer = None
     if balanced and buffers:
         length = buffers[0].shape[seq_dims[0]]
-        balancer = _HeadTailLoadBalancer(length, world_size, buffers[0].device)
+        balancer = _HeadTailLoadBalancer(length, ring_degree, buffers[0].device)
+    groups = usp_groups(group, ulysses_degree)  # collective the first time only
     indices = balancer._generate_indices() if balancer is not None else None
     with torch.no_grad():
         shards = [shard_tensor(b, d, rank, world_size, indices) for b, d in zip(buffers, seq_dims)]
@@ -129,7 +143,8 @@ def context_parallel(
     saved = [None if any(b is t for t in no_restore)
              else (b.untyped_storage(), b.storage_offset(), b.size(), b.stride())
              for b in buffers]
-    config = RingConfig(group.group_name, world_size, balanced, rotate_method_name(rotate))
+    config = RingConfig(groups.ring_group or group.group_name, world_size, balanced,
+                        rotate_method_name(rotate), ulysses_degree, groups.ulysses_group)
     old_balance = _cp_options.enable_load_balance
     swapped = 0
     try:
@@ -138,7 +153,7 @@ def context_parallel(
                 b.set_(s)
                 swapped += 1
         _cp_options.enable_load_balance = balanced  # as torch does, for code that reads it
-        with CPDispatchMode(config):
+        with CPDispatchMode(config), ulysses_layout(ulysses_degree):
             yield ContextParallelHandle(mesh, config, balancer)
     finally:
         _cp_options.enable_load_balance = old_balance

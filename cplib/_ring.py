@@ -82,7 +82,8 @@ def _check(op: str, q, k, v, group_name: str, is_causal: bool, load_balanced: bo
     if load_balanced and (q.shape[2] % 2 or k.shape[2] % 2):
         raise ValueError(f"cplib.{op}: load_balanced needs even local lengths (two chunks per "
                          f"rank), got q {q.shape[2]} and kv {k.shape[2]}")
-    group_size(group_name)  # ValueError for an unknown group
+    if group_name is not None:  # None: a world-of-one check (cplib/_ulysses.py)
+        group_size(group_name)  # ValueError for an unknown group
 
 
 @torch.library.register_fake("cplib_c::ring_sdpa")

@@ -113,6 +113,8 @@ def routed_sdpa(config: RingConfig, *args: Any, **kwargs: Any) -> torch.Tensor:
     sequence shards, computed over the whole sequence by the ring op."""
     q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa = _sdpa_signature(*args, **kwargs)
     _check_sdpa_args(q, k, v, attn_mask, dropout_p, enable_gqa)
+    if config.ulysses_degree > 1:
+        return _routed_ulysses(config, q, k, v, bool(is_causal), scale)
     from ._ring import ring_sdpa  # lives beside this module; imported when first needed
 
     out, _ = ring_sdpa(
@@ -120,6 +122,21 @@ def routed_sdpa(config: RingConfig, *args: Any, **kwargs: Any) -> torch.Tensor:
         load_balanced=config.load_balanced, scale=scale, rotate=config.rotate,
         backend=sdpa_backend_hint(q.device),
     )
+    return out
+
+
+def _routed_ulysses(config: RingConfig, q, k, v, is_causal: bool, scale) -> torch.Tensor:
+    # Ulysses over the Ulysses group; the ring over the ring group unless it is one rank.
+    from ._ulysses import ulysses_sdpa, usp_sdpa
+
+    backend = sdpa_backend_hint(q.device)
+    if config.ulysses_degree == config.world_size:
+        out, _ = ulysses_sdpa(q, k, v, config.ulysses_group, is_causal=is_causal, scale=scale,
+                              backend=backend)
+    else:
+        out, _ = usp_sdpa(q, k, v, config.ulysses_group, config.group_name, is_causal=is_causal,
+                          load_balanced=config.load_balanced, scale=scale, rotate=config.rotate,
+                          backend=backend)
     return out
 
 

@@ -151,10 +151,12 @@ def _gather(t: torch.Tensor, seq_dim: int, group: dist.ProcessGroup) -> torch.Te
 def _default_restore_indices(mesh: DeviceMesh, buffers: Sequence[torch.Tensor],
                              seq_dims: Sequence[int]) -> torch.Tensor | None:
     # As torch: without an explicit balancer, follow the global option.
+    from ._usp import active_ulysses_degree  # USP: head-tail over the ring degree
+
     n = mesh.size()
     length = buffers[0].shape[seq_dims[0]] * n
-    balancer = _create_default_load_balancer(length, n, buffers[0].device,
-                                             _cp_options.enable_load_balance)
+    balancer = _create_default_load_balancer(length, n // active_ulysses_degree(),
+                                             buffers[0].device, _cp_options.enable_load_balance)
     return balancer._generate_indices(restore=True) if balancer else None
 
 

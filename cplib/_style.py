@@ -17,6 +17,7 @@ from ._flex_hook import _flex_input_hook, _register_flex_input_hook
 from ._options import RingConfig, _cp_options, rotate_method_name
 from ._sdpa_dispatch import CPDispatchMode, dispatcher_enabled
 from ._sharding import check_mesh
+from ._usp import UspGroups, usp_groups
 
 __all__ = ["_ContextParallel"]
 
@@ -33,10 +34,14 @@ class _ContextParallel(ParallelStyle):
         FLEX = "flex_attention"
         SDPA = "scaled_dot_product_attention"
 
-    def __init__(self, seq_dim: int, attention_type: AttentionType) -> None:
+    def __init__(self, seq_dim: int, attention_type: AttentionType,
+                 ulysses_degree: int = 1) -> None:
         super().__init__()
         self.seq_dim = seq_dim
         self.attention_type = attention_type
+        # cplib's addition: USP, as context_parallel(..., ulysses_degree=U);
+        # shard with _context_parallel_shard(..., cplib.usp_load_balancer(...)).
+        self.ulysses_degree = ulysses_degree
 
     def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         group = check_mesh(mesh)
@@ -46,9 +51,15 @@ class _ContextParallel(ParallelStyle):
                     f"cplib: SDPA context parallelism shards (batch, heads, seq, dim) tensors "
                     f"on dim 2; got seq_dim={self.seq_dim}"
                 )
-            module.forward = functools.partial(_sdpa_forward, module.forward, group)
+            groups = usp_groups(group, self.ulysses_degree)  # collective, once per mesh
+            module.forward = functools.partial(_sdpa_forward, module.forward, group, groups)
             return module
         if self.attention_type == self.AttentionType.FLEX:
+            if self.ulysses_degree != 1:
+                raise NotImplementedError(
+                    f"cplib: ulysses_degree={self.ulysses_degree} applies to SDPA attention; "
+                    "FLEX attention gathers keys and values instead"
+                )
             return _register_flex_input_hook(module, mesh, self.seq_dim)
         raise ValueError(f"cplib: unknown attention type {self.attention_type!r}")
 
@@ -61,14 +72,16 @@ class _ContextParallel(ParallelStyle):
                                 group_name=check_mesh(mesh).group_name)
 
 
-def _sdpa_forward(forward: Any, group: dist.ProcessGroup, *args: Any, **kwargs: Any) -> Any:
+def _sdpa_forward(forward: Any, group: dist.ProcessGroup, groups: UspGroups, *args: Any,
+                  **kwargs: Any) -> Any:
     if not dispatcher_enabled():
         raise RuntimeError(
             "cplib: this module was parallelized with _ContextParallel but the context "
             "parallel dispatcher is off; call cplib._enable_context_parallel_dispatcher() first"
         )
-    config = RingConfig(group.group_name, dist.get_world_size(group),
+    config = RingConfig(groups.ring_group or group.group_name, dist.get_world_size(group),
                         _cp_options.enable_load_balance,
-                        rotate_method_name(_cp_options.rotate_method))
+                        rotate_method_name(_cp_options.rotate_method), groups.ulysses_degree,
+                        groups.ulysses_group)
     with CPDispatchMode(config):
         return forward(*args, **kwargs)

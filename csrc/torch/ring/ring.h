@@ -43,6 +43,12 @@ Config check_args(const char* op, const at::Tensor& q, const at::Tensor& k, cons
                   std::string_view group_name, bool is_causal, bool load_balanced,
                   std::optional<double> scale, int64_t backend, int64_t rotate);
 
+// The checks of check_args that concern one block of attention (tensors,
+// backend, scale, causal lengths), for a world of one: no group, size 1.
+Config check_local_args(const char* op, const at::Tensor& q, const at::Tensor& k,
+                        const at::Tensor& v, bool is_causal, std::optional<double> scale,
+                        int64_t backend);
+
 // The accumulator dtype: float64 for float64 inputs, else float32.
 inline at::ScalarType acc_dtype(const at::Tensor& t) {
   return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;

@@ -44,12 +44,10 @@ void check_tensors(const char* op, const at::Tensor& q, const at::Tensor& k, con
 
 }  // namespace
 
-Config check_args(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                  std::string_view group_name, bool is_causal, bool load_balanced,
-                  std::optional<double> scale, int64_t backend, int64_t rotate) {
+Config check_local_args(const char* op, const at::Tensor& q, const at::Tensor& k,
+                        const at::Tensor& v, bool is_causal, std::optional<double> scale,
+                        int64_t backend) {
   check_tensors(op, q, k, v);
-  TORCH_CHECK_VALUE(rotate >= 0 && rotate <= 2, "cplib.", op, ": rotate=", rotate,
-                    " is not a rotation (0 = p2p, 1 = alltoall, 2 = allgather)");
   TORCH_CHECK_VALUE(backend == kBackendAuto || backend == kBackendFlash ||
                         backend == kBackendEfficient || backend == kBackendCudnn,
                     "cplib.", op, ": backend=", backend,
@@ -61,23 +59,32 @@ Config check_args(const char* op, const at::Tensor& q, const at::Tensor& k, cons
   TORCH_CHECK_VALUE(!is_causal || q.size(2) == k.size(2), "cplib.", op,
                     ": is_causal needs equal local q and kv lengths, got q ", q.size(2), " and kv ",
                     k.size(2));
-  TORCH_CHECK_VALUE(!load_balanced || (q.size(2) % 2 == 0 && k.size(2) % 2 == 0), "cplib.", op,
-                    ": load_balanced needs even local lengths (two chunks per rank), got q ",
-                    q.size(2), " and kv ", k.size(2));
   Config cfg;
-  cfg.pg = resolve_group(group_name);
-  cfg.rank = cfg.pg->getRank();
-  cfg.size = cfg.pg->getSize();
   cfg.causal = is_causal;
-  cfg.load_balanced = load_balanced;
   cfg.scale = scale;
   cfg.backend = backend;
 #ifdef CPLIB_WITH_CUDA
   // Chosen once, before any communication, so every rank fails alike.
   if (q.is_cuda()) cfg.backend = resolve_backend_cuda(backend, q, k, v, is_causal, scale);
 #endif
-  cfg.rotate = static_cast<Rotate>(rotate);
   cfg.groups = q.size(1) / k.size(1);
+  return cfg;
+}
+
+Config check_args(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  std::string_view group_name, bool is_causal, bool load_balanced,
+                  std::optional<double> scale, int64_t backend, int64_t rotate) {
+  TORCH_CHECK_VALUE(rotate >= 0 && rotate <= 2, "cplib.", op, ": rotate=", rotate,
+                    " is not a rotation (0 = p2p, 1 = alltoall, 2 = allgather)");
+  Config cfg = check_local_args(op, q, k, v, is_causal, scale, backend);
+  TORCH_CHECK_VALUE(!load_balanced || (q.size(2) % 2 == 0 && k.size(2) % 2 == 0), "cplib.", op,
+                    ": load_balanced needs even local lengths (two chunks per rank), got q ",
+                    q.size(2), " and kv ", k.size(2));
+  cfg.pg = resolve_group(group_name);
+  cfg.rank = cfg.pg->getRank();
+  cfg.size = cfg.pg->getSize();
+  cfg.load_balanced = load_balanced;
+  cfg.rotate = static_cast<Rotate>(rotate);
   return cfg;
 }
 

@@ -1,0 +1,45 @@
+// Ulysses (all-to-all head parallelism): re-sharding (B, H, S, D) tensors
+// between the sequence and the head dimension over a process group, and the
+// full-sequence attention each rank runs on its heads.
+//
+// Layouts (N = group size, R = head_repeat):
+//   sequence shard  (B, H, S/N, D)      rank r holds rows [r S/N, (r+1) S/N)
+//   head shard      (B, H R/N, S, D)    rank r holds heads [r H R/N, (r+1) H R/N)
+//                                       of the heads repeated R times each
+//                                       (GQA: R > 1 only to reach one head per
+//                                       rank, H R == N).
+// seq -> heads returns a sequence-major tensor (strides of (S, B, H, D)), and
+// heads -> seq a head-major one (strides of (H, B, S, D)): exactly the orders
+// in which the chunks arrive from the other ranks, so the exchange writes the
+// result in place and the only copy is the packing of the send buffer.
+#pragma once
+
+#include <optional>
+#include <string_view>
+#include <tuple>
+
+#include <ATen/ATen.h>
+
+namespace cplib::ulysses {
+
+at::Tensor reshard(const at::Tensor& x, std::string_view group_name, bool to_heads,
+                   int64_t head_repeat);
+
+// Full-sequence attention of head-sharded q, k, v (k/v may have fewer heads:
+// GQA). out is sequence-major (strides of (S, B, H, D)), lse (B, H, S)
+// contiguous in the accumulator dtype, as ring_sdpa's.
+std::tuple<at::Tensor, at::Tensor> local_sdpa(const at::Tensor& q, const at::Tensor& k,
+                                              const at::Tensor& v, bool is_causal,
+                                              std::optional<double> scale, int64_t backend);
+
+// dq, dk, dv with the strides of a (B, S, H, D) tensor.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> local_sdpa_backward(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, bool is_causal, std::optional<double> scale,
+    int64_t backend);
+
+// Bytes this process has sent in Ulysses exchanges since the last reset (a
+// debug counter for tests and benchmarks).
+int64_t bytes_sent(bool reset);
+
+}  // namespace cplib::ulysses

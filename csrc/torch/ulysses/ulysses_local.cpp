@@ -1,0 +1,82 @@
+// The attention each Ulysses rank runs on its heads over the whole sequence:
+// the ring's block kernels with a world of one (CPU flash; CUDA flash,
+// efficient or cuDNN as SDPA would choose), K/V expanded to q's heads only
+// for the kernel, and outputs in fixed layouts (so the fake kernel can state
+// them): the kernel's own tensor when it already has that layout, else one copy.
+#include <array>
+#include <vector>
+
+#include "ring/ring.h"
+#include "ring/ring_block.h"
+#include "ring/ring_heads.h"
+#include "ulysses/ulysses.h"
+
+namespace cplib::ulysses {
+namespace {
+
+// An empty (B, H, S, D) tensor whose memory is ordered as dims `order` (outermost first).
+at::Tensor empty_ordered(at::IntArrayRef sizes, std::array<int64_t, 4> order,
+                         const at::TensorOptions& opts) {
+  std::vector<int64_t> strides(4);
+  int64_t stride = 1;
+  for (int i = 3; i >= 0; --i) {
+    strides[order[i]] = stride;
+    stride *= sizes[order[i]];
+  }
+  return at::empty_strided(sizes, strides, opts);
+}
+
+constexpr std::array<int64_t, 4> kSeqMajor{2, 0, 1, 3};  // (S, B, H, D)
+constexpr std::array<int64_t, 4> kBSHD{0, 2, 1, 3};      // (B, S, H, D)
+
+// A kernel output as it is when it already has dtype and the layout `order`, else a copy that has.
+at::Tensor in_layout(const at::Tensor& t, std::array<int64_t, 4> order, at::ScalarType dtype) {
+  at::Tensor want = empty_ordered(t.sizes(), order, t.options().dtype(dtype));
+  if (t.scalar_type() == dtype && t.strides() == want.strides()) return t;
+  want.copy_(t);
+  return want;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> local_sdpa(const at::Tensor& q, const at::Tensor& k,
+                                              const at::Tensor& v, bool is_causal,
+                                              std::optional<double> scale, int64_t backend) {
+  const ring::Config cfg =
+      ring::check_local_args("ulysses_local_sdpa", q, k, v, is_causal, scale, backend);
+  ring::HeadExpander expand_k(cfg.groups, k), expand_v(cfg.groups, v);
+  ring::BlockResult r = ring::block_forward(cfg, q, expand_k(k), expand_v(v), is_causal);
+  at::Tensor out = in_layout(r.out, kSeqMajor, q.scalar_type());
+  at::Tensor lse = r.lse.to(ring::acc_dtype(q)).contiguous();
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> local_sdpa_backward(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, bool is_causal, std::optional<double> scale,
+    int64_t backend) {
+  const ring::Config cfg =
+      ring::check_local_args("ulysses_local_sdpa_backward", q, k, v, is_causal, scale, backend);
+  const std::vector<int64_t> out_sizes{q.size(0), q.size(1), q.size(2), v.size(3)};
+  TORCH_CHECK_VALUE(grad_out.sizes() == out_sizes && out.sizes() == out_sizes,
+                    "cplib.ulysses_local_sdpa_backward: grad_out ", grad_out.sizes(), " and out ",
+                    out.sizes(), " must have shape ", out_sizes);
+  TORCH_CHECK_VALUE(lse.dim() == 3 && lse.size(0) == q.size(0) && lse.size(1) == q.size(1) &&
+                        lse.size(2) == q.size(2) && lse.scalar_type() == ring::acc_dtype(q),
+                    "cplib.ulysses_local_sdpa_backward: lse must be ", ring::acc_dtype(q),
+                    " of shape (B, H, S), got ", lse.scalar_type(), " ", lse.sizes());
+  ring::HeadExpander expand_k(cfg.groups, k), expand_v(cfg.groups, v);
+  auto [gq, gk, gv] = ring::block_backward(cfg, grad_out, q, expand_k(k), expand_v(v), out,
+                                           lse.contiguous(), is_causal);
+  const auto dt = q.scalar_type();
+  at::Tensor dq = in_layout(gq, kBSHD, dt);
+  auto reduce = [&](const at::Tensor& g, const at::Tensor& like) {
+    if (cfg.groups == 1) return in_layout(g, kBSHD, dt);
+    at::Tensor acc = empty_ordered(like.sizes(), kBSHD, like.options());
+    ring::reduce_heads_into(acc, g, cfg.groups, /*accumulate=*/false);
+    return acc;
+  };
+  return {dq, reduce(gk, k), reduce(gv, v)};
+}
+
+}  // namespace cplib::ulysses
