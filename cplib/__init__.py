@@ -40,6 +40,9 @@ RotateMethod = _RotateMethod
 enable_context_parallel_dispatcher = _enable_context_parallel_dispatcher
 disable_context_parallel_dispatcher = _disable_context_parallel_dispatcher
 from ._tp_conv import disable_dtensor_conv, enable_dtensor_conv, tp_conv
+# Packed documents, sliding windows, any sequence length (issue 14).
+from ._documents import attention_window, cu_seqlens_from_position_ids
+from ._load_balancer import AnyLengthHeadTailLoadBalancer
 
 __version__ = "0.1.0"
 
@@ -83,4 +86,7 @@ __all__ = [
     "shard",
     "unshard",
     "__version__",
+    "attention_window",
+    "cu_seqlens_from_position_ids",
+    "AnyLengthHeadTailLoadBalancer",
 ]

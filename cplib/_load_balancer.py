@@ -21,6 +21,7 @@ __all__ = [
     "_HeadTailLoadBalancer",
     "_PerDocumentHeadTailLoadBalancer",
     "_PTRRLoadBalancer",
+    "AnyLengthHeadTailLoadBalancer",
     "head_tail_indices",
     "rearrange",
 ]
@@ -110,6 +111,38 @@ class _HeadTailLoadBalancer(_LoadBalancer):
     def _generate_indices(self, restore: bool = False) -> Tensor:
         perm = head_tail_indices(self.seq_length, self.world_size, self.device)
         return (_inverse(perm) if restore else perm).unsqueeze(0)
+
+
+class AnyLengthHeadTailLoadBalancer(_HeadTailLoadBalancer):
+    """Head-tail balancing for any sequence length >= world size: the 2N
+    chunks differ by at most one token (``cplib._seq_layout``), so shards
+    differ by at most one token per chunk; for lengths divisible by 2N it is
+    exactly :class:`_HeadTailLoadBalancer`. Shards are cut with
+    :func:`shard_lengths`, not in equal parts."""
+
+    def _generate_indices(self, restore: bool = False) -> Tensor:
+        from ._seq_layout import layout_indices
+
+        if self.seq_length < self.world_size:
+            raise ValueError(f"cplib: sequence length {self.seq_length} is shorter than the "
+                             f"world size {self.world_size}")
+        perm = layout_indices(self.seq_length, self.world_size, True, self.device)
+        return (_inverse(perm) if restore else perm).unsqueeze(0)
+
+
+def shard_lengths(seq_length: int, world_size: int,
+                  load_balancer: _LoadBalancer | None) -> list[int] | None:
+    """Every rank's shard length for a sequence of ``seq_length`` cut after
+    ``load_balancer``'s rearrangement, or None for equal parts (lengths that
+    divide; other balancers need them)."""
+    from ._seq_layout import local_length
+
+    if seq_length % world_size == 0:  # head-tail shards are then equal too
+        return None
+    if load_balancer is None or isinstance(load_balancer, AnyLengthHeadTailLoadBalancer):
+        head_tail = load_balancer is not None
+        return [local_length(seq_length, world_size, r, head_tail) for r in range(world_size)]
+    return None
 
 
 class _PerDocumentHeadTailLoadBalancer(_LoadBalancer):

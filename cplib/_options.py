@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from enum import Enum, auto
+from typing import Any
 
 __all__ = [
     "_CausalBehavior",
@@ -97,9 +98,14 @@ def _is_causal_behavior(rank: int, world_size: int, i: int, is_causal: bool) -> 
 @dataclass(frozen=True)
 class RingConfig:
     """What every SDPA call of one context-parallel region needs: the group,
-    whether shards are in head-tail layout, and the rotation."""
+    whether shards are in head-tail layout, and the rotation; cplib's
+    additions: the global length when shards are uneven, the batch's
+    documents, and the default sliding window."""
 
     group_name: str
     world_size: int
     load_balanced: bool
     rotate: str
+    seq_len: int | None = None
+    cu_seqlens: Any = None  # torch.Tensor | None
+    window: Any = None  # int | (left, right) | None

@@ -17,21 +17,35 @@ std::string_view sv(c10::string_view s) { return {s.data(), s.size()}; }
 // autograd's view-rebase check when the op is called with grad mode on.
 using NoViewTracking = at::AutoDispatchBelowADInplaceOrView;
 
+Extras extras(const std::optional<at::Tensor>& cu_seqlens, at::OptionalIntArrayRef window,
+              std::optional<int64_t> seq_len) {
+  Extras e;
+  e.cu_seqlens = cu_seqlens;
+  if (window.has_value()) e.window = window->vec();
+  e.seq_len = seq_len;
+  return e;
+}
+
 std::tuple<at::Tensor, at::Tensor> ring_sdpa(const at::Tensor& q, const at::Tensor& k,
                                              const at::Tensor& v, c10::string_view group_name,
                                              bool is_causal, bool load_balanced,
                                              std::optional<double> scale, int64_t backend,
-                                             int64_t rotate) {
+                                             int64_t rotate,
+                                             const std::optional<at::Tensor>& cu_seqlens,
+                                             at::OptionalIntArrayRef window,
+                                             std::optional<int64_t> seq_len) {
   NoViewTracking guard;
   Config cfg = check_args("ring_sdpa", q, k, v, sv(group_name), is_causal, load_balanced, scale,
-                          backend, rotate);
+                          backend, rotate, extras(cu_seqlens, window, seq_len));
   return ring_forward(cfg, q, k, v);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_sdpa_backward(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, c10::string_view group_name, bool is_causal,
-    bool load_balanced, std::optional<double> scale, int64_t backend, int64_t rotate) {
+    bool load_balanced, std::optional<double> scale, int64_t backend, int64_t rotate,
+    const std::optional<at::Tensor>& cu_seqlens, at::OptionalIntArrayRef window,
+    std::optional<int64_t> seq_len) {
   const std::vector<int64_t> out_sizes{q.size(0), q.size(1), q.size(2), v.size(3)};
   const std::vector<int64_t> lse_sizes{q.size(0), q.size(1), q.size(2)};
   TORCH_CHECK_VALUE(q.dim() == 4 && v.dim() == 4, "cplib.ring_sdpa_backward: expected 4-D q and v",
@@ -51,7 +65,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_sdpa_backward(
                     "cplib.ring_sdpa_backward: grad_out, out and lse must be on ", q.device());
   NoViewTracking guard;
   Config cfg = check_args("ring_sdpa_backward", q, k, v, sv(group_name), is_causal, load_balanced,
-                          scale, backend, rotate);
+                          scale, backend, rotate, extras(cu_seqlens, window, seq_len));
   return ring_backward(cfg, grad_out, q, k, v, out, lse);
 }
 
@@ -62,11 +76,13 @@ int64_t ring_debug_bytes_sent(bool reset) { return bytes_sent(reset); }
 TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
   m.def(
       "ring_sdpa(Tensor q, Tensor k, Tensor v, str group_name, bool is_causal, "
-      "bool load_balanced, float? scale, int backend, int rotate) -> (Tensor out, Tensor lse)");
+      "bool load_balanced, float? scale, int backend, int rotate, Tensor? cu_seqlens=None, "
+      "int[]? window=None, int? seq_len=None) -> (Tensor out, Tensor lse)");
   m.def(
       "ring_sdpa_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "str group_name, bool is_causal, bool load_balanced, float? scale, int backend, "
-      "int rotate) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "int rotate, Tensor? cu_seqlens=None, int[]? window=None, int? seq_len=None) "
+      "-> (Tensor dq, Tensor dk, Tensor dv)");
   m.def("ring_debug_bytes_sent(bool reset=False) -> int", &ring_debug_bytes_sent);
 }
 
