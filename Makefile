@@ -7,15 +7,26 @@ DEPS   := $(VENV)/.deps-installed
 EDIT   := $(VENV)/.cplib-editable
 NPROC  ?= 2
 
-.PHONY: all build demo test bench cuda-check cuda-build clean
+# `make test-torch TORCH=oldest|default|newest`: the suite against another
+# torch (requirements/torch-$(TORCH).txt), in its own venv, with cplib
+# pip-installed there (a wheel built against that torch; this also checks
+# that `pip install` works beside it).
+TORCH     ?= newest
+TORCH_PIN := $(shell sed -n 's/^\(torch==[^ ]*\).*/\1/p' requirements/torch-$(TORCH).txt)
+TVENV     := .venv-$(subst ==,-,$(TORCH_PIN))
+# No pip config files there: a machine-wide cap on torch releases (seen on dev
+# machines) must not veto the release the project pins.
+TPIP      := PIP_CONFIG_FILE=/dev/null $(TVENV)/bin/python -m pip
+
+.PHONY: all build demo test test-torch bench cuda-check cuda-build clean
 
 all: build
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
 
-$(DEPS): requirements-dev.txt | $(VPY)
-	$(VPY) -m pip install -q -r requirements-dev.txt
+$(DEPS): requirements-dev.txt requirements/torch-default.txt | $(VPY)
+	$(VPY) -m pip install -q -r requirements/torch-default.txt -r requirements-dev.txt
 	touch $@
 
 # A .pth entry is what an editable install amounts to, without pip building
@@ -33,6 +44,15 @@ demo: build
 
 test: build
 	$(VPY) -m pytest -q tests
+
+# pytest's own script, not `python -m pytest`: the source tree must not
+# shadow the installed package.
+test-torch:
+	test -x $(TVENV)/bin/python || $(PYTHON) -m venv $(TVENV)
+	$(TPIP) install -q -r requirements/torch-$(TORCH).txt -r requirements-dev.txt
+	MAX_JOBS=$(NPROC) $(TPIP) install -q --no-build-isolation --no-deps .
+	$(TVENV)/bin/python -c "import torch, cplib; print('cplib', cplib.__version__, 'from', cplib.__file__, 'on torch', torch.__version__)"
+	$(TVENV)/bin/pytest -q tests
 
 bench: build
 	$(VPY) benchmarks/run_all.py

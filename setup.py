@@ -12,12 +12,16 @@ import glob
 import os
 import shutil
 import subprocess
+import sys
 import sysconfig
 
 from setuptools import setup
 
 import torch
 from torch.utils import cpp_extension
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from build_support.libstdcxx import refuse_private_libstdcxx  # noqa: E402
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 INCLUDE = os.path.join(ROOT, "csrc", "include")
@@ -40,6 +44,14 @@ class BuildExt(cpp_extension.BuildExtension):
     """Compiles csrc/core/*.c with the C compiler as C11 (torch's builder would
     compile them as C++) and links the objects into every extension."""
 
+    def finalize_options(self):
+        super().finalize_options()
+        # One object folder per torch build: objects compiled against one
+        # torch's headers never end up linked against another's.
+        tag = "torch-" + torch.__version__.replace("+", "-")
+        if os.path.basename(self.build_temp) != tag:
+            self.build_temp = os.path.join(self.build_temp, tag)
+
     def build_extensions(self):
         cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
         cc = cc.split()[0]
@@ -58,6 +70,8 @@ class BuildExt(cpp_extension.BuildExtension):
         for ext in self.extensions:
             ext.extra_objects = list(ext.extra_objects or []) + objects
         super().build_extensions()
+        for ext in self.extensions:
+            refuse_private_libstdcxx(self.get_ext_fullpath(ext.name))
 
 
 def _extension():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from . import _native  # noqa: F401  (loads cplib._C and its ops)
+from ._consistency import consistency_checks, consistency_checks_enabled, set_consistency_checks
 from ._context_parallel import ContextParallelHandle, context_parallel
 from ._flex_allgather import flex_cp_allgather
 from ._flex_mask import _create_cp_block_mask, _create_cp_block_mask as create_cp_block_mask
@@ -77,6 +78,9 @@ __all__ = [
     "disable_context_parallel_dispatcher",
     "enable_context_parallel_dispatcher",
     "merge_partial_",
+    "consistency_checks",
+    "consistency_checks_enabled",
+    "set_consistency_checks",
     "ring_sdpa",
     "tp_conv",
     "enable_dtensor_conv",

@@ -17,6 +17,7 @@ import queue
 import socket
 import sys
 import threading
+import time
 import traceback
 from typing import Any, Callable, Sequence
 
@@ -26,6 +27,7 @@ import torch.multiprocessing as mp
 
 RANK_TIMEOUT_S = float(os.environ.get("CPLIB_TEST_RANK_TIMEOUT", "90"))
 RUN_TIMEOUT_S = float(os.environ.get("CPLIB_TEST_RUN_TIMEOUT", "900"))
+FAILURE_GRACE_S = float(os.environ.get("CPLIB_TEST_FAILURE_GRACE", "10"))
 
 
 def _free_port() -> int:
@@ -51,23 +53,32 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
             task = tasks.get()
             if task is None:
                 break
-            fn, args, kwargs = task
+            task_id, fn, args, kwargs = task
             try:
-                results.put((rank, True, fn(*args, **kwargs)))
-            except BaseException:  # report everything, keep serving
-                results.put((rank, False, traceback.format_exc()))
+                results.put((task_id, rank, True, fn(*args, **kwargs)))
+            except BaseException:  # report everything; the pool respawns after a failure
+                results.put((task_id, rank, False, traceback.format_exc()))
     finally:
         dist.destroy_process_group()
 
 
 class RankPool:
-    """``world_size`` persistent gloo ranks on loopback."""
+    """``world_size`` persistent gloo ranks on loopback.
+
+    Each task carries an id and results of any other id are discarded, so a
+    late answer from an earlier task can never be read as this one's. After a
+    failure or a timeout the pool closes itself (ranks may be stuck in a
+    collective, or hold state the failure left behind) and the next ``run``
+    of the fixture gets fresh ranks: one failing test cannot change another's
+    result."""
 
     def __init__(self, world_size: int):
         self.world_size = world_size
         ctx = mp.get_context("spawn")
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
+        self._next_id = 0
+        self._closed = False
         port = _free_port()
         self._procs = [
             ctx.Process(target=_worker, args=(r, world_size, port, self._tasks[r], self._results),
@@ -78,37 +89,51 @@ class RankPool:
             p.start()
 
     def alive(self) -> bool:
-        return all(p.is_alive() for p in self._procs)
+        return not self._closed and all(p.is_alive() for p in self._procs)
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Runs ``fn(*args, **kwargs)`` on every rank; returns the per-rank
         results, or raises AssertionError with every failing rank's traceback."""
+        if not self.alive():
+            raise AssertionError("RankPool.run on a closed pool (use the `ranks` fixture, which "
+                                 "respawns it)")
+        self._next_id += 1
+        task_id = self._next_id
         for q in self._tasks:
-            q.put((fn, args, kwargs))
+            q.put((task_id, fn, args, kwargs))
         got: dict[int, Any] = {}
         failures: list[tuple[int, str]] = []
-        for _ in range(self.world_size):
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while len(got) + len(failures) < self.world_size:
+            # Once a rank failed, the others get a short grace period: they
+            # may be blocked in a collective the failed rank never joined.
+            limit = deadline if not failures else min(deadline, time.monotonic() + FAILURE_GRACE_S)
             try:
-                rank, ok, payload = self._results.get(timeout=RUN_TIMEOUT_S)
+                rid, rank, ok, payload = self._results.get(timeout=max(0.0, limit - time.monotonic()))
             except queue.Empty:
                 self.close(force=True)
                 missing = sorted(set(range(self.world_size)) - set(got) - {r for r, _ in failures})
+                waited = "after another rank failed" if failures else f"in {RUN_TIMEOUT_S}s"
                 raise AssertionError(
-                    f"ranks {missing} did not finish {fn.__name__} in {RUN_TIMEOUT_S}s "
-                    f"(pool closed)\n" + _format_failures(failures)
-                )
+                    f"ranks {missing} did not finish {fn.__name__} {waited} (pool closed, the "
+                    "next test gets fresh ranks)\n" + _format_failures(failures)
+                ) from None
+            if rid != task_id:
+                continue  # a stale answer to an earlier task
             if ok:
                 got[rank] = payload
             else:
                 failures.append((rank, payload))
         if failures:
+            self.close(force=True)
             raise AssertionError(
-                f"{fn.__name__} failed on {len(failures)} of {self.world_size} ranks\n"
-                + _format_failures(failures)
+                f"{fn.__name__} failed on {len(failures)} of {self.world_size} ranks (pool "
+                "closed, the next test gets fresh ranks)\n" + _format_failures(failures)
             )
         return [got[r] for r in range(self.world_size)]
 
     def close(self, force: bool = False) -> None:
+        self._closed = True
         for p, q in zip(self._procs, self._tasks):
             if p.is_alive() and not force:
                 q.put(None)
@@ -116,6 +141,16 @@ class RankPool:
             p.join(timeout=0 if force else 20)
             if p.is_alive():
                 p.kill()
+                p.join(timeout=5)
+
+
+def _threaded_world_can_destroy() -> bool:
+    """torch 2.11's threaded world has no ``comms`` list, which
+    ``destroy_process_group`` reads; there the world (thread-local) simply
+    ends with its rank thread."""
+    from torch.testing._internal.distributed.multi_threaded_pg import ThreadLocalWorld
+
+    return hasattr(ThreadLocalWorld, "comms")
 
 
 def run_threaded(world_size: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
@@ -141,8 +176,10 @@ def run_threaded(world_size: int, fn: Callable[..., Any], *args: Any, **kwargs: 
             failures.append((rank, traceback.format_exc()))
             ProcessLocalGroup.exception_handle(exc)  # wake ranks blocked in a collective
         finally:
-            dist.destroy_process_group()
+            if can_destroy:
+                dist.destroy_process_group()
 
+    can_destroy = _threaded_world_can_destroy()
     threads = [threading.Thread(target=body, args=(r,)) for r in range(world_size)]
     try:
         for t in threads:

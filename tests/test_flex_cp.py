@@ -192,6 +192,16 @@ def _randn(shape, seed: int) -> torch.Tensor:
 # ------------------------------------------------------------------ checks
 
 
+def _blocks_to_dense(num_blocks: torch.Tensor, indices: torch.Tensor, num_cols: int) -> torch.Tensor:
+    """A BlockMask's (num_blocks, indices) lists as a dense (..., rows, num_cols)
+    bool map: each row's first num_blocks indices are its blocks. Written here
+    because torch's private helper for it changed signature between releases."""
+    valid = torch.arange(indices.shape[-1]) < num_blocks.unsqueeze(-1)
+    cols = torch.where(valid, indices.long(), num_cols)  # invalid entries go to a spare column
+    dense = torch.zeros(*indices.shape[:-1], num_cols + 1, dtype=torch.bool)
+    return dense.scatter_(-1, cols, True)[..., :num_cols]
+
+
 def _check_mask_structure(cp_mask, mask_mod, B: int, S: int, idx: torch.Tensor | None) -> None:
     """The sharded mask equals the full mask with rows/columns rearranged and
     this rank's rows kept, element by element and block list by block list."""
@@ -207,10 +217,8 @@ def _check_mask_structure(cp_mask, mask_mod, B: int, S: int, idx: torch.Tensor |
     qb, kb = cp_mask.BLOCK_SIZE
     blocks = want.view(B, S // n // qb, qb, S // kb, kb)
     any_b, all_b = blocks.any(4).any(2), blocks.all(4).all(2)
-    partial = fa._ordered_to_dense(cp_mask.kv_num_blocks, cp_mask.kv_indices,
-                                   cp_mask.kv_indices.shape[-1])[:, 0].bool()
-    fullb = fa._ordered_to_dense(cp_mask.full_kv_num_blocks, cp_mask.full_kv_indices,
-                                 cp_mask.full_kv_indices.shape[-1])[:, 0].bool()
+    partial = _blocks_to_dense(cp_mask.kv_num_blocks, cp_mask.kv_indices, S // kb)[:, 0]
+    fullb = _blocks_to_dense(cp_mask.full_kv_num_blocks, cp_mask.full_kv_indices, S // kb)[:, 0]
     assert torch.equal(fullb, all_b), "full-block list of the sharded mask is wrong"
     assert torch.equal(partial, any_b & ~all_b), "partial-block list of the sharded mask is wrong"
 

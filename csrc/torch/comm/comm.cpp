@@ -14,7 +14,7 @@
 
 // torch 2.13 renamed _allgather_base/_reduce_scatter_base/alltoall_base and
 // kept the old names as deprecated aliases; the old names are the ones that
-// exist in every torch cplib supports (2.11 - 2.14).
+// exist in every torch cplib supports (2.11 - 2.15).
 #if defined(__GNUC__)
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
 #endif
@@ -69,19 +69,15 @@ WorkPtr reduce_scatter_sum_dim0(const PG& pg, at::Tensor& out, at::Tensor& in) {
 
 WorkPtr all_to_all(const PG& pg, at::Tensor& out, at::Tensor& in) {
   std::vector<int64_t> even;  // empty split sizes: equal chunks along dim 0
-  return pg->alltoall_base(out, in, even, even);
+  return all_to_all_split(pg, out, in, even, even);
 }
 
 WorkPtr all_to_all_split(const PG& pg, at::Tensor& out, at::Tensor& in,
                          std::vector<int64_t>& out_splits, std::vector<int64_t>& in_splits) {
-  if (python_group(pg)) {
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
-    return pg->all_to_all_single(out, in, out_splits, in_splits);  // the name Python groups see
-#else
-    TORCH_CHECK_NOT_IMPLEMENTED(false, "cplib: Python-implemented process groups need torch >= "
-                                "2.13 for a split all-to-all from C++");
+  // torch 2.13 renamed the override Python groups implement to all_to_all_single.
+  if (python_group(pg)) return pg->all_to_all_single(out, in, out_splits, in_splits);
 #endif
-  }
   return pg->alltoall_base(out, in, out_splits, in_splits);
 }
 

@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include "comm/comm.h"
+#include "comm/consistency.h"
 #include "conv/tp_conv_impl.h"
 #include "conv/tp_conv_plan.h"
 
@@ -22,6 +23,19 @@ Resolved resolve(const at::Tensor& x, const at::Tensor& w, const c10::optional<a
                  at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
                  int64_t groups, int64_t shard_dim, c10::string_view group_name) {
   PG pg = resolve_group(std::string_view(group_name.data(), group_name.size()));
+  CallSignature sig;  // check mode: every rank must make the same call
+  sig.add_meta("x", x);
+  sig.add_meta("weight", w);
+  sig.add_meta("bias", b ? *b : at::Tensor());
+  for (auto [name, values] : {std::pair{"stride", stride}, {"padding", padding},
+                              {"dilation", dilation}}) {
+    sig.add(std::string(name) + " length", static_cast<int64_t>(values.size()));
+    for (size_t i = 0; i < values.size(); ++i)
+      sig.add(std::string(name) + "[" + std::to_string(i) + "]", values[i]);
+  }
+  sig.add("groups", groups);
+  sig.add("shard_dim", shard_dim);
+  maybe_check_consistent(pg, "tp_convolution", sig, x.device());
   TpConvPlan plan = make_tp_conv_plan(x, w, b, stride, padding, dilation, groups, shard_dim,
                                       pg->getRank(), pg->getSize());
   return {std::move(pg), std::move(plan)};

@@ -4,12 +4,23 @@
 
 #include "common/checks.h"
 #include "comm/comm.h"
+#include "comm/consistency.h"
 
 namespace cplib {
 namespace {
 
 // k and v may differ in heads (dim 1 of B,H,S,D: GQA) and features (last
 // dim); everything else must agree or the gathered pair is meaningless.
+// Check mode: every rank must pass the same shapes and seq_dim.
+void check_same_call(const PG& pg, const char* op, const at::Tensor& k, const at::Tensor& v,
+                     int64_t seq_dim) {
+  CallSignature sig;
+  sig.add_meta("k", k);
+  sig.add_meta("v", v);
+  sig.add("seq_dim", seq_dim);
+  maybe_check_consistent(pg, op, sig, k.device());
+}
+
 void check_pair(const at::Tensor& k, const at::Tensor& v, int64_t dim, const char* op) {
   TORCH_CHECK_VALUE(k.dim() == v.dim(), "cplib.", op, ": k and v must have the same number of ",
                     "dimensions, got k ", k.sizes(), " and v ", v.sizes());
@@ -45,9 +56,10 @@ at::Tensor dim_to_chunks(const at::Tensor& full, int64_t dim, int64_t n) {
 std::tuple<at::Tensor, at::Tensor> flex_cp_allgather(const at::Tensor& k, const at::Tensor& v,
                                                      int64_t seq_dim,
                                                      c10::string_view group_name) {
+  PG pg = resolve_group(std::string_view(group_name.data(), group_name.size()));
+  check_same_call(pg, "flex_cp_allgather", k, v, seq_dim);
   const int64_t dim = checked_dim(seq_dim, k.dim(), "seq_dim");
   check_pair(k, v, dim, "flex_cp_allgather");
-  PG pg = resolve_group(std::string_view(group_name.data(), group_name.size()));
   const int64_t n = pg->getSize();
 
   at::Tensor kin = k.contiguous(), vin = v.contiguous();
@@ -76,9 +88,10 @@ std::tuple<at::Tensor, at::Tensor> flex_cp_allgather_backward(const at::Tensor& 
                                                               const at::Tensor& grad_v,
                                                               int64_t seq_dim,
                                                               c10::string_view group_name) {
+  PG pg = resolve_group(std::string_view(group_name.data(), group_name.size()));
+  check_same_call(pg, "flex_cp_allgather_backward", grad_k, grad_v, seq_dim);
   const int64_t dim = checked_dim(seq_dim, grad_k.dim(), "seq_dim");
   check_pair(grad_k, grad_v, dim, "flex_cp_allgather_backward");
-  PG pg = resolve_group(std::string_view(group_name.data(), group_name.size()));
   const int64_t n = pg->getSize();
   TORCH_CHECK_VALUE(grad_k.size(dim) % n == 0, "cplib.flex_cp_allgather_backward: sequence ",
                     "length ", grad_k.size(dim), " is not divisible by the group size ", n);

@@ -2,7 +2,6 @@
 // scaled_dot_product_attention would (so torch.nn.attention.sdpa_kernel is
 // honoured) unless the caller names one. Dropout is never used, so the
 // backward kernels get placeholder philox tensors.
-// NOTE: written without a GPU to run it on; the CPU path is the tested one.
 #ifdef CPLIB_WITH_CUDA
 
 #include <ATen/ops/_fused_sdp_choice.h>
@@ -12,6 +11,8 @@
 #include <ATen/ops/_scaled_dot_product_efficient_attention_backward.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention_backward.h>
+
+#include <limits>
 
 #include "ring/ring_block.h"
 
@@ -25,6 +26,12 @@ int64_t pick_backend(const Config& cfg) {
 
 at::Tensor philox_placeholder(const at::Tensor& like) {
   return at::empty({}, like.options().dtype(at::kLong));
+}
+
+// A (B, H, L, D) view of `t` whose memory is (B, L, H, D)-dense, the layout
+// the efficient kernels' outputs have and their backward assumes for `out`.
+at::Tensor seq_major(const at::Tensor& t) {
+  return t.transpose(1, 2).contiguous().transpose(1, 2);
 }
 
 // The efficient kernel pads its lse rows to a multiple of 32.
@@ -75,27 +82,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_backward_cuda(
     const Config& cfg, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
     const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, bool causal) {
   const int64_t Lq = q.size(2), Lk = k.size(2);
-  // Strided lse rows give wrong gradients in these kernels (upstream's note).
-  const at::Tensor go = grad_out.contiguous(), o = out.contiguous();
   const at::Tensor seed = philox_placeholder(q), offset = philox_placeholder(q);
   switch (pick_backend(cfg)) {
     case kBackendFlash:
+      // Strided lse rows give wrong gradients in these kernels (upstream's note).
       return at::_scaled_dot_product_flash_attention_backward(
-          go, q, k, v, o, lse.contiguous(), at::Tensor(), at::Tensor(), Lq, Lk, 0.0, causal, seed,
-          offset, cfg.scale);
+          grad_out.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), at::Tensor(),
+          at::Tensor(), Lq, Lk, 0.0, causal, seed, offset, cfg.scale);
     case kBackendEfficient: {
+      // The CUTLASS backward never reads out's row stride: it assumes the
+      // (B, L, H, D)-dense memory its own forward returns (o_strideM() =
+      // num_heads * head_dim in kernel_backward.h) when the f16/bf16 kernels
+      // compute delta = rowsum(dO * O). A (B, H, L, D)-contiguous `out` was
+      // read at the wrong rows and past its end: NaN or wrong dq/dk (dv, which
+      // needs no delta, stayed right).
       const int64_t padded = (Lq + kEfficientLseAlign - 1) / kEfficientLseAlign * kEfficientLseAlign;
-      at::Tensor lse_padded = at::zeros({lse.size(0), lse.size(1), padded}, lse.options());
+      // Padded as the forward pads it (+inf: those rows get probability 0).
+      at::Tensor lse_padded = at::full({lse.size(0), lse.size(1), padded},
+                                       std::numeric_limits<double>::infinity(), lse.options());
       lse_padded.narrow(2, 0, Lq).copy_(lse);
       auto r = at::_scaled_dot_product_efficient_attention_backward(
-          go, q, k, v, at::Tensor(), o, lse_padded, seed, offset, 0.0, {true, true, true, false},
-          causal, cfg.scale);
+          seq_major(grad_out), q, k, v, at::Tensor(), seq_major(out), lse_padded, seed, offset,
+          0.0, {true, true, true, false}, causal, cfg.scale);
       return {std::get<0>(r), std::get<1>(r), std::get<2>(r)};
     }
     default:
       return at::_scaled_dot_product_cudnn_attention_backward(
-          go, q, k, v, o, lse.unsqueeze(-1).contiguous(), seed, offset, at::Tensor(), at::Tensor(),
-          at::Tensor(), Lq, Lk, 0.0, causal, cfg.scale);
+          grad_out.contiguous(), q, k, v, out.contiguous(), lse.unsqueeze(-1).contiguous(), seed,
+          offset, at::Tensor(), at::Tensor(), at::Tensor(), Lq, Lk, 0.0, causal, cfg.scale);
   }
 }
 

@@ -1,0 +1,1 @@
+"""Helpers of setup.py (no torch imports)."""
