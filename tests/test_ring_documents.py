@@ -139,3 +139,30 @@ def _check_bad_documents() -> int:
 @pytest.mark.parametrize("world_size", [2])
 def test_ring_documents_bad_input(ranks, world_size):
     assert ranks(world_size).run(_check_bad_documents) == [7] * world_size
+
+
+def _check_documents_differ_between_ranks() -> list[str]:
+    rank, n = dist.get_rank(), dist.get_world_size()
+    s = 8 * n + 1  # uneven shards: in check mode they must not count as a mismatch
+    from cplib._seq_layout import local_length
+    q = torch.randn(1, 2, local_length(s, n, rank, True), 4)
+    g = dist.group.WORLD
+    same = torch.tensor([0, 3, s])
+    differs = torch.tensor([0, 3 + (rank == 1), s])
+    with cplib.consistency_checks():
+        out, _ = cplib.ring_sdpa(q, q, q, g, is_causal=True, load_balanced=True, cu_seqlens=same,
+                                 seq_len=s, window=4)
+        assert out.shape == q.shape
+        try:
+            cplib.ring_sdpa(q, q, q, g, is_causal=True, load_balanced=True, cu_seqlens=differs,
+                            seq_len=s)
+        except ValueError as exc:
+            return [str(exc)]
+    return ["no error"]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ring_documents_differing_between_ranks_check_mode(ranks, world_size):
+    results = ranks(world_size).run(_check_documents_differ_between_ranks)
+    assert all(r == results[0] for r in results), results
+    assert "ranks disagree on cu_seqlens (hash of its values)" in results[0][0], results[0]

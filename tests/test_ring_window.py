@@ -113,3 +113,18 @@ def _check_bad_window() -> int:
 @pytest.mark.parametrize("world_size", [2])
 def test_ring_window_bad_input(ranks, world_size):
     assert ranks(world_size).run(_check_bad_window) == [5] * world_size
+
+
+def _threaded_body() -> int:
+    n = dist.get_world_size()
+    s = 8 * n + 3
+    check_ring(s, causal=True, lb=False, rotate="p2p", window=5, seed=1)
+    check_ring(s, causal=False, lb=True, rotate="alltoall", window=(2, 6), seed=2,
+               cu_seqlens=[0, 4, 5, s])
+    return 2
+
+
+def test_ring_window_threaded_group(threaded):
+    # torch's threaded group has no send/recv: the exchange is a split
+    # all-to-all that every rank joins, with empty splits where nothing moves.
+    assert threaded(4, _threaded_body) == [2] * 4
