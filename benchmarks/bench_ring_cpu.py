@@ -156,25 +156,26 @@ MASKED_N = 4
 MASKED_H = int(os.environ.get("CPLIB_BENCH_MASKED_HEADS", "2"))
 
 
-def _masked_step(q, k, v, causal, lb, rotate, cu_seqlens, window):
+def _masked_step(q, k, v, causal, lb, rotate, cu_seqlens, window, per_document):
     import cplib
     out, _ = cplib.ring_sdpa(q, k, v, dist.group.WORLD, is_causal=causal, load_balanced=lb,
                              rotate=rotate, cu_seqlens=cu_seqlens, window=window,
-                             seq_len=MASKED_S)
+                             seq_len=MASKED_S, per_document=per_document)
     out.backward(torch.ones_like(out))
 
 
-def _time_masked(causal, lb, rotate, cu_seqlens, window):
+def _time_masked(causal, lb, rotate, cu_seqlens, window, per_document=False):
     """(wall s, bytes sent fwd+bwd) of one rank."""
     from cplib._native import ops
     from cplib._seq_layout import shard_positions
     rank, n = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(0)
-    pos = shard_positions(MASKED_S, n, rank, lb)
+    pos = shard_positions(MASKED_S, n, rank, lb,
+                          documents=cu_seqlens if per_document else None)
     q, k, v = (torch.randn(B, MASKED_H, MASKED_S, D, generator=g)[:, :, pos].contiguous()
                .requires_grad_(True) for _ in range(3))
     cu = None if cu_seqlens is None else torch.tensor(cu_seqlens)
-    fn = lambda: _masked_step(q, k, v, causal, lb, rotate, cu, window)  # noqa: E731
+    fn = lambda: _masked_step(q, k, v, causal, lb, rotate, cu, window, per_document)  # noqa
     dist.barrier()
     ops.ring_debug_bytes_sent(True)
     fn()
@@ -237,22 +238,25 @@ def masked_series() -> None:
         g = torch.Generator().manual_seed(1)
         cuts = sorted((torch.randperm(s - 1, generator=g)[:7] + 1).tolist())
         docs = [0] + cuts + [s]
-        jobs = [(_time_masked, (True, True, rot, cu, None))
-                for cu in (None, docs) for rot in ("p2p", "allgather")]
+        jobs = [(_time_masked, (True, True, rot, cu, None, per_doc))
+                for cu, per_doc in ((None, False), (docs, False), (docs, True))
+                for rot in ("p2p", "allgather")]
         per_rank = _run(n, jobs)
         ideal = {"dense": _single_masked(None) / n, "8 docs": _single_masked(docs) / n}
         rows, data = [], []
-        for j, (_, (c, lb, rot, cu, w)) in enumerate(jobs):
+        for j, (_, (c, lb, rot, cu, w, per_doc)) in enumerate(jobs):
             name = "8 docs" if cu else "dense"
+            layout = "per-document head-tail" if per_doc else "head-tail"
             t = max(r[j][0] for r in per_rank)
             sent = max(r[j][1] for r in per_rank)
-            rows.append((name, rot, t, sent / 2**20, ideal[name], t / ideal[name]))
-            data.append(dict(mask=name, rotate=rot, seconds=t, bytes_sent_max_rank=sent,
-                             ideal=ideal[name]))
+            rows.append((name, layout, rot, t, sent / 2**20, ideal[name], t / ideal[name]))
+            data.append(dict(mask=name, layout=layout, rotate=rot, seconds=t,
+                             bytes_sent_max_rank=sent, ideal=ideal[name]))
         print_table(f"packed documents (lengths {[b - a for a, b in zip(docs, docs[1:])]}) vs "
-                    f"dense, causal, head-tail: fwd+bwd per rank, N={n}, S={s}, B={B} "
+                    f"dense, causal: fwd+bwd per rank, N={n}, S={s}, B={B} "
                     f"H={MASKED_H} D={D} fp32 (ideal: single-process SDPA, same mask, / N)",
-                    ["mask", "rotate", "s/rank", "MiB sent (max rank)", "ideal", "ratio"], rows)
+                    ["mask", "layout", "rotate", "s/rank", "MiB sent (max rank)", "ideal",
+                     "ratio"], rows)
         payload["documents"] = data
         payload["document_lengths"] = [b - a for a, b in zip(docs, docs[1:])]
     torch.set_num_threads(threads)

@@ -43,7 +43,7 @@ disable_context_parallel_dispatcher = _disable_context_parallel_dispatcher
 from ._tp_conv import disable_dtensor_conv, enable_dtensor_conv, tp_conv
 # Packed documents, sliding windows, any sequence length (issue 14).
 from ._documents import attention_window, cu_seqlens_from_position_ids
-from ._load_balancer import AnyLengthHeadTailLoadBalancer
+from ._load_balancer import AnyLengthHeadTailLoadBalancer, AnyLengthPerDocumentLoadBalancer
 
 __version__ = "0.1.0"
 
@@ -93,4 +93,5 @@ __all__ = [
     "attention_window",
     "cu_seqlens_from_position_ids",
     "AnyLengthHeadTailLoadBalancer",
+    "AnyLengthPerDocumentLoadBalancer",
 ]

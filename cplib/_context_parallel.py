@@ -12,7 +12,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._documents import cu_seqlens_from_position_ids
-from ._load_balancer import AnyLengthHeadTailLoadBalancer, _LoadBalancer, shard_lengths
+from ._load_balancer import (
+    AnyLengthHeadTailLoadBalancer,
+    AnyLengthPerDocumentLoadBalancer,
+    _LoadBalancer,
+    shard_lengths,
+)
 from ._options import RingConfig, _cp_options, _RotateMethod, parse_rotate_method, rotate_method_name
 from ._sdpa_dispatch import CPDispatchMode
 from ._sharding import check_mesh, check_shardable, shard_tensor, unshard
@@ -109,7 +114,7 @@ def context_parallel(
     buffer_seq_dims: Sequence[int] | None = None,
     no_restore_buffers: set[torch.Tensor] | None = None,
     rotate_method: str | _RotateMethod | None = None,
-    load_balance: bool | None = None,
+    load_balance: bool | str | None = None,
     cu_seqlens: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
     window: int | tuple[int | None, int | None] | None = None,
@@ -141,7 +146,10 @@ def context_parallel(
     document, as Hugging Face packs them; the full tensor, read before
     sharding) make every SDPA call inside attend within documents only.
     ``window`` is the default sliding window of those calls
-    (``cplib.attention_window`` sets it per call).
+    (``cplib.attention_window`` sets it per call). With documents,
+    ``load_balance="per_document"`` cuts every document head-tail across
+    the ranks (``AnyLengthPerDocumentLoadBalancer``), so each rank holds a
+    share of every document.
     """
     group = check_mesh(mesh)
     buffers = [] if buffers is None else list(buffers)
@@ -150,15 +158,26 @@ def context_parallel(
     rotate = parse_rotate_method(_cp_options.rotate_method if rotate_method is None
                                  else rotate_method)
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
-    balanced = _validate(buffers, seq_dims, no_restore, world_size, load_balance)
+    per_document = load_balance == "per_document"
+    if isinstance(load_balance, str) and not per_document:
+        raise ValueError(f"cplib.context_parallel: load_balance={load_balance!r} is not True, "
+                         "False, None or 'per_document'")
+    balanced = _validate(buffers, seq_dims, no_restore, world_size,
+                         True if per_document else load_balance)
     seq_len = buffers[0].shape[seq_dims[0]] if buffers else None
     documents = _documents(cu_seqlens, position_ids, seq_len)
+    if per_document and documents is None:
+        raise ValueError("cplib.context_parallel: load_balance='per_document' needs the "
+                         "documents (cu_seqlens or position_ids)")
     if window is not None:
         from ._ring import window_arg
         window_arg(window)  # ValueError naming a bad window, before anything is sharded
 
     balancer = None
-    if balanced and buffers:
+    if per_document:
+        balancer = AnyLengthPerDocumentLoadBalancer(documents.tolist(), world_size,
+                                                    buffers[0].device)
+    elif balanced and buffers:
         balancer = AnyLengthHeadTailLoadBalancer(seq_len, world_size, buffers[0].device)
     indices = balancer._generate_indices() if balancer is not None else None
     with torch.no_grad():
@@ -174,7 +193,7 @@ def context_parallel(
     uneven = seq_len is not None and shard_lengths(seq_len, world_size, balancer) is not None
     config = RingConfig(group.group_name, world_size, balanced, rotate_method_name(rotate),
                         seq_len=seq_len if uneven or documents is not None else None,
-                        cu_seqlens=documents, window=window)
+                        cu_seqlens=documents, window=window, per_document=per_document)
     old_balance = _cp_options.enable_load_balance
     swapped = 0
     try:

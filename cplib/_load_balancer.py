@@ -22,6 +22,7 @@ __all__ = [
     "_PerDocumentHeadTailLoadBalancer",
     "_PTRRLoadBalancer",
     "AnyLengthHeadTailLoadBalancer",
+    "AnyLengthPerDocumentLoadBalancer",
     "head_tail_indices",
     "rearrange",
 ]
@@ -130,6 +131,34 @@ class AnyLengthHeadTailLoadBalancer(_HeadTailLoadBalancer):
         return (_inverse(perm) if restore else perm).unsqueeze(0)
 
 
+class AnyLengthPerDocumentLoadBalancer(_LoadBalancer):
+    """Head-tail balancing inside every document of a packed sequence, for
+    any document lengths: rank r holds chunks r and 2N-1-r of every document
+    (2N chunks per document, sizes within one token), documents in order. The
+    layout the ring takes with ``per_document=True``; for lengths divisible by
+    2N it is :class:`_PerDocumentHeadTailLoadBalancer`'s (one batch row)."""
+
+    def __init__(self, cu_seqlens: Sequence[int], world_size: int,
+                 device: str | torch.device):
+        self.cu_seqlens = [int(x) for x in cu_seqlens]
+        self.seq_length = self.cu_seqlens[-1]
+        self.world_size = world_size
+        self.device = device
+
+    def _generate_indices(self, restore: bool = False) -> Tensor:
+        from ._seq_layout import layout_indices
+
+        perm = layout_indices(self.seq_length, self.world_size, True, self.device,
+                              self.cu_seqlens)
+        return (_inverse(perm) if restore else perm).unsqueeze(0)
+
+    def lengths(self) -> list[int]:
+        from ._seq_layout import local_length
+
+        return [local_length(self.seq_length, self.world_size, r, True, self.cu_seqlens)
+                for r in range(self.world_size)]
+
+
 def shard_lengths(seq_length: int, world_size: int,
                   load_balancer: _LoadBalancer | None) -> list[int] | None:
     """Every rank's shard length for a sequence of ``seq_length`` cut after
@@ -137,6 +166,9 @@ def shard_lengths(seq_length: int, world_size: int,
     divide; other balancers need them)."""
     from ._seq_layout import local_length
 
+    if isinstance(load_balancer, AnyLengthPerDocumentLoadBalancer):
+        lengths = load_balancer.lengths()
+        return None if len(set(lengths)) == 1 else lengths
     if seq_length % world_size == 0:  # head-tail shards are then equal too
         return None
     if load_balancer is None or isinstance(load_balancer, AnyLengthHeadTailLoadBalancer):

@@ -109,3 +109,4 @@ class RingConfig:
     seq_len: int | None = None
     cu_seqlens: Any = None  # torch.Tensor | None
     window: Any = None  # int | (left, right) | None
+    per_document: bool = False  # shards head-tail inside every document

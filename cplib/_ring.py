@@ -76,7 +76,8 @@ def _group_rank(group_name: str) -> int | None:
 
 
 def _check_extras(op: str, q, k, group_name: str, load_balanced: bool, cu_seqlens, window,
-                  seq_len) -> None:
+                  seq_len, per_document: bool = False) -> None:
+    # In the order of check_extras in csrc/torch/ring/ring_args.cpp.
     n = group_size(group_name)
     lq, lk = q.shape[2], k.shape[2]
     sq, sk = lq * n, lk * n
@@ -84,29 +85,39 @@ def _check_extras(op: str, q, k, group_name: str, load_balanced: bool, cu_seqlen
         if seq_len < n:
             raise ValueError(f"cplib.{op}: seq_len={seq_len} is shorter than the world size {n} "
                              "(every rank needs a token)")
-        rank = _group_rank(group_name)
-        want = None if rank is None else local_length(seq_len, n, rank, load_balanced)
-        if want is not None and (lq != want or lk != want):
-            layout = "head-tail" if load_balanced else "sequential"
-            raise ValueError(f"cplib.{op}: seq_len={seq_len} over {n} ranks ({layout} layout) "
-                             f"gives rank {rank} {want} rows, but q has {lq} and k/v {lk}")
         sq = sk = seq_len
     if (cu_seqlens is not None or window is not None) and sq != sk:
         raise ValueError(f"cplib.{op}: cu_seqlens and window need q and k/v of one global "
                          f"length, got q {sq} and kv {sk}")
+    if per_document and (cu_seqlens is None or seq_len is None):
+        raise ValueError(f"cplib.{op}: per_document=True (head-tail inside every document) "
+                         "needs cu_seqlens and seq_len")
+    if cu_seqlens is not None:
+        check_cu_seqlens(op, cu_seqlens, sq)
+    rank = _group_rank(group_name)
+    if seq_len is not None and rank is not None:
+        docs = None
+        if per_document:
+            docs = None if _is_fake(cu_seqlens) else cu_seqlens.tolist()
+        if not per_document or docs is not None:
+            want = local_length(seq_len, n, rank, load_balanced, docs)
+            if lq != want or lk != want:
+                layout = ("per-document head-tail" if per_document
+                          else "head-tail" if load_balanced else "sequential")
+                raise ValueError(f"cplib.{op}: seq_len={seq_len} over {n} ranks ({layout} "
+                                 f"layout) gives rank {rank} {want} rows, but q has {lq} and "
+                                 f"k/v {lk}")
     if window is not None:
         w = list(window)
         if len(w) != 2:
             raise ValueError(f"cplib.{op}: window must be (left, right), got {w}")
         if w[0] < 0 or w[1] < 0:
             raise ValueError(f"cplib.{op}: window={w} must be non-negative (None for no limit)")
-    if cu_seqlens is not None:
-        check_cu_seqlens(op, cu_seqlens, sq)
 
 
 def _check(op: str, q, k, v, group_name: str, is_causal: bool, load_balanced: bool,
            scale: float | None, backend: int, rotate: int, cu_seqlens=None, window=None,
-           seq_len=None) -> None:
+           seq_len=None, per_document=False) -> None:
     # Mirrors check_args in csrc/torch/ring/ring_plan.cpp so traced code fails the same way.
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"cplib.{op}: expected q, k, v of shape (B, H, S_local, D), got q "
@@ -157,18 +168,19 @@ def _check(op: str, q, k, v, group_name: str, is_causal: bool, load_balanced: bo
     if is_causal and q.shape[2] != k.shape[2]:
         raise ValueError(f"cplib.{op}: is_causal needs equal local q and kv lengths, got q "
                          f"{q.shape[2]} and kv {k.shape[2]}")
-    if seq_len is None and load_balanced and (q.shape[2] % 2 or k.shape[2] % 2):
+    if seq_len is None and not per_document and load_balanced and (q.shape[2] % 2 or
+                                                                   k.shape[2] % 2):
         raise ValueError(f"cplib.{op}: load_balanced needs even local lengths (two chunks per "
                          f"rank), got q {q.shape[2]} and kv {k.shape[2]}")
     group_size(group_name)  # ValueError for an unknown group
-    _check_extras(op, q, k, group_name, load_balanced, cu_seqlens, window, seq_len)
+    _check_extras(op, q, k, group_name, load_balanced, cu_seqlens, window, seq_len, per_document)
 
 
 @torch.library.register_fake("cplib_c::ring_sdpa")
 def _ring_sdpa_fake(q, k, v, group_name, is_causal, load_balanced, scale, backend, rotate,
-                    cu_seqlens=None, window=None, seq_len=None):
+                    cu_seqlens=None, window=None, seq_len=None, per_document=False):
     _check("ring_sdpa", q, k, v, group_name, is_causal, load_balanced, scale, backend, rotate,
-           cu_seqlens, window, seq_len)
+           cu_seqlens, window, seq_len, per_document)
     b, h, s, _ = q.shape
     out = q.new_empty((b, h, s, v.shape[3]))
     lse = q.new_empty((b, h, s), dtype=_acc_dtype(q.dtype))
@@ -177,9 +189,10 @@ def _ring_sdpa_fake(q, k, v, group_name, is_causal, load_balanced, scale, backen
 
 @torch.library.register_fake("cplib_c::ring_sdpa_backward")
 def _ring_sdpa_backward_fake(grad_out, q, k, v, out, lse, group_name, is_causal, load_balanced,
-                             scale, backend, rotate, cu_seqlens=None, window=None, seq_len=None):
+                             scale, backend, rotate, cu_seqlens=None, window=None, seq_len=None,
+                             per_document=False):
     _check("ring_sdpa_backward", q, k, v, group_name, is_causal, load_balanced, scale, backend,
-           rotate, cu_seqlens, window, seq_len)
+           rotate, cu_seqlens, window, seq_len, per_document)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -218,6 +231,7 @@ def ring_sdpa(
     cu_seqlens: torch.Tensor | None = None,
     window: int | tuple[int | None, int | None] | None = None,
     seq_len: int | None = None,
+    per_document: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring attention of the local shards ``q`` (B, Hq, S_local, D) and ``k``/``v``
     (B, Hkv, S_local, D) over ``group`` (a ProcessGroup or its name).
@@ -239,7 +253,9 @@ def ring_sdpa(
     right 0). ``seq_len``: the global length S when the shards are uneven
     (any S >= world size; see ``cplib._seq_layout``); by default S is the
     local length times the world size. Blocks nobody can see are neither
-    computed nor sent (p2p and alltoall).
+    computed nor sent (p2p and alltoall). ``per_document``: the shards are
+    cut head-tail inside every document (``cplib._seq_layout`` with
+    ``documents``; needs ``cu_seqlens`` and ``seq_len``).
     """
     if rotate not in ROTATE_CODES:
         raise ValueError(f"cplib.ring_sdpa: rotate={rotate!r} is not one of "
@@ -251,7 +267,7 @@ def ring_sdpa(
         scale = float(scale)
     return ops.ring_sdpa(q, k, v, group_name_of(group), bool(is_causal), bool(load_balanced),
                          scale, BACKEND_CODES[backend], ROTATE_CODES[rotate], cu_seqlens,
-                         window_arg(window), seq_len)
+                         window_arg(window), seq_len, bool(per_document))
 
 
 # A window side without limit: the op clamps every side to S.

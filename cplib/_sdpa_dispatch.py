@@ -121,6 +121,8 @@ def routed_sdpa(config: RingConfig, *args: Any, **kwargs: Any) -> torch.Tensor:
         extras["seq_len"] = config.seq_len
     if config.cu_seqlens is not None:
         extras["cu_seqlens"] = config.cu_seqlens
+    if config.per_document:
+        extras["per_document"] = True
     window = current_window(config.window)
     if window is not None:
         extras["window"] = window

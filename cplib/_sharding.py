@@ -107,9 +107,10 @@ def shard_tensor(t: torch.Tensor, seq_dim: int, rank: int, world_size: int,
 
 
 def _any_length(load_balancer: _LoadBalancer | None) -> bool:
-    from ._load_balancer import AnyLengthHeadTailLoadBalancer
+    from ._load_balancer import AnyLengthHeadTailLoadBalancer, AnyLengthPerDocumentLoadBalancer
 
-    return load_balancer is None or isinstance(load_balancer, AnyLengthHeadTailLoadBalancer)
+    return load_balancer is None or isinstance(
+        load_balancer, (AnyLengthHeadTailLoadBalancer, AnyLengthPerDocumentLoadBalancer))
 
 
 def _block_mask_type() -> type | None:

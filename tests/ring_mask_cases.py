@@ -46,10 +46,11 @@ def masked_reference(q, k, v, cot, mask: torch.Tensor, scale=None):
     return out.detach(), lse.detach(), q.grad, k.grad, v.grad
 
 
-def local(t: torch.Tensor, s: int, lb: bool) -> torch.Tensor:
-    """This rank's rows of dim 2 in cplib's layout (any length)."""
+def local(t: torch.Tensor, s: int, lb: bool, documents=None) -> torch.Tensor:
+    """This rank's rows of dim 2 in cplib's layout (any length; per document
+    when ``documents`` is given)."""
     rank, n = dist.get_rank(), dist.get_world_size()
-    return t[:, :, shard_positions(s, n, rank, lb)].clone()
+    return t[:, :, shard_positions(s, n, rank, lb, documents=documents)].clone()
 
 
 def random_documents(s: int, gen: torch.Generator, count: int) -> list[int]:
@@ -61,7 +62,7 @@ def random_documents(s: int, gen: torch.Generator, count: int) -> list[int]:
 
 def check_ring(s: int, *, causal: bool, lb: bool, rotate: str, cu_seqlens=None, window=None,
                b=1, hq=2, hkv=1, d=8, dtype=torch.float64, seed=0, seq_len_arg=True,
-               tol=1e-10, what="") -> None:
+               tol=1e-10, what="", per_document=False) -> None:
     """One ring_sdpa call against the masked fp64 reference: out, lse and the
     gradients of q, k, v of this rank's rows."""
     q = global_tensor((b, hq, s, d), dtype, seed)
@@ -70,17 +71,19 @@ def check_ring(s: int, *, causal: bool, lb: bool, rotate: str, cu_seqlens=None, 
     cot = global_tensor((b, hq, s, d), dtype, seed + 3)
     mask = visible(s, causal=causal, cu_seqlens=cu_seqlens, window=window)
     ref = masked_reference(q, k, v, cot, mask)
-    ql, kl, vl = (local(t, s, lb).requires_grad_(True) for t in (q, k, v))
+    docs = cu_seqlens if per_document else None
+    ql, kl, vl = (local(t, s, lb, docs).requires_grad_(True) for t in (q, k, v))
     cu = None if cu_seqlens is None else torch.tensor(cu_seqlens, dtype=torch.int32)
     out, lse = cplib.ring_sdpa(ql, kl, vl, dist.group.WORLD, is_causal=causal, load_balanced=lb,
                                rotate=rotate, cu_seqlens=cu, window=window,
-                               seq_len=s if seq_len_arg else None)
-    out.backward(local(cot, s, lb))
+                               seq_len=s if seq_len_arg else None, per_document=per_document)
+    out.backward(local(cot, s, lb, docs))
     what = (f"S={s} n={dist.get_world_size()} causal={causal} lb={lb} {rotate} "
             f"docs={cu_seqlens if cu_seqlens is None or len(cu_seqlens) < 12 else len(cu_seqlens) - 1} "
-            f"window={window} {what}")
+            f"window={window} per_document={per_document} {what}")
     assert out.shape == ql.shape and out.is_contiguous()
     for name, got, want in (("out", out, ref[0]), ("lse", lse, ref[1]), ("dq", ql.grad, ref[2]),
                             ("dk", kl.grad, ref[3]), ("dv", vl.grad, ref[4])):
         assert not torch.isnan(got).any(), f"{name} has NaN [{what}]"
-        assert_close(got.double(), local(want, s, lb), atol=tol, rtol=tol, what=f"{name} [{what}]")
+        assert_close(got.double(), local(want, s, lb, docs), atol=tol, rtol=tol,
+                     what=f"{name} [{what}]")

@@ -55,7 +55,7 @@ def _reduced_grads(model):
     return out
 
 
-def _check_llama(s: int, load_balance: bool, documents: list[int] | None) -> int:
+def _check_llama(s: int, load_balance, documents: list[int] | None) -> int:
     mesh = _mesh()
     ref = _llama(0)
     cp_model = copy.deepcopy(ref)
@@ -89,7 +89,8 @@ def _check_llama(s: int, load_balance: bool, documents: list[int] | None) -> int
 def test_hf_llama_prime_length_and_documents(ranks):
     pool = ranks(2)
     for s, lb, docs in ((1031, True, None), (1031, False, None),
-                        (257, True, [0, 100, 101, 200, 257])):
+                        (257, True, [0, 100, 101, 200, 257]),
+                        (257, "per_document", [0, 100, 101, 200, 257])):
         counts = pool.run(_check_llama, s, lb, docs)
         assert counts[0] == counts[1] > 10
 

@@ -54,7 +54,13 @@ def _check_documents() -> int:
     s = 300 * n + 7
     check_ring(s, causal=True, lb=True, rotate="p2p", cu_seqlens=random_documents(s, gen, 5),
                seed=73, d=4, hq=1, hkv=1)
-    return count + 3
+    # per-document head-tail layout: every document cut across all ranks
+    for j, (causal, rotate) in enumerate(itertools.product((True, False), ROTATIONS)):
+        s = 10 * n + j
+        docs = random_documents(s, gen, 3 + j % 3) if j != 4 else [0, 1, 2, s]
+        check_ring(s, causal=causal, lb=True, rotate=rotate, cu_seqlens=docs,
+                   per_document=True, window=None if j % 2 else 4, seed=80 + j)
+    return count + 3 + 6
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -130,6 +136,8 @@ def _check_bad_documents() -> int:
         # the raw op (C++ checks) raises the same
         with pytest.raises(ValueError, match=match):
             ops.ring_sdpa(q, q, q, g.group_name, True, False, None, -1, 0, cu, None, None)
+    with pytest.raises(ValueError, match="per_document=True .* needs cu_seqlens and seq_len"):
+        cplib.ring_sdpa(q, q, q, g, cu_seqlens=torch.tensor([0, s]), per_document=True)
     t = torch.ones(1)
     dist.all_reduce(t)  # nobody communicated before raising: the group still works
     assert t.item() == n

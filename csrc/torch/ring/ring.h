@@ -46,6 +46,7 @@ struct Extras {
   std::optional<at::Tensor> cu_seqlens;
   std::optional<std::vector<int64_t>> window;
   std::optional<int64_t> seq_len;
+  bool per_document = false;  // shards cut head-tail inside every document
 };
 
 // Validates every argument (ValueError naming the value) and resolves the

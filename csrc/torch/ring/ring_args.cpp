@@ -91,19 +91,25 @@ void check_extras(const char* op, Config& cfg, const at::Tensor& q, const at::Te
                       " is shorter than the world size ", n, " (every rank needs a token)");
     sq = sk = s;
   }
-  cfg.q_layout = {sq, n, cfg.load_balanced};
-  cfg.kv_layout = {sk, n, cfg.load_balanced};
-  if (ex.seq_len) {
-    const int64_t want = cfg.q_layout.local_len(cfg.rank);
-    TORCH_CHECK_VALUE(lq == want && lk == want, "cplib.", op, ": seq_len=", sq, " over ", n,
-                      " ranks (", cfg.load_balanced ? "head-tail" : "sequential",
-                      " layout) gives rank ", cfg.rank, " ", want, " rows, but q has ", lq,
-                      " and k/v ", lk);
-  }
   const bool masked = ex.cu_seqlens.has_value() || ex.window.has_value();
   TORCH_CHECK_VALUE(!masked || sq == sk, "cplib.", op, ": cu_seqlens and window need q and k/v "
                     "of one global length, got q ", sq, " and kv ", sk);
+  TORCH_CHECK_VALUE(!ex.per_document || (ex.cu_seqlens && ex.seq_len), "cplib.", op,
+                    ": per_document=True (head-tail inside every document) needs cu_seqlens and "
+                    "seq_len");
   Mask& m = cfg.mask;
+  if (ex.cu_seqlens) m.bounds = document_bounds(op, *ex.cu_seqlens, sq);
+  cfg.q_layout = {sq, n, cfg.load_balanced, {}};
+  cfg.kv_layout = {sk, n, cfg.load_balanced, {}};
+  if (ex.per_document) cfg.q_layout.documents = cfg.kv_layout.documents = m.bounds;
+  if (ex.seq_len || ex.per_document) {
+    const int64_t want = cfg.q_layout.local_len(cfg.rank);
+    TORCH_CHECK_VALUE(lq == want && lk == want, "cplib.", op, ": seq_len=", sq, " over ", n,
+                      " ranks (", ex.per_document ? "per-document head-tail"
+                      : cfg.load_balanced ? "head-tail" : "sequential",
+                      " layout) gives rank ", cfg.rank, " ", want, " rows, but q has ", lq,
+                      " and k/v ", lk);
+  }
   m.causal = cfg.causal;
   m.seq_len = std::max(sq, sk);
   m.left = m.right = m.seq_len;
@@ -117,7 +123,6 @@ void check_extras(const char* op, Config& cfg, const at::Tensor& q, const at::Te
     m.right = std::min(w[1], m.seq_len);
   }
   if (cfg.causal) m.right = 0;
-  if (ex.cu_seqlens) m.bounds = document_bounds(op, *ex.cu_seqlens, sq);
 }
 
 }  // namespace
@@ -142,7 +147,7 @@ Config check_args(const char* op, const at::Tensor& q, const at::Tensor& k, cons
                     k.size(2));
   // Without seq_len the global length is N times the local one, two equal
   // chunks per rank when load balanced.
-  TORCH_CHECK_VALUE(extras.seq_len || !load_balanced || (q.size(2) % 2 == 0 && k.size(2) % 2 == 0),
+  TORCH_CHECK_VALUE(extras.seq_len || extras.per_document || !load_balanced || (q.size(2) % 2 == 0 && k.size(2) % 2 == 0),
                     "cplib.", op,
                     ": load_balanced needs even local lengths (two chunks per rank), got q ",
                     q.size(2), " and kv ", k.size(2));

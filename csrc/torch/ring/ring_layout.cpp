@@ -16,7 +16,15 @@ std::vector<Piece> Layout::pieces(int64_t rank) const {
     const int64_t local = out.empty() ? 0 : out.back().local + out.back().global.len;
     out.push_back({g, local});
   };
-  if (!head_tail) {
+  if (!documents.empty()) {
+    for (size_t d = 0; d + 1 < documents.size(); ++d) {
+      const int64_t start = documents[d], len = documents[d + 1] - documents[d];
+      for (const int64_t c : {rank, 2 * size - 1 - rank}) {
+        const Range r = chunk_range(len, 2 * size, c);
+        add({start + r.start, r.len});
+      }
+    }
+  } else if (!head_tail) {
     add(chunk_range(seq_len, size, rank));
   } else {
     add(chunk_range(seq_len, 2 * size, rank));

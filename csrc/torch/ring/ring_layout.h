@@ -1,7 +1,8 @@
 // Where a rank's shard sits in the global sequence. The sequence of S tokens
 // is cut into C chunks whose sizes differ by at most one (the first S % C
 // chunks get the extra token); sequential sharding gives rank r chunk r of N,
-// head-tail sharding chunks r and 2N-1-r of 2N. Every rank can compute every
+// head-tail sharding chunks r and 2N-1-r of 2N, and per-document head-tail
+// sharding does that inside every document (chunks r and 2N-1-r of each). Every rank can compute every
 // rank's pieces from (S, N, layout) alone, so uneven shards need no padding
 // and no exchange of lengths.
 #pragma once
@@ -30,8 +31,10 @@ Range chunk_range(int64_t seq_len, int64_t chunks, int64_t c);
 struct Layout {
   int64_t seq_len = 0, size = 1;
   bool head_tail = false;
+  std::vector<int64_t> documents;  // per-document head-tail: cu_seqlens; else empty
 
-  // The non-empty pieces of `rank`'s shard in local order (one or two).
+  // The non-empty pieces of `rank`'s shard in local order (one or two; two
+  // per document with a per-document layout).
   std::vector<Piece> pieces(int64_t rank) const;
   int64_t local_len(int64_t rank) const;
   int64_t max_local_len() const;

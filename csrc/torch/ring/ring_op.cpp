@@ -22,8 +22,9 @@ std::string_view sv(c10::string_view s) { return {s.data(), s.size()}; }
 using NoViewTracking = at::AutoDispatchBelowADInplaceOrView;
 
 Extras extras(const std::optional<at::Tensor>& cu_seqlens, at::OptionalIntArrayRef window,
-              std::optional<int64_t> seq_len) {
+              std::optional<int64_t> seq_len, bool per_document) {
   Extras e;
+  e.per_document = per_document;
   e.cu_seqlens = cu_seqlens;
   if (window.has_value()) e.window = window->vec();
   e.seq_len = seq_len;
@@ -40,7 +41,7 @@ void check_same_call(const char* op, std::string_view group_name,
   if (!consistency_checks_enabled()) return;
   CallSignature sig;
   for (const auto& [name, t] : tensors) {
-    if (!ex.seq_len || !t->defined()) {
+    if ((!ex.seq_len && !ex.per_document) || !t->defined()) {
       sig.add_meta(name, *t);
       continue;
     }
@@ -56,6 +57,7 @@ void check_same_call(const char* op, std::string_view group_name,
   sig.add("window given", ex.window.has_value());
   for (size_t i = 0; ex.window && i < ex.window->size(); ++i)
     sig.add("window[" + std::to_string(i) + "]", (*ex.window)[i]);
+  sig.add("per_document", ex.per_document);
   sig.add("cu_seqlens given", ex.cu_seqlens.has_value());
   if (ex.cu_seqlens) {
     sig.add("cu_seqlens.numel()", ex.cu_seqlens->numel());
@@ -77,9 +79,10 @@ std::tuple<at::Tensor, at::Tensor> ring_sdpa(const at::Tensor& q, const at::Tens
                                              int64_t rotate,
                                              const std::optional<at::Tensor>& cu_seqlens,
                                              at::OptionalIntArrayRef window,
-                                             std::optional<int64_t> seq_len) {
+                                             std::optional<int64_t> seq_len,
+                                             bool per_document) {
   NoViewTracking guard;
-  const Extras ex = extras(cu_seqlens, window, seq_len);
+  const Extras ex = extras(cu_seqlens, window, seq_len, per_document);
   check_same_call("ring_sdpa", sv(group_name), {{"q", &q}, {"k", &k}, {"v", &v}}, is_causal,
                   load_balanced, scale, backend, rotate, ex);
   Config cfg = check_args("ring_sdpa", q, k, v, sv(group_name), is_causal, load_balanced, scale,
@@ -92,8 +95,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_sdpa_backward(
     const at::Tensor& out, const at::Tensor& lse, c10::string_view group_name, bool is_causal,
     bool load_balanced, std::optional<double> scale, int64_t backend, int64_t rotate,
     const std::optional<at::Tensor>& cu_seqlens, at::OptionalIntArrayRef window,
-    std::optional<int64_t> seq_len) {
-  const Extras ex = extras(cu_seqlens, window, seq_len);
+    std::optional<int64_t> seq_len, bool per_document) {
+  const Extras ex = extras(cu_seqlens, window, seq_len, per_document);
   check_same_call("ring_sdpa_backward", sv(group_name),
                   {{"q", &q}, {"k", &k}, {"v", &v}, {"grad_out", &grad_out}, {"out", &out},
                    {"lse", &lse}},
@@ -129,12 +132,13 @@ TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
   m.def(
       "ring_sdpa(Tensor q, Tensor k, Tensor v, str group_name, bool is_causal, "
       "bool load_balanced, float? scale, int backend, int rotate, Tensor? cu_seqlens=None, "
-      "int[]? window=None, int? seq_len=None) -> (Tensor out, Tensor lse)");
+      "int[]? window=None, int? seq_len=None, bool per_document=False) "
+      "-> (Tensor out, Tensor lse)");
   m.def(
       "ring_sdpa_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "str group_name, bool is_causal, bool load_balanced, float? scale, int backend, "
-      "int rotate, Tensor? cu_seqlens=None, int[]? window=None, int? seq_len=None) "
-      "-> (Tensor dq, Tensor dk, Tensor dv)");
+      "int rotate, Tensor? cu_seqlens=None, int[]? window=None, int? seq_len=None, "
+      "bool per_document=False) -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def("ring_debug_bytes_sent(bool reset=False) -> int", &ring_debug_bytes_sent);
 }
 
