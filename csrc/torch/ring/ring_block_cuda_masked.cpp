@@ -12,6 +12,8 @@
 #include <ATen/ops/_scaled_dot_product_efficient_attention.h>
 #include <ATen/ops/_scaled_dot_product_efficient_attention_backward.h>
 
+#include <limits>
+
 #include "ring/ring_block.h"
 
 namespace cplib::ring {
@@ -32,6 +34,10 @@ at::Tensor as_bias(const at::Tensor& mask, const at::Tensor& q, const at::Tensor
   return aligned.narrow(1, 0, lk).expand({q.size(0), q.size(1), lq, k.size(2)});
 }
 
+// A (B, H, L, D) view whose memory is (B, L, H, D)-dense: the efficient
+// backward assumes that layout for out and grad_out (see ring_block_cuda.cpp).
+at::Tensor seq_major(const at::Tensor& t) { return t.transpose(1, 2).contiguous().transpose(1, 2); }
+
 }  // namespace
 
 BlockResult block_forward_cuda_masked(const Config& cfg, const at::Tensor& q, const at::Tensor& k,
@@ -46,14 +52,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_backward_cuda_masked(
     const Config& cfg, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
     const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& mask) {
   const int64_t lq = q.size(2);
-  at::Tensor lse_padded = at::zeros({lse.size(0), lse.size(1), round_up(lq, kLseAlign)},
-                                    lse.options().dtype(at::kFloat));
+  // Padded as the forward pads it (+inf: those rows get probability 0).
+  at::Tensor lse_padded = at::full({lse.size(0), lse.size(1), round_up(lq, kLseAlign)},
+                                   std::numeric_limits<double>::infinity(),
+                                   lse.options().dtype(at::kFloat));
   lse_padded.narrow(2, 0, lq).copy_(lse);
   const at::Tensor seed = at::empty({}, q.options().dtype(at::kLong));
   const at::Tensor offset = at::empty({}, q.options().dtype(at::kLong));
   auto r = at::_scaled_dot_product_efficient_attention_backward(
-      grad_out.contiguous(), q, k, v, as_bias(mask, q, k), out.contiguous(), lse_padded, seed,
-      offset, 0.0, {true, true, true, false}, /*is_causal=*/false, cfg.scale);
+      seq_major(grad_out), q, k, v, as_bias(mask, q, k), seq_major(out), lse_padded, seed, offset,
+      0.0, {true, true, true, false}, /*is_causal=*/false, cfg.scale);
   return {std::get<0>(r), std::get<1>(r), std::get<2>(r)};
 }
 
