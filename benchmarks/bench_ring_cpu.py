@@ -5,8 +5,16 @@ rotations side by side, torch's own ring (its _templated_ring_attention driven
 with the CPU flash kernel) where it runs, and peak memory per rank beyond the
 inputs for the three rotations at N = 4.
 
+Two more series (``CPLIB_BENCH_SERIES``, default ``dense,window,documents``;
+``window,documents`` runs just those): fwd+bwd time and bytes sent per rank
+against the sliding-window size (causal, sequential, S=16384, N=4; expected:
+time proportional to W), and 8 packed documents against the dense causal
+ring of the same S (head-tail), each beside the single-process computation
+with the same mask.
+
     python benchmarks/bench_ring_cpu.py            # B=1, H=8, S=8192, D=64, fp32
     CPLIB_BENCH_SEQ=2048 python benchmarks/bench_ring_cpu.py   # quicker
+    CPLIB_BENCH_SERIES=window,documents python benchmarks/bench_ring_cpu.py
 """
 
 from __future__ import annotations
@@ -141,7 +149,126 @@ def _single_full(causal):
     return wall, sorted(cpu)[len(cpu) // 2]
 
 
+# ------------------------------------------------- windows and documents
+
+MASKED_S = int(os.environ.get("CPLIB_BENCH_MASKED_SEQ", "16384"))
+MASKED_N = 4
+MASKED_H = int(os.environ.get("CPLIB_BENCH_MASKED_HEADS", "2"))
+
+
+def _masked_step(q, k, v, causal, lb, rotate, cu_seqlens, window, per_document):
+    import cplib
+    out, _ = cplib.ring_sdpa(q, k, v, dist.group.WORLD, is_causal=causal, load_balanced=lb,
+                             rotate=rotate, cu_seqlens=cu_seqlens, window=window,
+                             seq_len=MASKED_S, per_document=per_document)
+    out.backward(torch.ones_like(out))
+
+
+def _time_masked(causal, lb, rotate, cu_seqlens, window, per_document=False):
+    """(wall s, bytes sent fwd+bwd) of one rank."""
+    from cplib._native import ops
+    from cplib._seq_layout import shard_positions
+    rank, n = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(0)
+    pos = shard_positions(MASKED_S, n, rank, lb,
+                          documents=cu_seqlens if per_document else None)
+    q, k, v = (torch.randn(B, MASKED_H, MASKED_S, D, generator=g)[:, :, pos].contiguous()
+               .requires_grad_(True) for _ in range(3))
+    cu = None if cu_seqlens is None else torch.tensor(cu_seqlens)
+    fn = lambda: _masked_step(q, k, v, causal, lb, rotate, cu, window, per_document)  # noqa
+    dist.barrier()
+    ops.ring_debug_bytes_sent(True)
+    fn()
+    sent = ops.ring_debug_bytes_sent(True)
+    return timeit(fn, warmup=0, iters=ITERS, sync=dist.barrier), sent
+
+
+def _single_masked(cu_seqlens):
+    """Causal attention in one process, one thread: one SDPA call per
+    document (the whole sequence when there are none), the ideal the ring is
+    measured against (/N per rank)."""
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, MASKED_H, MASKED_S, D, generator=g).requires_grad_(True)
+               for _ in range(3))
+    bounds = cu_seqlens or [0, MASKED_S]
+
+    def step():
+        outs = [F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b],
+                                               is_causal=True)
+                for a, b in zip(bounds, bounds[1:])]
+        torch.cat(outs, 2).backward(torch.ones(B, MASKED_H, MASKED_S, D))
+    return timeit(step, warmup=0, iters=1)
+
+
+def _visible_fraction(s: int, w: int) -> float:
+    """Visible (query, key) pairs of a causal window w over the causal ones."""
+    band = sum(min(i, w) + 1 for i in range(s))
+    return band / (s * (s + 1) / 2)
+
+
+def masked_series() -> None:
+    series = os.environ.get("CPLIB_BENCH_SERIES", "dense,window,documents").split(",")
+    n, s = MASKED_N, MASKED_S
+    payload = {"B": B, "H": MASKED_H, "S": s, "D": D, "N": n, "dtype": "float32"}
+    threads = torch.get_num_threads()
+    if "window" in series:
+        windows = [256, 1024, 2048, 4096, 8192, s]
+        jobs = [(_time_masked, (True, False, "p2p", None, w)) for w in windows]
+        per_rank = _run(n, jobs)
+        ideal_dense = _single_masked(None) / n
+        rows, data = [], []
+        for j, w in enumerate(windows):
+            t = max(r[j][0] for r in per_rank)
+            sent = max(r[j][1] for r in per_rank)
+            ideal = ideal_dense * _visible_fraction(s, w)
+            rows.append((w, t, t / w * 1e3, sent / 2**20, ideal, t / ideal))
+            data.append(dict(window=w, seconds=t, bytes_sent_max_rank=sent, ideal=ideal))
+        print_table(f"sliding window, causal, sequential, p2p: fwd+bwd per rank, N={n}, S={s}, "
+                    f"B={B} H={MASKED_H} D={D} fp32 (ideal: single-process dense causal / N "
+                    f"= {ideal_dense:.3f}s, times the visible fraction of the window)",
+                    ["window W", "s/rank", "ms per 1k W", "MiB sent (max rank)",
+                     "ideal", "ratio"], rows)
+        payload["window"] = data
+        payload["window_ideal_dense"] = ideal_dense
+        plot("bench_ring_window", f"ring fwd+bwd vs window (S={s}, N={n})", "window W",
+             "seconds / rank", {"cplib p2p": ([r["window"] for r in data],
+                                              [r["seconds"] for r in data])})
+    if "documents" in series:
+        g = torch.Generator().manual_seed(1)
+        cuts = sorted((torch.randperm(s - 1, generator=g)[:7] + 1).tolist())
+        docs = [0] + cuts + [s]
+        jobs = [(_time_masked, (True, True, rot, cu, None, per_doc))
+                for cu, per_doc in ((None, False), (docs, False), (docs, True))
+                for rot in ("p2p", "allgather")]
+        per_rank = _run(n, jobs)
+        ideal = {"dense": _single_masked(None) / n, "8 docs": _single_masked(docs) / n}
+        rows, data = [], []
+        for j, (_, (c, lb, rot, cu, w, per_doc)) in enumerate(jobs):
+            name = "8 docs" if cu else "dense"
+            layout = "per-document head-tail" if per_doc else "head-tail"
+            t = max(r[j][0] for r in per_rank)
+            sent = max(r[j][1] for r in per_rank)
+            rows.append((name, layout, rot, t, sent / 2**20, ideal[name], t / ideal[name]))
+            data.append(dict(mask=name, layout=layout, rotate=rot, seconds=t,
+                             bytes_sent_max_rank=sent, ideal=ideal[name]))
+        print_table(f"packed documents (lengths {[b - a for a, b in zip(docs, docs[1:])]}) vs "
+                    f"dense, causal: fwd+bwd per rank, N={n}, S={s}, B={B} "
+                    f"H={MASKED_H} D={D} fp32 (ideal: single-process SDPA, same mask, / N)",
+                    ["mask", "layout", "rotate", "s/rank", "MiB sent (max rank)", "ideal",
+                     "ratio"], rows)
+        payload["documents"] = data
+        payload["document_lengths"] = [b - a for a, b in zip(docs, docs[1:])]
+    torch.set_num_threads(threads)
+    if "window" in series or "documents" in series:
+        write_json("bench_ring_masked", payload)
+        print(machine())
+
+
 def main() -> None:
+    if "dense" not in os.environ.get("CPLIB_BENCH_SERIES", "dense,window,documents").split(","):
+        masked_series()
+        return
     threads = torch.get_num_threads()
     single = {c: _single_full(c) for c in (True, False)}
     torch.set_num_threads(threads)
@@ -199,6 +326,7 @@ def main() -> None:
          {rot: (list(range(len([r for r in ok if r["rotate"] == rot]))),
                 [r["ratio"] for r in ok if r["rotate"] == rot]) for rot in ROTATIONS}, kind="bar")
     print(machine())
+    masked_series()
 
 
 if __name__ == "__main__":

@@ -43,6 +43,9 @@ RotateMethod = _RotateMethod
 enable_context_parallel_dispatcher = _enable_context_parallel_dispatcher
 disable_context_parallel_dispatcher = _disable_context_parallel_dispatcher
 from ._tp_conv import disable_dtensor_conv, enable_dtensor_conv, tp_conv
+# Packed documents, sliding windows, any sequence length (issue 14).
+from ._documents import attention_window, cu_seqlens_from_position_ids
+from ._load_balancer import AnyLengthHeadTailLoadBalancer, AnyLengthPerDocumentLoadBalancer
 
 __version__ = "0.1.0"
 
@@ -93,4 +96,8 @@ __all__ = [
     "shard",
     "unshard",
     "__version__",
+    "attention_window",
+    "cu_seqlens_from_position_ids",
+    "AnyLengthHeadTailLoadBalancer",
+    "AnyLengthPerDocumentLoadBalancer",
 ]

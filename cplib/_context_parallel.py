@@ -11,7 +11,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._load_balancer import _HeadTailLoadBalancer, _LoadBalancer
+from ._documents import cu_seqlens_from_position_ids
+from ._load_balancer import (
+    AnyLengthHeadTailLoadBalancer,
+    AnyLengthPerDocumentLoadBalancer,
+    _HeadTailLoadBalancer,
+    _LoadBalancer,
+    shard_lengths,
+)
 from ._options import RingConfig, _cp_options, _RotateMethod, parse_rotate_method, rotate_method_name
 from ._sdpa_dispatch import CPDispatchMode
 from ._sharding import check_mesh, check_shardable, shard_tensor, unshard
@@ -61,23 +68,56 @@ def _validate(buffers: list, seq_dims: list, no_restore: list, world_size: int,
                 f"cplib.context_parallel: no_restore_buffers must be a subset of buffers; a "
                 f"tensor of shape {shape} is not one of the buffers"
             )
-    check_shardable(buffers, seq_dims, world_size)
+    check_shardable(buffers, seq_dims, world_size, any_length=True)
     if not buffers:
         return bool(_cp_options.enable_load_balance if load_balance is None else load_balance)
     lengths = [b.shape[d] for b, d in zip(buffers, seq_dims)]
     wanted = _cp_options.enable_load_balance if load_balance is None else load_balance
     divisible = all(length % (2 * ring_degree) == 0 for length in lengths)
     same = len(set(lengths)) == 1
-    if load_balance and not (divisible and same):
-        what = ("2 * world_size" if ring_degree == world_size
-                else "2 * ring_degree (world_size / ulysses_degree)")
+    if load_balance and not same:
         raise ValueError(
             f"cplib.context_parallel: load_balance=True needs every buffer's sequence length to "
-            f"be the same and divisible by {what} = {2 * ring_degree}; got lengths "
-            f"{lengths}"
+            f"be the same; got lengths {lengths}"
         )
+    if ring_degree != world_size:
+        # USP cuts each ring shard evenly among the Ulysses ranks.
+        if load_balance and not divisible:
+            raise ValueError(
+                f"cplib.context_parallel: load_balance=True with ulysses_degree > 1 needs every "
+                f"buffer's sequence length divisible by 2 * ring_degree (world_size / "
+                f"ulysses_degree) = {2 * ring_degree}; got lengths {lengths}")
+        if any(length % world_size for length in lengths):
+            raise ValueError(
+                f"cplib.context_parallel: ulysses_degree > 1 needs every buffer's sequence "
+                f"length divisible by the world size {world_size}; got lengths {lengths}")
+        return bool(wanted and divisible and same)
+    if load_balance:
+        return True  # head-tail for any length (chunks within one token of each other)
     # Without an explicit request, fall back to sequential sharding as torch does.
     return bool(wanted and divisible and same)
+
+
+def _documents(cu_seqlens: torch.Tensor | None, position_ids: torch.Tensor | None,
+               seq_len: int | None) -> torch.Tensor | None:
+    """The context's document boundaries, checked (ValueError naming the
+    value, on every rank alike: every rank holds the same full batch)."""
+    if cu_seqlens is not None and position_ids is not None:
+        raise ValueError("cplib.context_parallel: pass cu_seqlens or position_ids, not both")
+    if cu_seqlens is None and position_ids is None:
+        return None
+    if seq_len is None:
+        raise ValueError("cplib.context_parallel: documents need the buffers to shard "
+                         "(their length is the sequence length S)")
+    if position_ids is not None:
+        if position_ids.shape[-1] != seq_len:
+            raise ValueError(f"cplib.context_parallel: position_ids cover "
+                             f"{position_ids.shape[-1]} tokens but the buffers {seq_len}; pass "
+                             "the full (unsharded) position_ids")
+        cu_seqlens = cu_seqlens_from_position_ids(position_ids)
+    from ._ring import check_cu_seqlens
+    check_cu_seqlens("context_parallel", cu_seqlens, seq_len)
+    return cu_seqlens.to("cpu", torch.long)
 
 
 @contextlib.contextmanager
@@ -88,8 +128,11 @@ def context_parallel(
     buffer_seq_dims: Sequence[int] | None = None,
     no_restore_buffers: set[torch.Tensor] | None = None,
     rotate_method: str | _RotateMethod | None = None,
-    load_balance: bool | None = None,
+    load_balance: bool | str | None = None,
     ulysses_degree: int = 1,
+    cu_seqlens: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    window: int | tuple[int | None, int | None] | None = None,
 ) -> Generator[ContextParallelHandle, None, None]:
     """Context parallelism for the code inside the ``with`` block.
 
@@ -108,8 +151,9 @@ def context_parallel(
 
     cplib's additions: ``rotate_method`` (``"p2p"``, ``"alltoall"``,
     ``"allgather"``) and ``load_balance`` override ``_cp_options`` for this
-    context only (``load_balance=True`` makes an indivisible length a
-    ValueError instead of a silent fallback), and the context yields a
+    context only (``load_balance=True`` gives head-tail shards for any
+    length, within one token per chunk of each other, where torch's default
+    falls back to sequential), and the context yields a
     :class:`ContextParallelHandle` whose ``unshard`` knows the layout.
 
     ``ulysses_degree=U`` (USP, cplib/_usp.py) splits the N ranks into
@@ -118,7 +162,19 @@ def context_parallel(
     attention across them; U = N is pure Ulysses, U = 1 (default) the ring.
     U must divide N and the heads of every attention call (ValueError).
     With load balancing the layout is head-tail over the N/U ring positions
-    (lengths divisible by 2N/U and by N), then cut in N pieces.
+    (lengths divisible by 2N/U and by N), then cut in N pieces. USP does not
+    combine with documents or windows (NotImplementedError).
+
+    Any length S >= world size shards without padding. Packed documents:
+    ``cu_seqlens`` (``[0, s1, ..., S]``, global, unsharded) or
+    ``position_ids`` (``(S,)`` or ``(B, S)``, restarting at 0 at each
+    document, as Hugging Face packs them; the full tensor, read before
+    sharding) make every SDPA call inside attend within documents only.
+    ``window`` is the default sliding window of those calls
+    (``cplib.attention_window`` sets it per call). With documents,
+    ``load_balance="per_document"`` cuts every document head-tail across
+    the ranks (``AnyLengthPerDocumentLoadBalancer``), so each rank holds a
+    share of every document.
     """
     group = check_mesh(mesh)
     buffers = [] if buffers is None else list(buffers)
@@ -128,23 +184,52 @@ def context_parallel(
                                  else rotate_method)
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     ring_degree = check_degrees(world_size, ulysses_degree)
-    balanced = _validate(buffers, seq_dims, no_restore, world_size, load_balance, ring_degree)
+    per_document = load_balance == "per_document"
+    if isinstance(load_balance, str) and not per_document:
+        raise ValueError(f"cplib.context_parallel: load_balance={load_balance!r} is not True, "
+                         "False, None or 'per_document'")
+    if ulysses_degree != 1 and (per_document or window is not None or cu_seqlens is not None
+                                or position_ids is not None):
+        raise NotImplementedError(
+            f"cplib.context_parallel: ulysses_degree={ulysses_degree} does not combine with "
+            "documents (cu_seqlens, position_ids, load_balance='per_document') or windows; "
+            "use ulysses_degree=1 (the ring) for those")
+    balanced = _validate(buffers, seq_dims, no_restore, world_size,
+                         True if per_document else load_balance, ring_degree)
+    seq_len = buffers[0].shape[seq_dims[0]] if buffers else None
+    documents = _documents(cu_seqlens, position_ids, seq_len)
+    if per_document and documents is None:
+        raise ValueError("cplib.context_parallel: load_balance='per_document' needs the "
+                         "documents (cu_seqlens or position_ids)")
+    if window is not None:
+        from ._ring import window_arg
+        window_arg(window)  # ValueError naming a bad window, before anything is sharded
 
     balancer = None
-    if balanced and buffers:
-        length = buffers[0].shape[seq_dims[0]]
-        balancer = _HeadTailLoadBalancer(length, ring_degree, buffers[0].device)
+    if per_document:
+        balancer = AnyLengthPerDocumentLoadBalancer(documents.tolist(), world_size,
+                                                    buffers[0].device)
+    elif balanced and buffers and ring_degree != world_size:
+        balancer = _HeadTailLoadBalancer(seq_len, ring_degree, buffers[0].device)  # USP layout
+    elif balanced and buffers:
+        balancer = AnyLengthHeadTailLoadBalancer(seq_len, world_size, buffers[0].device)
     groups = usp_groups(group, ulysses_degree)  # collective the first time only
     indices = balancer._generate_indices() if balancer is not None else None
     with torch.no_grad():
-        shards = [shard_tensor(b, d, rank, world_size, indices) for b, d in zip(buffers, seq_dims)]
+        shards = [shard_tensor(b, d, rank, world_size, indices,
+                               shard_lengths(b.shape[d], world_size, balancer))
+                  for b, d in zip(buffers, seq_dims)]
     # Keep the original storage and geometry: restoring points each buffer
     # back at them, so the bytes, shape and strides are exactly the old ones.
     saved = [None if any(b is t for t in no_restore)
              else (b.untyped_storage(), b.storage_offset(), b.size(), b.stride())
              for b in buffers]
+    # The ring infers S from equal shards; uneven ones (or documents) need it.
+    uneven = seq_len is not None and shard_lengths(seq_len, world_size, balancer) is not None
     config = RingConfig(groups.ring_group or group.group_name, world_size, balanced,
-                        rotate_method_name(rotate), ulysses_degree, groups.ulysses_group)
+                        rotate_method_name(rotate), ulysses_degree, groups.ulysses_group,
+                        seq_len=seq_len if uneven or documents is not None else None,
+                        cu_seqlens=documents, window=window, per_document=per_document)
     old_balance = _cp_options.enable_load_balance
     swapped = 0
     try:

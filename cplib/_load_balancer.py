@@ -21,6 +21,8 @@ __all__ = [
     "_HeadTailLoadBalancer",
     "_PerDocumentHeadTailLoadBalancer",
     "_PTRRLoadBalancer",
+    "AnyLengthHeadTailLoadBalancer",
+    "AnyLengthPerDocumentLoadBalancer",
     "head_tail_indices",
     "rearrange",
 ]
@@ -110,6 +112,69 @@ class _HeadTailLoadBalancer(_LoadBalancer):
     def _generate_indices(self, restore: bool = False) -> Tensor:
         perm = head_tail_indices(self.seq_length, self.world_size, self.device)
         return (_inverse(perm) if restore else perm).unsqueeze(0)
+
+
+class AnyLengthHeadTailLoadBalancer(_HeadTailLoadBalancer):
+    """Head-tail balancing for any sequence length >= world size: the 2N
+    chunks differ by at most one token (``cplib._seq_layout``), so shards
+    differ by at most one token per chunk; for lengths divisible by 2N it is
+    exactly :class:`_HeadTailLoadBalancer`. Shards are cut with
+    :func:`shard_lengths`, not in equal parts."""
+
+    def _generate_indices(self, restore: bool = False) -> Tensor:
+        from ._seq_layout import layout_indices
+
+        if self.seq_length < self.world_size:
+            raise ValueError(f"cplib: sequence length {self.seq_length} is shorter than the "
+                             f"world size {self.world_size}")
+        perm = layout_indices(self.seq_length, self.world_size, True, self.device)
+        return (_inverse(perm) if restore else perm).unsqueeze(0)
+
+
+class AnyLengthPerDocumentLoadBalancer(_LoadBalancer):
+    """Head-tail balancing inside every document of a packed sequence, for
+    any document lengths: rank r holds chunks r and 2N-1-r of every document
+    (2N chunks per document, sizes within one token), documents in order. The
+    layout the ring takes with ``per_document=True``; for lengths divisible by
+    2N it is :class:`_PerDocumentHeadTailLoadBalancer`'s (one batch row)."""
+
+    def __init__(self, cu_seqlens: Sequence[int], world_size: int,
+                 device: str | torch.device):
+        self.cu_seqlens = [int(x) for x in cu_seqlens]
+        self.seq_length = self.cu_seqlens[-1]
+        self.world_size = world_size
+        self.device = device
+
+    def _generate_indices(self, restore: bool = False) -> Tensor:
+        from ._seq_layout import layout_indices
+
+        perm = layout_indices(self.seq_length, self.world_size, True, self.device,
+                              self.cu_seqlens)
+        return (_inverse(perm) if restore else perm).unsqueeze(0)
+
+    def lengths(self) -> list[int]:
+        from ._seq_layout import local_length
+
+        return [local_length(self.seq_length, self.world_size, r, True, self.cu_seqlens)
+                for r in range(self.world_size)]
+
+
+def shard_lengths(seq_length: int, world_size: int,
+                  load_balancer: _LoadBalancer | None) -> list[int] | None:
+    """Every rank's shard length for a sequence of ``seq_length`` cut after
+    ``load_balancer``'s rearrangement, or None for equal parts (lengths that
+    divide; other balancers need them)."""
+    from ._seq_layout import local_length
+
+    if isinstance(load_balancer, AnyLengthPerDocumentLoadBalancer):
+        lengths = load_balancer.lengths()
+        return None if len(set(lengths)) == 1 else lengths
+    if seq_length % world_size == 0:  # head-tail shards are then equal too
+        return None
+    if load_balancer is None or isinstance(load_balancer, AnyLengthHeadTailLoadBalancer):
+        head_tail = load_balancer is not None
+        return [local_length(seq_length, world_size, r, head_tail) for r in range(world_size)]
+    return None
 
 
 class _PerDocumentHeadTailLoadBalancer(_LoadBalancer):

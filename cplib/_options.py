@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from enum import Enum, auto
+from typing import Any
 
 __all__ = [
     "_CausalBehavior",
@@ -97,7 +98,9 @@ def _is_causal_behavior(rank: int, world_size: int, i: int, is_causal: bool) -> 
 @dataclass(frozen=True)
 class RingConfig:
     """What every SDPA call of one context-parallel region needs: the group,
-    whether shards are in head-tail layout, and the rotation."""
+    whether shards are in head-tail layout, and the rotation; cplib's
+    additions: the global length when shards are uneven, the batch's
+    documents, and the default sliding window."""
 
     group_name: str
     world_size: int
@@ -107,3 +110,7 @@ class RingConfig:
     # ulysses_group and the ring over group_name (this rank's ring group).
     ulysses_degree: int = 1
     ulysses_group: str | None = None
+    seq_len: int | None = None
+    cu_seqlens: Any = None  # torch.Tensor | None
+    window: Any = None  # int | (left, right) | None
+    per_document: bool = False  # shards head-tail inside every document

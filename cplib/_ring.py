@@ -9,6 +9,7 @@ import math
 import torch
 
 from ._native import GroupLike, group_name_of, group_size, ops
+from ._seq_layout import local_length
 
 __all__ = ["ring_sdpa", "ROTATE_CODES", "BACKEND_CODES"]
 
@@ -27,9 +28,97 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+    return t.device.type == "meta" or is_fake(t)
+
+
+def _fmt(values: list[int]) -> str:
+    if len(values) > 12:
+        return "[" + ", ".join(map(str, values[:8])) + ", ..., " + ", ".join(
+            map(str, values[-3:])) + "]"
+    return str(values)
+
+
+def check_cu_seqlens(op: str, cu_seqlens, seq_len: int) -> None:
+    """The checks of csrc/torch/ring/ring_args.cpp on cu_seqlens; the values
+    only where they can be read (not while tracing with fake tensors)."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise ValueError(f"cplib.{op}: cu_seqlens must be an integer tensor, got "
+                         f"{type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or \
+            cu_seqlens.dtype == torch.bool:
+        raise ValueError(f"cplib.{op}: cu_seqlens must be an integer tensor, got dtype "
+                         f"{cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cplib.{op}: cu_seqlens must be 1-D with at least 2 entries "
+                         f"[0, ..., S], got shape {list(cu_seqlens.shape)}")
+    if _is_fake(cu_seqlens):
+        return
+    b = cu_seqlens.tolist()
+    if b[0] != 0:
+        raise ValueError(f"cplib.{op}: cu_seqlens must start at 0, got {b[0]} in {_fmt(b)}")
+    if b[-1] != seq_len:
+        raise ValueError(f"cplib.{op}: cu_seqlens must end at the sequence length {seq_len}, "
+                         f"got {b[-1]} in {_fmt(b)}")
+    for i in range(1, len(b)):
+        if b[i] <= b[i - 1]:
+            raise ValueError(f"cplib.{op}: cu_seqlens must be strictly increasing, got "
+                             f"{b[i - 1]} then {b[i]} at index {i} in {_fmt(b)}")
+
+
+def _group_rank(group_name: str) -> int | None:
+    """This process's rank in the group (reads no data, sends nothing)."""
+    try:
+        return torch.distributed.distributed_c10d._resolve_process_group(group_name).rank()
+    except Exception:  # private helper: if it moves, C++ still checks
+        return None
+
+
+def _check_extras(op: str, q, k, group_name: str, load_balanced: bool, cu_seqlens, window,
+                  seq_len, per_document: bool = False) -> None:
+    # In the order of check_extras in csrc/torch/ring/ring_args.cpp.
+    n = group_size(group_name)
+    lq, lk = q.shape[2], k.shape[2]
+    sq, sk = lq * n, lk * n
+    if seq_len is not None:
+        if seq_len < n:
+            raise ValueError(f"cplib.{op}: seq_len={seq_len} is shorter than the world size {n} "
+                             "(every rank needs a token)")
+        sq = sk = seq_len
+    if (cu_seqlens is not None or window is not None) and sq != sk:
+        raise ValueError(f"cplib.{op}: cu_seqlens and window need q and k/v of one global "
+                         f"length, got q {sq} and kv {sk}")
+    if per_document and (cu_seqlens is None or seq_len is None):
+        raise ValueError(f"cplib.{op}: per_document=True (head-tail inside every document) "
+                         "needs cu_seqlens and seq_len")
+    if cu_seqlens is not None:
+        check_cu_seqlens(op, cu_seqlens, sq)
+    rank = _group_rank(group_name)
+    if seq_len is not None and rank is not None:
+        docs = None
+        if per_document:
+            docs = None if _is_fake(cu_seqlens) else cu_seqlens.tolist()
+        if not per_document or docs is not None:
+            want = local_length(seq_len, n, rank, load_balanced, docs)
+            if lq != want or lk != want:
+                layout = ("per-document head-tail" if per_document
+                          else "head-tail" if load_balanced else "sequential")
+                raise ValueError(f"cplib.{op}: seq_len={seq_len} over {n} ranks ({layout} "
+                                 f"layout) gives rank {rank} {want} rows, but q has {lq} and "
+                                 f"k/v {lk}")
+    if window is not None:
+        w = list(window)
+        if len(w) != 2:
+            raise ValueError(f"cplib.{op}: window must be (left, right), got {w}")
+        if w[0] < 0 or w[1] < 0:
+            raise ValueError(f"cplib.{op}: window={w} must be non-negative (None for no limit)")
+
+
 def _check(op: str, q, k, v, group_name: str, is_causal: bool, load_balanced: bool,
-           scale: float | None, backend: int, rotate: int) -> None:
-    # Mirrors check_args in csrc/torch/ring/ring_plan.cpp so traced code fails the same way.
+           scale: float | None, backend: int, rotate: int, cu_seqlens=None, window=None,
+           seq_len=None, per_document=False) -> None:
+    # Mirrors check_args in csrc/torch/ring/ring_args.cpp so traced code fails the same way.
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"cplib.{op}: expected q, k, v of shape (B, H, S_local, D), got q "
                          f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
@@ -79,16 +168,21 @@ def _check(op: str, q, k, v, group_name: str, is_causal: bool, load_balanced: bo
     if is_causal and q.shape[2] != k.shape[2]:
         raise ValueError(f"cplib.{op}: is_causal needs equal local q and kv lengths, got q "
                          f"{q.shape[2]} and kv {k.shape[2]}")
-    if load_balanced and (q.shape[2] % 2 or k.shape[2] % 2):
+    if seq_len is None and not per_document and load_balanced and (q.shape[2] % 2 or
+                                                                   k.shape[2] % 2):
         raise ValueError(f"cplib.{op}: load_balanced needs even local lengths (two chunks per "
                          f"rank), got q {q.shape[2]} and kv {k.shape[2]}")
-    if group_name is not None:  # None: a world-of-one check (cplib/_ulysses.py)
-        group_size(group_name)  # ValueError for an unknown group
+    if group_name is None:  # a world-of-one check (cplib/_ulysses.py)
+        return
+    group_size(group_name)  # ValueError for an unknown group
+    _check_extras(op, q, k, group_name, load_balanced, cu_seqlens, window, seq_len, per_document)
 
 
 @torch.library.register_fake("cplib_c::ring_sdpa")
-def _ring_sdpa_fake(q, k, v, group_name, is_causal, load_balanced, scale, backend, rotate):
-    _check("ring_sdpa", q, k, v, group_name, is_causal, load_balanced, scale, backend, rotate)
+def _ring_sdpa_fake(q, k, v, group_name, is_causal, load_balanced, scale, backend, rotate,
+                    cu_seqlens=None, window=None, seq_len=None, per_document=False):
+    _check("ring_sdpa", q, k, v, group_name, is_causal, load_balanced, scale, backend, rotate,
+           cu_seqlens, window, seq_len, per_document)
     b, h, s, _ = q.shape
     out = q.new_empty((b, h, s, v.shape[3]))
     lse = q.new_empty((b, h, s), dtype=_acc_dtype(q.dtype))
@@ -97,9 +191,10 @@ def _ring_sdpa_fake(q, k, v, group_name, is_causal, load_balanced, scale, backen
 
 @torch.library.register_fake("cplib_c::ring_sdpa_backward")
 def _ring_sdpa_backward_fake(grad_out, q, k, v, out, lse, group_name, is_causal, load_balanced,
-                             scale, backend, rotate):
+                             scale, backend, rotate, cu_seqlens=None, window=None, seq_len=None,
+                             per_document=False):
     _check("ring_sdpa_backward", q, k, v, group_name, is_causal, load_balanced, scale, backend,
-           rotate)
+           rotate, cu_seqlens, window, seq_len, per_document)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -135,6 +230,10 @@ def ring_sdpa(
     scale: float | None = None,
     rotate: str = "p2p",
     backend: str | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    window: int | tuple[int | None, int | None] | None = None,
+    seq_len: int | None = None,
+    per_document: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring attention of the local shards ``q`` (B, Hq, S_local, D) and ``k``/``v``
     (B, Hkv, S_local, D) over ``group`` (a ProcessGroup or its name).
@@ -147,6 +246,18 @@ def ring_sdpa(
     ``rotate`` is "p2p", "alltoall" or "allgather"; ``backend`` is None/"auto",
     "flash", "efficient" or "cudnn" (CUDA only; CPU always uses flash).
     Only ``out`` is differentiable.
+
+    ``cu_seqlens`` (integer tensor ``[0, s1, ..., S]`` of global document
+    boundaries, the same on every rank): attention stays within each document
+    (causal within it with ``is_causal``). ``window``: ``(left, right)`` or
+    ``w`` for ``(w, w)``; query i sees key j iff ``i - left <= j <= i + right``
+    in global positions (``None`` on a side: no limit; ``is_causal`` makes
+    right 0). ``seq_len``: the global length S when the shards are uneven
+    (any S >= world size; see ``cplib._seq_layout``); by default S is the
+    local length times the world size. Blocks nobody can see are neither
+    computed nor sent (p2p and alltoall). ``per_document``: the shards are
+    cut head-tail inside every document (``cplib._seq_layout`` with
+    ``documents``; needs ``cu_seqlens`` and ``seq_len``).
     """
     if rotate not in ROTATE_CODES:
         raise ValueError(f"cplib.ring_sdpa: rotate={rotate!r} is not one of "
@@ -157,4 +268,29 @@ def ring_sdpa(
     if scale is not None:
         scale = float(scale)
     return ops.ring_sdpa(q, k, v, group_name_of(group), bool(is_causal), bool(load_balanced),
-                         scale, BACKEND_CODES[backend], ROTATE_CODES[rotate])
+                         scale, BACKEND_CODES[backend], ROTATE_CODES[rotate], cu_seqlens,
+                         window_arg(window), seq_len, bool(per_document))
+
+
+# A window side without limit: the op clamps every side to S.
+_NO_LIMIT = 2 ** 62
+
+
+def window_arg(window) -> list[int] | None:
+    """``window`` as the op's ``int[]?``: ``w`` -> ``[w, w]``; ``None`` sides
+    -> no limit; negative sides raise ValueError naming the value."""
+    if window is None:
+        return None
+    pair = (window, window) if isinstance(window, int) else tuple(window)
+    if len(pair) != 2:
+        raise ValueError(f"cplib.ring_sdpa: window={window!r} must be an int or (left, right)")
+    out = []
+    for side in pair:
+        if side is None:
+            out.append(_NO_LIMIT)
+        elif not isinstance(side, int) or isinstance(side, bool) or side < 0:
+            raise ValueError(f"cplib.ring_sdpa: window={window!r} must be non-negative ints "
+                             "(or None for no limit)")
+        else:
+            out.append(side)
+    return out

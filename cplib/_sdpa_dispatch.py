@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from ._documents import current_window
 from ._options import RingConfig
 
 __all__ = [
@@ -117,10 +118,20 @@ def routed_sdpa(config: RingConfig, *args: Any, **kwargs: Any) -> torch.Tensor:
         return _routed_ulysses(config, q, k, v, bool(is_causal), scale)
     from ._ring import ring_sdpa  # lives beside this module; imported when first needed
 
+    extras = {}  # cplib's additions; absent for plain contexts (and the test stand-in)
+    if config.seq_len is not None:
+        extras["seq_len"] = config.seq_len
+    if config.cu_seqlens is not None:
+        extras["cu_seqlens"] = config.cu_seqlens
+    if config.per_document:
+        extras["per_document"] = True
+    window = current_window(config.window)
+    if window is not None:
+        extras["window"] = window
     out, _ = ring_sdpa(
         q, k, v, config.group_name, is_causal=bool(is_causal),
         load_balanced=config.load_balanced, scale=scale, rotate=config.rotate,
-        backend=sdpa_backend_hint(q.device),
+        backend=sdpa_backend_hint(q.device), **extras,
     )
     return out
 

@@ -5,6 +5,11 @@ A shard is this rank's contiguous ``1/N`` of the (optionally load-balancer
 rearranged) sequence. Sharding needs no communication: every rank holds the
 full buffer (same data, e.g. the same batch), as with torch's
 ``distribute_tensor(..., src_data_rank=None)``.
+
+Any length S >= N shards without padding when there is no load balancer or
+it is an ``AnyLengthHeadTailLoadBalancer``: shard lengths then differ by at
+most one token per chunk (``cplib._seq_layout``); for lengths that divide,
+the cut is ``torch.chunk``'s.
 """
 
 from __future__ import annotations
@@ -17,7 +22,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ._load_balancer import _LoadBalancer, _create_default_load_balancer, rearrange
+from ._load_balancer import (
+    _create_default_load_balancer,
+    _LoadBalancer,
+    rearrange,
+    shard_lengths,
+)
 from ._options import _cp_options
 
 __all__ = [
@@ -55,7 +65,7 @@ def _check_seq_dim(t: torch.Tensor, seq_dim: int, what: str) -> int:
 
 
 def check_shardable(buffers: Sequence[torch.Tensor], seq_dims: Sequence[int], world_size: int,
-                    what: str = "buffer") -> None:
+                    what: str = "buffer", any_length: bool = False) -> None:
     """Everything that can go wrong when sharding, checked from shapes alone
     (so every rank raises the same ValueError before any communication)."""
     if len(buffers) != len(seq_dims):
@@ -67,7 +77,12 @@ def check_shardable(buffers: Sequence[torch.Tensor], seq_dims: Sequence[int], wo
     for i, (b, d) in enumerate(zip(buffers, seq_dims)):
         dim = _check_seq_dim(b, d, f"{what} {i}")
         length = b.shape[dim]
-        if length % world_size:
+        if any_length and length < world_size:
+            raise ValueError(
+                f"cplib: {what} {i} has sequence length {length} (shape {tuple(b.shape)}, "
+                f"seq_dim {d}), shorter than the context-parallel world size {world_size}"
+            )
+        if not any_length and length % world_size:
             raise ValueError(
                 f"cplib: {what} {i} has sequence length {length} (shape {tuple(b.shape)}, "
                 f"seq_dim {d}), not divisible by the context-parallel world size {world_size}"
@@ -80,11 +95,22 @@ def check_shardable(buffers: Sequence[torch.Tensor], seq_dims: Sequence[int], wo
 
 
 def shard_tensor(t: torch.Tensor, seq_dim: int, rank: int, world_size: int,
-                 indices: torch.Tensor | None) -> torch.Tensor:
-    """This rank's shard of ``t`` as a fresh contiguous tensor."""
+                 indices: torch.Tensor | None,
+                 lengths: Sequence[int] | None = None) -> torch.Tensor:
+    """This rank's shard of ``t`` as a fresh contiguous tensor: equal parts,
+    or ``lengths[r]`` rows for rank r of the (rearranged) sequence."""
     if indices is not None:
         t = rearrange(t, seq_dim, indices)
-    return t.chunk(world_size, seq_dim)[rank].contiguous()
+    if lengths is None:
+        return t.chunk(world_size, seq_dim)[rank].contiguous()
+    return t.narrow(seq_dim, sum(lengths[:rank]), lengths[rank]).contiguous()
+
+
+def _any_length(load_balancer: _LoadBalancer | None) -> bool:
+    from ._load_balancer import AnyLengthHeadTailLoadBalancer, AnyLengthPerDocumentLoadBalancer
+
+    return load_balancer is None or isinstance(
+        load_balancer, (AnyLengthHeadTailLoadBalancer, AnyLengthPerDocumentLoadBalancer))
 
 
 def _block_mask_type() -> type | None:
@@ -121,11 +147,13 @@ def shard(mesh: DeviceMesh, buffers: Sequence[torch.Tensor] | Mapping[str, torch
     block_mask = _block_mask_type()
     tensors = [(i, b, d) for i, (b, d) in enumerate(zip(flat, flat_dims))
                if not (block_mask is not None and isinstance(b, block_mask))]
-    check_shardable([b for _, b, _ in tensors], [d for _, _, d in tensors], n)
+    check_shardable([b for _, b, _ in tensors], [d for _, _, d in tensors], n,
+                    any_length=_any_length(load_balancer))
     indices = load_balancer._generate_indices() if load_balancer is not None else None
     out = list(flat)
     for i, b, d in tensors:
-        out[i] = shard_tensor(b, d, rank, n, indices)
+        lengths = shard_lengths(b.shape[d], n, load_balancer)
+        out[i] = shard_tensor(b, d, rank, n, indices, lengths)
     for i, b in enumerate(flat):
         if block_mask is not None and isinstance(b, block_mask):
             out[i] = _shard_block_mask(mesh, b, load_balancer)
@@ -142,21 +170,52 @@ def _context_parallel_shard(mesh: DeviceMesh, buffers: Any, seq_dims: Any,
     return result
 
 
-def _gather(t: torch.Tensor, seq_dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+def _gather(t: torch.Tensor, seq_dim: int, group: dist.ProcessGroup,
+            lengths: Sequence[int] | None = None) -> torch.Tensor:
+    """All shards concatenated in rank order; ``lengths`` (every rank's
+    length along ``seq_dim``) for uneven shards, which travel padded."""
+    n = dist.get_world_size(group)
+    longest = t.shape[seq_dim] if lengths is None else max(lengths)
+    if t.shape[seq_dim] != longest:
+        pad = list(t.shape)
+        pad[seq_dim] = longest - t.shape[seq_dim]
+        t = torch.cat([t, t.new_zeros(pad)], seq_dim)
+    parts = [torch.empty_like(t) for _ in range(n)]
     dist.all_gather(parts, t, group=group)
+    if lengths is not None:
+        parts = [p.narrow(seq_dim, 0, length) for p, length in zip(parts, lengths)]
     return torch.cat(parts, seq_dim)
 
 
-def _default_restore_indices(mesh: DeviceMesh, buffers: Sequence[torch.Tensor],
-                             seq_dims: Sequence[int]) -> torch.Tensor | None:
+def _gathered_lengths(t: torch.Tensor, seq_dim: int, group: dist.ProcessGroup) -> list[int]:
+    """Every rank's shard length (one small all-gather): sequential shards of
+    any length need no layout information from the caller."""
+    mine = torch.tensor([t.shape[seq_dim]], dtype=torch.long, device=t.device)
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, mine, group=group)
+    return [int(p.item()) for p in parts]
+
+
+def _layout(group: dist.ProcessGroup, t: torch.Tensor, seq_dim: int,
+            load_balancer: _LoadBalancer | None) -> list[int] | None:
+    """Shard lengths of ``t``'s layout, or None when they are all equal."""
+    n = dist.get_world_size(group)
+    seq_length = getattr(load_balancer, "seq_length", None)
+    if load_balancer is not None and seq_length is not None:
+        return shard_lengths(seq_length, n, load_balancer)
+    if load_balancer is not None:
+        return None
+    lengths = _gathered_lengths(t, seq_dim, group)
+    return None if len(set(lengths)) == 1 else lengths
+
+
+def _default_restore_indices(mesh: DeviceMesh, length: int,
+                             device: torch.device) -> torch.Tensor | None:
     # As torch: without an explicit balancer, follow the global option.
     from ._usp import active_ulysses_degree  # USP: head-tail over the ring degree
 
-    n = mesh.size()
-    length = buffers[0].shape[seq_dims[0]] * n
-    balancer = _create_default_load_balancer(length, n // active_ulysses_degree(),
-                                             buffers[0].device, _cp_options.enable_load_balance)
+    balancer = _create_default_load_balancer(length, mesh.size() // active_ulysses_degree(),
+                                             device, _cp_options.enable_load_balance)
     return balancer._generate_indices(restore=True) if balancer else None
 
 
@@ -180,11 +239,16 @@ def context_parallel_unshard(mesh: DeviceMesh, buffers: list[torch.Tensor], seq_
     if not buffers:
         return []
     group = _check_unshard(mesh, buffers, seq_dims)
-    restore = (load_balancer._generate_indices(restore=True) if load_balancer is not None
-               else _default_restore_indices(mesh, buffers, seq_dims))
     out = []
     for b, d in zip(buffers, seq_dims):
-        full = _gather(b.contiguous(), d % b.ndim, group)
+        d = d % b.ndim
+        lengths = _layout(group, b, d, load_balancer)
+        if load_balancer is not None:
+            restore = load_balancer._generate_indices(restore=True)
+        else:
+            total = sum(lengths) if lengths is not None else b.shape[d] * mesh.size()
+            restore = _default_restore_indices(mesh, total, b.device)
+        full = _gather(b.contiguous(), d, group, lengths)
         out.append(full if restore is None else rearrange(full, d, restore))
     return out
 
@@ -196,15 +260,16 @@ class _Unshard(torch.autograd.Function):
     Shard -> Replicate semantics)."""
 
     @staticmethod
-    def forward(ctx, t, seq_dim, group, restore, forward_indices):
-        ctx.seq_dim, ctx.group, ctx.indices = seq_dim, group, forward_indices
-        full = _gather(t.contiguous(), seq_dim, group)
+    def forward(ctx, t, seq_dim, group, restore, forward_indices, lengths):
+        ctx.seq_dim, ctx.group, ctx.indices, ctx.lengths = seq_dim, group, forward_indices, lengths
+        full = _gather(t.contiguous(), seq_dim, group, lengths)
         return full if restore is None else rearrange(full, seq_dim, restore)
 
     @staticmethod
     def backward(ctx, grad):
         n, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        return shard_tensor(grad, ctx.seq_dim, rank, n, ctx.indices), None, None, None, None
+        return (shard_tensor(grad, ctx.seq_dim, rank, n, ctx.indices, ctx.lengths),
+                None, None, None, None, None)
 
 
 def unshard(mesh: DeviceMesh, buffers: Sequence[torch.Tensor], seq_dims: Sequence[int],
@@ -221,5 +286,6 @@ def unshard(mesh: DeviceMesh, buffers: Sequence[torch.Tensor], seq_dims: Sequenc
     if load_balancer is not None:
         forward = load_balancer._generate_indices()
         restore = load_balancer._generate_indices(restore=True)
-    return [_Unshard.apply(b, d % b.ndim, group, restore, forward)
+    return [_Unshard.apply(b, d % b.ndim, group, restore, forward,
+                           _layout(group, b, d % b.ndim, load_balancer))
             for b, d in zip(buffers, seq_dims)]

@@ -403,8 +403,9 @@ def _check_bad_inputs() -> list[str]:
             raise AssertionError("the context must not be entered")
 
     msgs = [
-        _expect(ValueError, lambda: enter(buffers=[x], buffer_seq_dims=[2], load_balance=True),
-                rf"divisible by 2 \* world_size = {2 * n}; got lengths \[{s}\]"),
+        _expect(ValueError, lambda: enter(buffers=[x, y], buffer_seq_dims=[2, 2],
+                                          load_balance=True),
+                rf"needs every buffer's sequence length to be the same; got lengths \[{s}, {8 * n}\]"),
         _expect(ValueError, lambda: enter(buffers=[y.clone().requires_grad_(True)],
                                           buffer_seq_dims=[2]), r"buffer 0 .* requires grad"),
         _expect(ValueError, lambda: enter(buffers=[y, x], buffer_seq_dims=[2]),
@@ -412,9 +413,9 @@ def _check_bad_inputs() -> list[str]:
         _expect(ValueError, lambda: enter(buffers=[y], buffer_seq_dims=[2],
                                           no_restore_buffers={x}),
                 r"subset of buffers; a tensor of shape \(1, 2, %d, 4\)" % s),
-        _expect(ValueError, lambda: enter(buffers=[torch.zeros(3, 5 * n + 1)],
+        _expect(ValueError, lambda: enter(buffers=[torch.zeros(3, n - 1)],
                                           buffer_seq_dims=[1]),
-                f"length {5 * n + 1} .* not divisible by the context-parallel world size {n}"),
+                f"length {n - 1} .* shorter than the context-parallel world size {n}"),
         _expect(ValueError, lambda: enter(buffers=[y], buffer_seq_dims=[4]),
                 "seq_dim 4 is out of range"),
         _expect(NotImplementedError, lambda: enter(rotate_method="ring"), "'ring'"),
@@ -433,6 +434,11 @@ def _check_bad_inputs() -> list[str]:
     with context_parallel(mesh, buffers=[ids], buffer_seq_dims=[1]) as cp:
         assert not cp.config.load_balanced
         assert ids[0].tolist() == list(range(rank * s // n, (rank + 1) * s // n))
+    # Asked for, head-tail balancing takes any length (chunks within one token).
+    from cplib._seq_layout import shard_positions
+    with context_parallel(mesh, buffers=[ids], buffer_seq_dims=[1], load_balance=True) as cp:
+        assert cp.config.load_balanced
+        assert ids[0].tolist() == shard_positions(s, n, rank, True).tolist()
     return msgs
 
 

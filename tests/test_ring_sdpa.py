@@ -155,8 +155,8 @@ def _bytes_for(rotate: str, hkv: int, backward: bool) -> int:
         assert sent == (n - 1) * kv_block, (rotate, hkv, sent)
     elif rotate == "allgather":  # payloads: the gather, then the gradients reduce-scattered
         assert sent == 2 * (n - 1) * kv_block, (rotate, hkv, sent)
-    else:  # k/v go N-1 steps, their gradient accumulators N
-        assert sent == (n - 1) * kv_block + n * kv_block, (rotate, hkv, sent)
+    else:  # k/v go to the N-1 others, each block's gradient comes back from them
+        assert sent == 2 * (n - 1) * kv_block, (rotate, hkv, sent)
     return sent
 
 

@@ -16,6 +16,8 @@
 #include <ATen/ATen.h>
 
 #include "comm/comm.h"
+#include "ring/ring_layout.h"
+#include "ring/ring_mask.h"
 
 namespace cplib::ring {
 
@@ -35,13 +37,24 @@ struct Config {
   int64_t backend = kBackendAuto;
   Rotate rotate = Rotate::p2p;
   int64_t groups = 1;  // q heads per k/v head (GQA)
+  Layout q_layout, kv_layout;  // where every rank's q and k/v rows sit globally
+  Mask mask;                   // causal, documents, window, in global positions
+};
+
+// The optional arguments of the ops (documents, window, global length).
+struct Extras {
+  std::optional<at::Tensor> cu_seqlens;
+  std::optional<std::vector<int64_t>> window;
+  std::optional<int64_t> seq_len;
+  bool per_document = false;  // shards cut head-tail inside every document
 };
 
 // Validates every argument (ValueError naming the value) and resolves the
 // group; nothing is communicated, so every rank fails the same way.
 Config check_args(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   std::string_view group_name, bool is_causal, bool load_balanced,
-                  std::optional<double> scale, int64_t backend, int64_t rotate);
+                  std::optional<double> scale, int64_t backend, int64_t rotate,
+                  const Extras& extras = {});
 
 // The checks of check_args that concern one block of attention (tensors,
 // backend, scale, causal lengths), for a world of one: no group, size 1.
@@ -53,17 +66,5 @@ Config check_local_args(const char* op, const at::Tensor& q, const at::Tensor& k
 inline at::ScalarType acc_dtype(const at::Tensor& t) {
   return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
-
-// Rows of q and of the visiting k/v block one ring step attends, or none.
-struct Step {
-  bool skip = false;
-  bool causal = false;  // causal mask on the block (the diagonal step only)
-  int64_t q_start = 0, q_len = 0;
-  int64_t kv_start = 0, kv_len = 0;
-};
-
-// Step `i` of rank cfg.rank: its q against the block that started on rank
-// (rank - i) mod size; q_len/kv_len are the local sequence lengths.
-Step plan_step(const Config& cfg, int64_t i, int64_t q_len, int64_t kv_len);
 
 }  // namespace cplib::ring

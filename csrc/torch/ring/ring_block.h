@@ -16,19 +16,23 @@ struct BlockResult {
   at::Tensor lse;  // (B, H, Lq), accumulator dtype, possibly strided
 };
 
+// `mask` (optional): an additive (Lq, Lk) mask in q's dtype (0 or -inf).
+// Rows it hides entirely come back with an unspecified lse: callers fix them.
 BlockResult block_forward(const Config& cfg, const at::Tensor& q, const at::Tensor& k,
-                          const at::Tensor& v, bool causal);
+                          const at::Tensor& v, bool causal, const at::Tensor& mask = {});
 
 // Gradients of the block given the merged (global) out and lse of these q rows.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> block_backward(
     const Config& cfg, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
-    const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, bool causal);
+    const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, bool causal,
+    const at::Tensor& mask = {});
 
 BlockResult block_forward_cpu(const Config& cfg, const at::Tensor& q, const at::Tensor& k,
-                              const at::Tensor& v, bool causal);
+                              const at::Tensor& v, bool causal, const at::Tensor& mask);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> block_backward_cpu(
     const Config& cfg, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
-    const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, bool causal);
+    const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, bool causal,
+    const at::Tensor& mask);
 
 #ifdef CPLIB_WITH_CUDA
 // The backend every block of this ring uses: `backend` itself, or for auto
@@ -42,6 +46,13 @@ BlockResult block_forward_cuda(const Config& cfg, const at::Tensor& q, const at:
 std::tuple<at::Tensor, at::Tensor, at::Tensor> block_backward_cuda(
     const Config& cfg, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
     const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, bool causal);
+// Blocks with an explicit mask (windows, documents): the memory-efficient
+// kernel with the mask as its attention bias (ring_block_cuda_masked.cpp).
+BlockResult block_forward_cuda_masked(const Config& cfg, const at::Tensor& q, const at::Tensor& k,
+                                      const at::Tensor& v, const at::Tensor& mask);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> block_backward_cuda_masked(
+    const Config& cfg, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+    const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& mask);
 #endif
 
 }  // namespace cplib::ring

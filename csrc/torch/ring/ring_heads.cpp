@@ -1,9 +1,15 @@
 #include "ring/ring_heads.h"
 
+#include <algorithm>
+
 namespace cplib::ring {
 
-HeadExpander::HeadExpander(int64_t groups, const at::Tensor& like) : groups_(groups) {
-  if (groups_ > 1) storage_ = at::empty({like.numel() * groups_}, like.options());
+HeadExpander::HeadExpander(int64_t groups, const at::Tensor& like, int64_t max_len)
+    : groups_(groups) {
+  const int64_t rows = std::max<int64_t>(max_len, like.size(2));
+  if (groups_ > 1)
+    storage_ = at::empty({like.size(0) * like.size(1) * rows * like.size(3) * groups_},
+                         like.options());
 }
 
 at::Tensor HeadExpander::operator()(const at::Tensor& x) {

@@ -8,10 +8,11 @@
 namespace cplib::ring {
 
 // Expands (B, Hkv, L, D) to (B, Hkv * groups, L, D) into a buffer allocated
-// once for the largest block; with groups == 1 it returns its input.
+// once for the largest block (`like` with up to `max_len` rows); with
+// groups == 1 it returns its input.
 class HeadExpander {
  public:
-  HeadExpander(int64_t groups, const at::Tensor& like);
+  HeadExpander(int64_t groups, const at::Tensor& like, int64_t max_len);
   at::Tensor operator()(const at::Tensor& x);
 
  private:

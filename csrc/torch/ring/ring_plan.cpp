@@ -1,118 +1,137 @@
-// Argument validation and the per-step schedule of the ring (which rows of q
-// meet which rows of the visiting k/v block).
-#include <cmath>
+// The per-step schedule of the ring: which rows of q meet which rows of the
+// visiting k/v block, under the mask, in global positions.
+#include "ring/ring_plan.h"
 
-#include "ring/ring.h"
-#include "ring/ring_block.h"
+#include <algorithm>
 
 namespace cplib::ring {
-
 namespace {
 
+// Rows per call when a rectangle needs an explicit mask: each tile of q rows
+// attends only the keys it can see, so windows and documents cost what they
+// show, not the whole block.
+constexpr int64_t kTile = 256;
 
-void check_tensors(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  TORCH_CHECK_VALUE(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "cplib.", op,
-                    ": expected q, k, v of shape (B, H, S_local, D), got q ", q.sizes(), ", k ",
-                    k.sizes(), ", v ", v.sizes());
-  TORCH_CHECK_VALUE(q.device() == k.device() && q.device() == v.device(), "cplib.", op,
-                    ": q, k, v must be on one device, got ", q.device(), ", ", k.device(), ", ",
-                    v.device());
-  TORCH_CHECK_VALUE(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
-                    "cplib.", op, ": q, k, v must have one dtype, got ", q.scalar_type(), ", ",
-                    k.scalar_type(), ", ", v.scalar_type());
-  const auto dt = q.scalar_type();
-  TORCH_CHECK_VALUE(dt == at::kFloat || dt == at::kDouble || dt == at::kBFloat16 || dt == at::kHalf,
-                    "cplib.", op, ": unsupported dtype ", dt,
-                    " (expected float32, float64, bfloat16 or float16)");
-  TORCH_CHECK_VALUE(q.size(0) == k.size(0) && q.size(0) == v.size(0), "cplib.", op,
-                    ": batch sizes differ: q ", q.size(0), ", k ", k.size(0), ", v ", v.size(0));
-  TORCH_CHECK_VALUE(k.size(1) == v.size(1) && k.size(2) == v.size(2), "cplib.", op,
-                    ": k ", k.sizes(), " and v ", v.sizes(), " must agree in heads and length");
-  TORCH_CHECK_VALUE(q.size(3) == k.size(3), "cplib.", op, ": q head dim ", q.size(3),
-                    " differs from k head dim ", k.size(3));
-  TORCH_CHECK_VALUE(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "cplib.", op, ": q has ",
-                    q.size(1), " heads, which is not a multiple of k/v's ", k.size(1), " heads");
-  TORCH_CHECK_VALUE(q.size(2) > 0 && k.size(2) > 0, "cplib.", op,
-                    ": empty local sequence (q length ", q.size(2), ", kv length ", k.size(2), ")");
-  TORCH_CHECK_VALUE(q.size(3) > 0 && v.size(3) > 0, "cplib.", op, ": empty head dim");
-  if (!q.is_cuda()) {
-    TORCH_CHECK_VALUE(q.device().is_cpu(), "cplib.", op, ": unsupported device ", q.device());
-    TORCH_CHECK_VALUE(v.size(3) == q.size(3), "cplib.", op, ": the CPU kernel needs v's head dim (",
-                      v.size(3), ") to equal q/k's (", q.size(3), ")");
-  }
-}
+int64_t mod(int64_t a, int64_t n) { return ((a % n) + n) % n; }
 
 }  // namespace
 
-Config check_local_args(const char* op, const at::Tensor& q, const at::Tensor& k,
-                        const at::Tensor& v, bool is_causal, std::optional<double> scale,
-                        int64_t backend) {
-  check_tensors(op, q, k, v);
-  TORCH_CHECK_VALUE(backend == kBackendAuto || backend == kBackendFlash ||
-                        backend == kBackendEfficient || backend == kBackendCudnn,
-                    "cplib.", op, ": backend=", backend,
-                    " is not a backend (-1 = auto, 1 = flash, 2 = efficient, 3 = cudnn)");
-  TORCH_CHECK_VALUE(q.is_cuda() || backend == kBackendAuto || backend == kBackendFlash, "cplib.",
-                    op, ": backend=", backend, " needs CUDA; CPU tensors always use flash (1)");
-  TORCH_CHECK_VALUE(!scale || (std::isfinite(*scale) && *scale > 0.0), "cplib.", op, ": scale=",
-                    scale ? *scale : 0.0, " must be a finite positive number or None");
-  TORCH_CHECK_VALUE(!is_causal || q.size(2) == k.size(2), "cplib.", op,
-                    ": is_causal needs equal local q and kv lengths, got q ", q.size(2), " and kv ",
-                    k.size(2));
-  Config cfg;
-  cfg.causal = is_causal;
-  cfg.scale = scale;
-  cfg.backend = backend;
-#ifdef CPLIB_WITH_CUDA
-  // Chosen once, before any communication, so every rank fails alike.
-  if (q.is_cuda()) cfg.backend = resolve_backend_cuda(backend, q, k, v, is_causal, scale);
-#endif
-  cfg.groups = q.size(1) / k.size(1);
-  return cfg;
+RingPlan::RingPlan(const Config& cfg) : cfg_(cfg) {
+  const int64_t n = cfg.size;
+  needs_.assign(n * n, 0);
+  offsets_.push_back(0);
+  for (int64_t d = 0; d < n; ++d) {
+    bool any = false;
+    for (int64_t r = 0; r < n; ++r) {
+      needs_[d * n + r] = !plan_pair(r, mod(r - d, n), /*any_only=*/true).empty();
+      any = any || needs_[d * n + r];
+    }
+    if (d > 0 && any) offsets_.push_back(d);
+  }
 }
 
-Config check_args(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                  std::string_view group_name, bool is_causal, bool load_balanced,
-                  std::optional<double> scale, int64_t backend, int64_t rotate) {
-  TORCH_CHECK_VALUE(rotate >= 0 && rotate <= 2, "cplib.", op, ": rotate=", rotate,
-                    " is not a rotation (0 = p2p, 1 = alltoall, 2 = allgather)");
-  Config cfg = check_local_args(op, q, k, v, is_causal, scale, backend);
-  TORCH_CHECK_VALUE(!load_balanced || (q.size(2) % 2 == 0 && k.size(2) % 2 == 0), "cplib.", op,
-                    ": load_balanced needs even local lengths (two chunks per rank), got q ",
-                    q.size(2), " and kv ", k.size(2));
-  cfg.pg = resolve_group(group_name);
-  cfg.rank = cfg.pg->getRank();
-  cfg.size = cfg.pg->getSize();
-  cfg.load_balanced = load_balanced;
-  cfg.rotate = static_cast<Rotate>(rotate);
-  return cfg;
+int64_t RingPlan::source(int64_t s) const { return mod(cfg_.rank - offsets_[s], cfg_.size); }
+int64_t RingPlan::target(int64_t s) const { return mod(cfg_.rank + offsets_[s], cfg_.size); }
+
+bool RingPlan::needs(int64_t rank, int64_t offset) const {
+  return needs_[offset * cfg_.size + rank] != 0;
 }
 
-Step plan_step(const Config& cfg, int64_t i, int64_t q_len, int64_t kv_len) {
-  Step s;
-  s.q_len = q_len;
-  s.kv_len = kv_len;
-  if (!cfg.causal) return s;  // every block, every row; the layout does not matter
-  if (i == 0) {
-    // The local block: causal on [A|B]x[A|B] is exact for the head-tail
-    // layout too (A precedes B globally).
-    s.causal = true;
-    return s;
+std::vector<Call> RingPlan::calls(int64_t s) const {
+  return plan_pair(cfg_.rank, source(s), /*any_only=*/false);
+}
+
+std::vector<Call> RingPlan::plan_pair(int64_t rank, int64_t src, bool any_only) const {
+  const Mask& mask = cfg_.mask;
+  const std::vector<Piece> qp = cfg_.q_layout.pieces(rank), kp = cfg_.kv_layout.pieces(src);
+  const size_t nq = qp.size(), nk = kp.size();
+  std::vector<Visibility> cls(nq * nk);
+  bool all_full = true, any = false;
+  for (size_t a = 0; a < nq; ++a)
+    for (size_t b = 0; b < nk; ++b) {
+      const Visibility v = mask.classify(qp[a].global, kp[b].global);
+      cls[a * nk + b] = v;
+      any = any || v != Visibility::empty;
+      all_full = all_full && (v == Visibility::full || v == Visibility::empty);
+    }
+  std::vector<Call> calls;
+  if (!any) return calls;
+  auto whole = [](const std::vector<Piece>& p, size_t first, size_t last) {
+    return std::pair<int64_t, int64_t>{p[first].local,
+                                       p[last].local + p[last].global.len - p[first].local};
+  };
+  auto push = [&calls](Visibility kind, std::pair<int64_t, int64_t> rows,
+                       std::pair<int64_t, int64_t> cols) {
+    Call c;
+    c.kind = kind;
+    c.q_local = rows.first;
+    c.q_len = rows.second;
+    c.k_local = cols.first;
+    c.k_len = cols.second;
+    calls.push_back(c);
+  };
+  if (any_only) {
+    calls.emplace_back();
+    return calls;
   }
-  const int64_t src = ((cfg.rank - i) % cfg.size + cfg.size) % cfg.size;
-  if (!cfg.load_balanced) {
-    s.skip = src > cfg.rank;  // a later rank's keys are all in the future
-    return s;
+  // One full call when the visible cells form a product of pieces (the
+  // dense ring, and the load-balanced causal ring's off-diagonal steps).
+  if (all_full) {
+    size_t r0 = nq, r1 = 0, c0 = nk, c1 = 0;
+    for (size_t a = 0; a < nq; ++a)
+      for (size_t b = 0; b < nk; ++b)
+        if (cls[a * nk + b] != Visibility::empty) {
+          r0 = std::min(r0, a), r1 = std::max(r1, a), c0 = std::min(c0, b), c1 = std::max(c1, b);
+        }
+    bool product = true;
+    for (size_t a = r0; a <= r1; ++a)
+      for (size_t b = c0; b <= c1; ++b) product = product && cls[a * nk + b] == Visibility::full;
+    if (product) {
+      push(Visibility::full, whole(qp, r0, r1), whole(kp, c0, c1));
+      return calls;
+    }
   }
-  if (src < cfg.rank) {
-    // Its head chunk precedes both of ours, its tail follows both.
-    s.kv_len = kv_len / 2;
-  } else {
-    // Both of its chunks sit between our head and our tail: only the tail attends.
-    s.q_start = q_len / 2;
-    s.q_len = q_len / 2;
+  // One causal call over the local block when, in local order, it is exactly
+  // the causal diagonal (head-tail: A precedes B, so [A|B]x[A|B] is causal).
+  if (nq == nk && rank == src && cfg_.q_layout.seq_len == cfg_.kv_layout.seq_len) {
+    bool local_causal = true;
+    for (size_t a = 0; a < nq; ++a)
+      for (size_t b = 0; b < nk; ++b) {
+        const Visibility want =
+            a == b ? Visibility::causal : (a < b ? Visibility::empty : Visibility::full);
+        local_causal = local_causal && cls[a * nk + b] == want;
+      }
+    if (local_causal) {
+      push(Visibility::causal, whole(qp, 0, nq - 1), whole(kp, 0, nk - 1));
+      return calls;
+    }
   }
-  return s;
+  for (size_t a = 0; a < nq; ++a)
+    for (size_t b = 0; b < nk; ++b) {
+      const Visibility v = cls[a * nk + b];
+      const Piece &q = qp[a], &k = kp[b];
+      if (v == Visibility::full || v == Visibility::causal) {
+        push(v, {q.local, q.global.len}, {k.local, k.global.len});
+        continue;
+      }
+      if (v == Visibility::empty) continue;
+      for (int64_t t = 0; t < q.global.len; t += kTile) {
+        const Range qt{q.global.start + t, std::min(kTile, q.global.len - t)};
+        const Range kt = mask.visible_keys(qt, k.global);
+        const Visibility vt = mask.classify(qt, kt);
+        if (vt == Visibility::empty) continue;
+        Call c;
+        c.kind = vt;
+        c.q_local = q.local + t;
+        c.q_len = qt.len;
+        c.k_local = k.local + (kt.start - k.global.start);
+        c.k_len = kt.len;
+        c.q_global = qt.start;
+        c.k_global = kt.start;
+        calls.push_back(c);
+      }
+    }
+  return calls;
 }
 
 }  // namespace cplib::ring

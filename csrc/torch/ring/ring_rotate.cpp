@@ -1,7 +1,4 @@
-// Ring rotation: "p2p" posts a send/recv pair per part and step, "alltoall"
-// one all-to-all per part whose only non-empty splits are the two
-// neighbours, "allgather" gathers every block up front (and reduce-scatters
-// gradients at the end).
+// Block and gradient exchange of the ring (see ring_rotate.h).
 #include "ring/ring_rotate.h"
 
 #include <atomic>
@@ -17,110 +14,180 @@ std::atomic<int64_t> g_bytes_sent{0};
 constexpr int kBlockTag = 0x50;  // + part index
 constexpr int kGradTag = 0x60;
 
-int64_t next_rank(const Config& c) { return (c.rank + 1) % c.size; }
-int64_t prev_rank(const Config& c) { return (c.rank + c.size - 1) % c.size; }
-int64_t source_rank(const Config& c, int64_t i) { return ((c.rank - i) % c.size + c.size) % c.size; }
-
 void wait_all(std::vector<WorkPtr>& works) {
   for (auto& w : works) wait(w);
   works.clear();
 }
 
-// One step of the ring for one part: `send` goes to rank+1, `recv` is filled by rank-1.
-void shift(const Config& c, const at::Tensor& send, const at::Tensor& recv, int tag,
-           std::vector<WorkPtr>& works) {
-  g_bytes_sent += static_cast<int64_t>(send.nbytes());
-  at::Tensor out = recv.view(-1), in = send.view(-1);
-  // Python groups (the threaded test group) have no send/recv: p2p shifts
-  // with the split all-to-all there.
+// One message exchange: `send` (if defined) to rank `dst`, `recv` (if
+// defined) filled by rank `src`. "alltoall" (and Python groups, which have
+// no send/recv) make it one split all-to-all that every rank joins.
+void exchange(const Config& c, const at::Tensor& send, int64_t dst, const at::Tensor& recv,
+              int64_t src, int tag, const at::TensorOptions& opts, std::vector<WorkPtr>& recvs,
+              std::vector<WorkPtr>& sends) {
+  if (send.defined()) g_bytes_sent += static_cast<int64_t>(send.nbytes());
   if (c.rotate == Rotate::alltoall || python_group(c.pg)) {
+    at::Tensor in = send.defined() ? send.view(-1) : at::empty({0}, opts);
+    at::Tensor out = recv.defined() ? recv.view(-1) : at::empty({0}, opts);
     std::vector<int64_t> in_splits(c.size, 0), out_splits(c.size, 0);
-    in_splits[next_rank(c)] = in.numel();
-    out_splits[prev_rank(c)] = out.numel();
-    works.push_back(all_to_all_split(c.pg, out, in, out_splits, in_splits));
+    in_splits[dst] = in.numel();
+    out_splits[src] = out.numel();
+    recvs.push_back(all_to_all_split(c.pg, out, in, out_splits, in_splits));
     return;
   }
   // Receive first: on transports that match eagerly it saves a copy.
-  works.push_back(cplib::recv(c.pg, out, static_cast<int>(prev_rank(c)), tag));
-  works.push_back(cplib::send(c.pg, in, static_cast<int>(next_rank(c)), tag));
+  if (recv.defined()) {
+    at::Tensor out = recv.view(-1);
+    recvs.push_back(cplib::recv(c.pg, out, static_cast<int>(src), tag));
+  }
+  if (send.defined()) {
+    at::Tensor in = send.view(-1);
+    sends.push_back(cplib::send(c.pg, in, static_cast<int>(dst), tag));
+  }
 }
 
-void shift_kv(const Config& c, const KV& send, const KV& recv, int tag,
-              std::vector<WorkPtr>& works) {
-  for (int p = 0; p < 2; ++p) shift(c, send[p], recv[p], tag + p, works);
+// `sizes` with the sequence dim (2) set to `len`.
+std::vector<int64_t> with_len(std::vector<int64_t> sizes, int64_t len) {
+  sizes[2] = len;
+  return sizes;
 }
 
-KV empty_like_kv(const KV& x) { return {at::empty_like(x[0]), at::empty_like(x[1])}; }
+// The first numel(sizes) elements of a flat buffer, viewed as `sizes`.
+at::Tensor head_view(const at::Tensor& flat, const std::vector<int64_t>& sizes) {
+  return flat.narrow(0, 0, c10::multiply_integers(sizes)).view(sizes);
+}
+
+// Block `rank`'s slot of a rank-major padded buffer, trimmed to its length.
+at::Tensor padded_slot(const at::Tensor& all, int64_t size, int64_t rank,
+                       const std::vector<int64_t>& padded_sizes, int64_t len) {
+  const int64_t numel = all.numel() / size;
+  return all.narrow(0, rank * numel, numel).view(padded_sizes).narrow(2, 0, len);
+}
 
 }  // namespace
 
 int64_t bytes_sent(bool reset) { return reset ? g_bytes_sent.exchange(0) : g_bytes_sent.load(); }
 
-BlockRing::BlockRing(const Config& cfg, KV local) : cfg_(cfg) { buf_[0] = std::move(local); }
+// ------------------------------------------------------------------ blocks
 
-KV BlockRing::fetch(int64_t i) {
-  wait_all(pending_);
+BlockRing::BlockRing(const Config& cfg, const RingPlan& plan, KV local)
+    : cfg_(cfg), plan_(plan), local_(std::move(local)) {}
+
+void BlockRing::post(int64_t s) {
+  if (s >= plan_.steps()) return;
+  const bool recv = plan_.receives(s), send = plan_.sends(s);
+  const int64_t src = plan_.source(s), dst = plan_.target(s);
+  const int64_t len = plan_.kv_len(src);
+  const bool collective = cfg_.rotate == Rotate::alltoall || python_group(cfg_.pg);
+  if (!recv && !send && !collective) return;
+  KV& buf = buf_[s % 2];
+  for (int p = 0; p < 2; ++p) {
+    at::Tensor into;
+    if (recv) {
+      if (!buf[p].defined()) {
+        buf[p] = at::empty({c10::multiply_integers(with_len(local_[p].sizes().vec(),
+                                                            cfg_.kv_layout.max_local_len()))},
+                           local_[p].options());
+      }
+      into = head_view(buf[p], with_len(local_[p].sizes().vec(), len));
+    }
+    exchange(cfg_, send ? local_[p] : at::Tensor(), dst, into, src, kBlockTag + p,
+             local_[p].options(), recv_[s % 2], sends_);
+  }
+}
+
+KV BlockRing::fetch(int64_t s) {
   const int64_t n = cfg_.size;
   if (cfg_.rotate == Rotate::allgather) {
-    if (i == 0) {
-      for (int p = 0; p < 2 && n > 1; ++p) {
-        at::Tensor in = buf_[0][p].view(-1);
+    if (s == 0 && n > 1) {
+      const int64_t longest = cfg_.kv_layout.max_local_len();
+      for (int p = 0; p < 2; ++p) {
+        const auto padded = with_len(local_[p].sizes().vec(), longest);
+        at::Tensor in = local_[p];
+        if (in.size(2) != longest) {  // uneven shards travel padded to the longest
+          in = at::zeros(padded, local_[p].options());
+          in.narrow(2, 0, local_[p].size(2)).copy_(local_[p]);
+        }
+        in = in.view(-1);
         gathered_[p] = at::empty({n * in.numel()}, in.options());
         // Payload: our block reaches the N-1 other ranks (whatever the algorithm).
         g_bytes_sent += (n - 1) * static_cast<int64_t>(in.nbytes());
-        pending_.push_back(all_gather_dim0(cfg_.pg, gathered_[p], in));
+        recv_[0].push_back(all_gather_dim0(cfg_.pg, gathered_[p], in));
       }
-      return buf_[0];
     }
+    if (s == 0) return local_;
+    wait_all(recv_[0]);
+    const int64_t src = plan_.source(s);
     KV blk;
-    for (int p = 0; p < 2; ++p) {
-      const int64_t numel = buf_[0][p].numel();
-      blk[p] = gathered_[p].narrow(0, source_rank(cfg_, i) * numel, numel).view(buf_[0][p].sizes());
-    }
+    for (int p = 0; p < 2; ++p)
+      blk[p] = padded_slot(gathered_[p], n, src,
+                           with_len(local_[p].sizes().vec(), cfg_.kv_layout.max_local_len()),
+                           plan_.kv_len(src));
     return blk;
   }
-  const KV cur = buf_[i % 2];
-  if (i + 1 < n) {
-    KV& nxt = buf_[(i + 1) % 2];
-    const bool local_slot = (i + 1) % 2 == 0 && slot0_is_local_;
-    if (!nxt[0].defined() || local_slot) nxt = empty_like_kv(cur);
-    if (local_slot) slot0_is_local_ = false;
-    shift_kv(cfg_, cur, nxt, kBlockTag, pending_);
+  if (s == 0) {
+    post(1);
+    return local_;
   }
-  return cur;
+  wait_all(recv_[s % 2]);
+  post(s + 1);
+  if (!plan_.receives(s)) return {};
+  const int64_t len = plan_.kv_len(plan_.source(s));
+  return {head_view(buf_[s % 2][0], with_len(local_[0].sizes().vec(), len)),
+          head_view(buf_[s % 2][1], with_len(local_[1].sizes().vec(), len))};
 }
 
-void BlockRing::finish() { wait_all(pending_); }
+void BlockRing::finish() {
+  for (auto& r : recv_) wait_all(r);
+  wait_all(sends_);
+}
 
-GradRing::GradRing(const Config& cfg, const at::Tensor& k, const at::Tensor& v,
-                   at::ScalarType acc)
-    : cfg_(cfg), sizes_{k.sizes().vec(), v.sizes().vec()} {
+// --------------------------------------------------------------- gradients
+
+GradRing::GradRing(const Config& cfg, const RingPlan& plan, const at::Tensor& k,
+                   const at::Tensor& v, at::ScalarType acc)
+    : cfg_(cfg), plan_(plan), sizes_{k.sizes().vec(), v.sizes().vec()} {
   const auto opts = k.options().dtype(acc).memory_format(at::MemoryFormat::Contiguous);
+  const int64_t longest = cfg.kv_layout.max_local_len();
   if (cfg.rotate == Rotate::allgather && cfg.size > 1) {
-    for (int p = 0; p < 2; ++p) all_[p] = at::zeros(cfg.size * c10::multiply_integers(sizes_[p]), opts);
+    for (int p = 0; p < 2; ++p)
+      all_[p] = at::zeros(cfg.size * c10::multiply_integers(with_len(sizes_[p], longest)), opts);
+    own_fresh_ = false;
     return;
   }
-  buf_[0] = {at::empty(sizes_[0], opts), at::empty(sizes_[1], opts)};
-  fresh_[0] = true;
-  if (cfg.size > 1) buf_[1] = empty_like_kv(buf_[0]);
+  own_ = {at::empty(sizes_[0], opts), at::empty(sizes_[1], opts)};
+  if (plan.steps() > 1) {
+    for (int slot = 0; slot < 2; ++slot)
+      for (int p = 0; p < 2; ++p) {
+        const int64_t numel = c10::multiply_integers(with_len(sizes_[p], longest));
+        send_[slot][p] = at::empty({numel}, opts);
+        recv_[slot][p] = at::empty({numel}, opts);
+      }
+  }
 }
 
-KV& GradRing::slot(int64_t i) {
+KV& GradRing::slot(int64_t s) {
+  const int64_t src = plan_.source(s), len = plan_.kv_len(src);
   if (all_[0].defined()) {
-    for (int p = 0; p < 2; ++p) {
-      const int64_t numel = all_[p].numel() / cfg_.size;
-      view_[p] = all_[p].narrow(0, source_rank(cfg_, i) * numel, numel).view(sizes_[p]);
-    }
+    const int64_t longest = cfg_.kv_layout.max_local_len();
+    for (int p = 0; p < 2; ++p)
+      view_[p] = padded_slot(all_[p], cfg_.size, src, with_len(sizes_[p], longest), len);
     return view_;
   }
-  wait_all(pending_);
-  return buf_[i % 2];
+  if (s == 0) return own_;
+  if (slot_step_[s % 2] != s) {
+    wait_all(pending_[s % 2]);  // step s-2's messages used these buffers
+    slot_step_[s % 2] = s;
+    fresh_[s % 2] = true;
+  }
+  for (int p = 0; p < 2; ++p) view_[p] = head_view(send_[s % 2][p], with_len(sizes_[p], len));
+  return view_;
 }
 
-void GradRing::add(int64_t i, const at::Tensor& gk, const at::Tensor& gv, int64_t start,
+void GradRing::add(int64_t s, const at::Tensor& gk, const at::Tensor& gv, int64_t start,
                    int64_t len) {
-  KV& acc = slot(i);
-  bool& fresh = fresh_[i % 2];
+  KV& acc = slot(s);
+  bool& fresh = s == 0 ? own_fresh_ : fresh_[s % 2];
   const bool overwrite = fresh && start == 0 && len == acc[0].size(2);
   if (fresh && !overwrite) {
     for (auto& t : acc) t.zero_();
@@ -130,31 +197,56 @@ void GradRing::add(int64_t i, const at::Tensor& gk, const at::Tensor& gv, int64_
     reduce_heads_into(acc[p].narrow(2, start, len), p == 0 ? gk : gv, cfg_.groups, !overwrite);
 }
 
-void GradRing::pass(int64_t i) {
-  if (all_[0].defined() || cfg_.size == 1) return;
-  KV& cur = slot(i);
-  if (fresh_[i % 2]) {  // no step wrote it: nothing attended this block here
-    for (auto& t : cur) t.zero_();
-    fresh_[i % 2] = false;
+void GradRing::absorb(int64_t s) {
+  if (s <= 0 || !plan_.sends(s)) return;
+  wait_all(pending_[s % 2]);
+  for (int p = 0; p < 2; ++p) {
+    if (own_fresh_) own_[p].zero_();
+    own_[p].add_(head_view(recv_[s % 2][p], sizes_[p]));
   }
-  shift_kv(cfg_, cur, buf_[(i + 1) % 2], kGradTag, pending_);
+  own_fresh_ = false;
+}
+
+void GradRing::pass(int64_t s) {
+  if (all_[0].defined() || s == 0) return;
+  const bool send = plan_.receives(s), recv = plan_.sends(s);
+  const int64_t owner = plan_.source(s), attender = plan_.target(s);
+  const bool collective = cfg_.rotate == Rotate::alltoall || python_group(cfg_.pg);
+  if (send && (slot_step_[s % 2] != s || fresh_[s % 2])) {  // attended, yet nothing added
+    for (auto& t : slot(s)) t.zero_();
+    fresh_[s % 2] = false;
+  }
+  if (send || recv || collective) {
+    const int64_t len = plan_.kv_len(owner);
+    for (int p = 0; p < 2; ++p) {
+      at::Tensor out = send ? head_view(send_[s % 2][p], with_len(sizes_[p], len)) : at::Tensor();
+      at::Tensor in = recv ? head_view(recv_[s % 2][p], sizes_[p]) : at::Tensor();
+      exchange(cfg_, out, owner, in, attender, kGradTag + p, own_[p].options(), pending_[s % 2],
+               pending_[s % 2]);
+    }
+  }
+  absorb(s - 1);  // last step's gradient has had this step's compute to arrive
 }
 
 KV GradRing::result() {
   if (all_[0].defined()) {
     KV own;
+    const int64_t longest = cfg_.kv_layout.max_local_len();
     for (int p = 0; p < 2; ++p) {
-      own[p] = at::empty(sizes_[p], all_[p].options());
-      at::Tensor flat = own[p].view(-1);
+      at::Tensor padded = at::empty(with_len(sizes_[p], longest), all_[p].options());
+      at::Tensor flat = padded.view(-1);
       g_bytes_sent += static_cast<int64_t>(all_[p].nbytes() - flat.nbytes());
       wait(reduce_scatter_sum_dim0(cfg_.pg, flat, all_[p]));
+      own[p] = sizes_[p][2] == longest ? padded : padded.narrow(2, 0, sizes_[p][2]).contiguous();
     }
     return own;
   }
-  wait_all(pending_);
-  if (cfg_.size == 1) return buf_[0];
-  // After N passes the accumulator of our own block sits where step N would read.
-  return buf_[cfg_.size % 2];
+  if (own_fresh_) {
+    for (auto& t : own_) t.zero_();
+  }
+  absorb(plan_.steps() - 1);
+  for (auto& w : pending_) wait_all(w);
+  return own_;
 }
 
 }  // namespace cplib::ring

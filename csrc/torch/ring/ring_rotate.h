@@ -1,8 +1,13 @@
-// Moving k/v blocks and their gradient accumulators around the ring. A block
-// travels as its k and v parts (two messages, never packed into one buffer,
-// so the local block is sent straight from the inputs); rank r sends to r+1
-// and receives from r-1, so at step i a rank holds the block that started on
-// rank (r - i) mod N.
+// Moving k/v blocks and their gradients between ranks. A block travels as
+// its k and v parts (two messages, sent straight from the inputs, never
+// packed). "p2p" and "alltoall" fetch each step's block directly from its
+// owner: at step s rank r sends its own block to r + offset(s) and receives
+// the block of r - offset(s); a message is posted only when its receiver
+// attends that block (the plan tells every rank which ones), so windows and
+// documents cut the traffic as well as the compute. Gradients of a visiting
+// block go straight back to its owner. "allgather" gathers every block up
+// front (padded to the longest shard) and reduce-scatters gradients at the
+// end: one collective cannot leave blocks out, so it moves all of them.
 #pragma once
 
 #include <array>
@@ -11,60 +16,71 @@
 #include <ATen/ATen.h>
 
 #include "ring/ring.h"
+#include "ring/ring_plan.h"
 
 namespace cplib::ring {
 
-// A block's k and v parts, each contiguous.
+// A block's k and v parts.
 using KV = std::array<at::Tensor, 2>;
 
 // The k/v blocks of the forward (and of the backward's recomputation).
 class BlockRing {
  public:
-  // `local` is this rank's k and v; they are sent but never written.
-  BlockRing(const Config& cfg, KV local);
-  // The block of step i; posts the exchange for step i+1 before returning,
-  // so it is in flight while step i computes. Call with i = 0, 1, ... in order.
-  KV fetch(int64_t i);
+  // `local` is this rank's k and v (contiguous); they are sent but never written.
+  BlockRing(const Config& cfg, const RingPlan& plan, KV local);
+  // The block of step s (undefined when this rank does not receive it);
+  // posts the exchange of step s+1 first, so it is in flight while step s
+  // computes. Call with s = 0, 1, ... in order.
+  KV fetch(int64_t s);
   // Waits for whatever is still in flight.
   void finish();
 
  private:
+  void post(int64_t s);
+
   const Config& cfg_;
-  std::array<KV, 2> buf_;        // p2p / alltoall: double buffer
-  bool slot0_is_local_ = true;   // slot 0 still holds the caller's k/v
-  KV gathered_;                  // allgather: [N * numel] per part, rank-major
-  std::vector<WorkPtr> pending_;
+  const RingPlan& plan_;
+  KV local_;
+  std::array<KV, 2> buf_;  // p2p / alltoall: flat receive buffers, longest block
+  KV gathered_;            // allgather: [N * longest block] per part, rank-major
+  std::array<std::vector<WorkPtr>, 2> recv_;
+  std::vector<WorkPtr> sends_;
 };
 
-// Gradient accumulators (accumulator dtype) of the visiting blocks. The
-// accumulator of the block a rank holds at step i is handed on with it, so
-// after N steps each block's gradient is back on its owner. A rank's own
-// accumulator starts as its first contribution, not as zeros.
+// Gradient accumulators (accumulator dtype). Step s's block gradient goes
+// back to its owner after step s; a rank's own accumulator starts as its
+// step-0 gradient and adds what the others send back.
 class GradRing {
  public:
-  GradRing(const Config& cfg, const at::Tensor& k, const at::Tensor& v, at::ScalarType acc);
-  // Adds step i's block gradients (q's heads, summed over each GQA group)
+  GradRing(const Config& cfg, const RingPlan& plan, const at::Tensor& k, const at::Tensor& v,
+           at::ScalarType acc);
+  // Adds step s's block gradients (q's heads, summed over each GQA group)
   // into rows [start, start + len) of that block's accumulator.
-  void add(int64_t i, const at::Tensor& gk, const at::Tensor& gv, int64_t start, int64_t len);
-  // Sends step i's accumulator on, after step i's contributions.
-  void pass(int64_t i);
-  // This rank's own block's (dk, dv), once every rank has passed its last step.
+  void add(int64_t s, const at::Tensor& gk, const at::Tensor& gv, int64_t start, int64_t len);
+  // Sends step s's gradient to its owner, after step s's contributions.
+  void pass(int64_t s);
+  // This rank's own block's (dk, dv), once every step has passed.
   KV result();
 
  private:
-  KV& slot(int64_t i);  // step i's accumulator, once it has arrived
+  KV& slot(int64_t s);
+  void absorb(int64_t s);  // adds the gradient of our block that step s brought back
 
   const Config& cfg_;
-  std::array<std::vector<int64_t>, 2> sizes_;  // of k and v
-  std::array<KV, 2> buf_;
-  std::array<bool, 2> fresh_{false, false};  // allocated, not yet written
-  KV all_;  // allgather: every block's partial gradient, reduce-scattered at the end
-  KV view_;  // allgather: step i's block within all_
-  std::vector<WorkPtr> pending_;
+  const RingPlan& plan_;
+  std::array<std::vector<int64_t>, 2> sizes_;  // of our k and v
+  KV own_;
+  std::array<KV, 2> send_, recv_;  // flat, longest block
+  std::array<bool, 2> fresh_{false, false};       // slot allocated for its step, not yet written
+  std::array<int64_t, 2> slot_step_{-1, -1};      // the step each send slot holds
+  bool own_fresh_ = true;
+  KV view_;
+  KV all_;  // allgather: every block's partial gradient, padded, reduce-scattered at the end
+  std::array<std::vector<WorkPtr>, 2> pending_;
 };
 
 // Bytes this process has sent around rings since the last reset (a debug
-// counter for tests: it shows what GQA saves).
+// counter for tests: it shows what GQA, windows and documents save).
 int64_t bytes_sent(bool reset);
 
 }  // namespace cplib::ring

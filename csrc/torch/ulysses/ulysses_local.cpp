@@ -44,7 +44,7 @@ std::tuple<at::Tensor, at::Tensor> local_sdpa(const at::Tensor& q, const at::Ten
                                               std::optional<double> scale, int64_t backend) {
   const ring::Config cfg =
       ring::check_local_args("ulysses_local_sdpa", q, k, v, is_causal, scale, backend);
-  ring::HeadExpander expand_k(cfg.groups, k), expand_v(cfg.groups, v);
+  ring::HeadExpander expand_k(cfg.groups, k, k.size(2)), expand_v(cfg.groups, v, v.size(2));
   ring::BlockResult r = ring::block_forward(cfg, q, expand_k(k), expand_v(v), is_causal);
   at::Tensor out = in_layout(r.out, kSeqMajor, q.scalar_type());
   at::Tensor lse = r.lse.to(ring::acc_dtype(q)).contiguous();
@@ -65,7 +65,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> local_sdpa_backward(
                         lse.size(2) == q.size(2) && lse.scalar_type() == ring::acc_dtype(q),
                     "cplib.ulysses_local_sdpa_backward: lse must be ", ring::acc_dtype(q),
                     " of shape (B, H, S), got ", lse.scalar_type(), " ", lse.sizes());
-  ring::HeadExpander expand_k(cfg.groups, k), expand_v(cfg.groups, v);
+  ring::HeadExpander expand_k(cfg.groups, k, k.size(2)), expand_v(cfg.groups, v, v.size(2));
   auto [gq, gk, gv] = ring::block_backward(cfg, grad_out, q, expand_k(k), expand_v(v), out,
                                            lse.contiguous(), is_causal);
   const auto dt = q.scalar_type();

@@ -1,0 +1,43 @@
+// Where a rank's shard sits in the global sequence. The sequence of S tokens
+// is cut into C chunks whose sizes differ by at most one (the first S % C
+// chunks get the extra token); sequential sharding gives rank r chunk r of N,
+// head-tail sharding chunks r and 2N-1-r of 2N, and per-document head-tail
+// sharding does that inside every document (chunks r and 2N-1-r of each). Every rank can compute every
+// rank's pieces from (S, N, layout) alone, so uneven shards need no padding
+// and no exchange of lengths.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace cplib::ring {
+
+// Global positions [start, start + len).
+struct Range {
+  int64_t start = 0, len = 0;
+  int64_t end() const { return start + len; }
+  bool empty() const { return len <= 0; }
+};
+
+// A contiguous run of a shard: its global range and its first local row.
+struct Piece {
+  Range global;
+  int64_t local = 0;
+};
+
+// Chunk c of `chunks` chunks of a sequence of `seq_len` tokens.
+Range chunk_range(int64_t seq_len, int64_t chunks, int64_t c);
+
+struct Layout {
+  int64_t seq_len = 0, size = 1;
+  bool head_tail = false;
+  std::vector<int64_t> documents;  // per-document head-tail: cu_seqlens; else empty
+
+  // The non-empty pieces of `rank`'s shard in local order (one or two; two
+  // per document with a per-document layout).
+  std::vector<Piece> pieces(int64_t rank) const;
+  int64_t local_len(int64_t rank) const;
+  int64_t max_local_len() const;
+};
+
+}  // namespace cplib::ring

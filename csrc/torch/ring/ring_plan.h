@@ -1,0 +1,47 @@
+// The ring's schedule in global positions. Step 0 attends the local block;
+// step s > 0 attends the block of rank (rank - offset(s)) mod N. Only the
+// offsets some rank can use are visited, so a window of W tokens costs about
+// 2 W / L steps, not N - 1. Each step is a short list of calls (q rows x
+// block rows), each with no mask, the causal diagonal, or an explicit mask.
+#pragma once
+
+#include <vector>
+
+#include "ring/ring.h"
+
+namespace cplib::ring {
+
+struct Call {
+  Visibility kind = Visibility::full;  // full, causal or partial
+  int64_t q_local = 0, q_len = 0;      // rows of the local q
+  int64_t k_local = 0, k_len = 0;      // rows of the visiting block
+  int64_t q_global = 0, k_global = 0;  // their first global positions (for the mask)
+  Range q() const { return {q_global, q_len}; }
+  Range k() const { return {k_global, k_len}; }
+};
+
+class RingPlan {
+ public:
+  explicit RingPlan(const Config& cfg);
+  int64_t steps() const { return static_cast<int64_t>(offsets_.size()); }
+  int64_t offset(int64_t s) const { return offsets_[s]; }
+  // The rank whose block step s attends, and the rank that attends ours.
+  int64_t source(int64_t s) const;
+  int64_t target(int64_t s) const;
+  // Whether this rank receives step s's block, and sends its own at step s.
+  bool receives(int64_t s) const { return needs(cfg_.rank, offsets_[s]); }
+  bool sends(int64_t s) const { return needs(target(s), offsets_[s]); }
+  int64_t kv_len(int64_t rank) const { return cfg_.kv_layout.local_len(rank); }
+  // This rank's calls at step s.
+  std::vector<Call> calls(int64_t s) const;
+
+ private:
+  bool needs(int64_t rank, int64_t offset) const;
+  std::vector<Call> plan_pair(int64_t rank, int64_t src, bool any_only) const;
+
+  const Config& cfg_;
+  std::vector<int64_t> offsets_;
+  std::vector<char> needs_;  // [offset * size + rank]
+};
+
+}  // namespace cplib::ring

@@ -1,0 +1,186 @@
+"""The drop-in front end with packed documents, sliding windows and any
+sequence length: Hugging Face Llama under context_parallel at a prime S and
+with packed documents (position_ids restarting at each document) against the
+same model in one process; a window per call; shard / unshard of uneven
+lengths; bad document arguments raising ValueError on every rank."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+
+import cplib
+from cp_reference import use_ring
+from cplib import _cp_options, _RotateMethod, context_parallel
+from harness import assert_close
+from ring_mask_cases import masked_reference, visible
+
+TOL = dict(atol=2e-5, rtol=2e-4)
+
+
+def _mesh() -> DeviceMesh:
+    use_ring("native")
+    _cp_options.enable_load_balance = True
+    _cp_options.rotate_method = _RotateMethod.P2P
+    return DeviceMesh("cpu", list(range(dist.get_world_size())))
+
+
+def _llama(seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=2048, attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).float()
+
+
+def _lm_loss(model, ids, pos, labels):
+    logits = model(input_ids=ids, position_ids=pos).logits
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
+                           reduction="sum")
+
+
+def _reduced_grads(model):
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad.clone()
+        dist.all_reduce(g)
+        out[name] = g
+    return out
+
+
+def _check_llama(s: int, load_balance, documents: list[int] | None) -> int:
+    mesh = _mesh()
+    ref = _llama(0)
+    cp_model = copy.deepcopy(ref)
+    ids = torch.randint(0, 96, (1, s), generator=torch.Generator().manual_seed(3))
+    bounds = documents or [0, s]
+    pos = torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])]).view(1, s)
+    # Labels never cross a document (nor the sequence end).
+    labels = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)
+    for b in bounds[1:-1]:
+        labels[0, b - 1] = -100
+    # Reference: every document on its own, in one process.
+    ref_loss = sum(_lm_loss(ref, ids[:, a:b], pos[:, a:b], labels[:, a:b])
+                   for a, b in zip(bounds, bounds[1:]))
+    ref_loss.backward()
+    extra = {"position_ids": pos.clone()} if documents else {}
+    with context_parallel(mesh, buffers=[ids, pos, labels], buffer_seq_dims=[1, 1, 1],
+                          load_balance=load_balance, **extra):
+        loss = _lm_loss(cp_model, ids, pos, labels)
+        loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    assert ids.shape == (1, s)
+    what = f"llama S={s} lb={load_balance} docs={documents}"
+    assert_close(total, ref_loss.detach(), what=f"{what}: loss", **TOL)
+    grads = _reduced_grads(cp_model)
+    for name, p in ref.named_parameters():
+        assert_close(grads[name], p.grad, what=f"{what}: grad of {name}", **TOL)
+    return len(grads)
+
+
+def test_hf_llama_prime_length_and_documents(ranks):
+    pool = ranks(2)
+    for s, lb, docs in ((1031, True, None), (1031, False, None),
+                        (257, True, [0, 100, 101, 200, 257]),
+                        (257, "per_document", [0, 100, 101, 200, 257])):
+        counts = pool.run(_check_llama, s, lb, docs)
+        assert counts[0] == counts[1] > 10
+
+
+# ------------------------------------------------- window per call, shard
+
+
+def _check_window_and_uneven(n_unused: int = 0) -> int:
+    mesh = _mesh()
+    rank, n = dist.get_rank(), dist.get_world_size()
+    s = 13 * n + 3
+    g = torch.Generator().manual_seed(7)
+    q, k, v, cot = (torch.randn(1, 2, s, 8, generator=g, dtype=torch.float64) for _ in range(4))
+    cu = [0, 5, 6, 2 * s // 3, s]
+    checks = 0
+    for lb in (True, False):
+        for window, default in ((3, None), (None, (2, 1)), ((4, None), 9)):
+            effective = window if window is not None else default
+            ref = masked_reference(q, k, v, cot, visible(s, causal=True, cu_seqlens=cu,
+                                                          window=effective))
+            bufs = [t.clone() for t in (q, k, v, cot)]
+            with context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2] * 4, load_balance=lb,
+                                  cu_seqlens=torch.tensor(cu), window=default) as cp:
+                ql, kl, vl, cl = bufs
+                for t in (ql, kl, vl):
+                    t.requires_grad_(True)
+                if window is not None:
+                    with cplib.attention_window(window):
+                        out = F.scaled_dot_product_attention(ql, kl, vl, is_causal=True)
+                else:
+                    out = F.scaled_dot_product_attention(ql, kl, vl, is_causal=True)
+                out.backward(cl)
+                got = cp.unshard([out.detach(), ql.grad, kl.grad, vl.grad], [2] * 4)
+                for t in (ql, kl, vl):
+                    t.requires_grad_(False)
+            for name, a, b in zip(("out", "dq", "dk", "dv"), got, (ref[0],) + ref[2:]):
+                assert_close(a, b, atol=1e-10, rtol=1e-10,
+                             what=f"{name} lb={lb} window={window} default={default}")
+            checks += 1
+    # shard / unshard / context_parallel_unshard round trips at uneven lengths
+    x = torch.arange(2 * (5 * n + 1)).view(2, 5 * n + 1)
+    for lb in (None, cplib.AnyLengthHeadTailLoadBalancer(5 * n + 1, n, "cpu")):
+        (xs,) = cplib.shard(mesh, [x], [1], lb)
+        assert abs(xs.shape[1] - (5 * n + 1) / n) <= 2
+        (back,) = cplib.unshard(mesh, [xs], [1], lb)
+        assert torch.equal(back, x)
+        (back,) = cplib.context_parallel_unshard(mesh, [xs], [1], lb)
+        assert torch.equal(back, x)
+        checks += 1
+    return checks
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_window_per_call_and_uneven_sharding(ranks, world_size):
+    assert ranks(world_size).run(_check_window_and_uneven) == [8] * world_size
+
+
+def _check_bad_documents() -> int:
+    mesh = _mesh()
+    n = dist.get_world_size()
+    s = 8 * n
+    ids = torch.zeros(1, s, dtype=torch.long)
+
+    def enter(**kw):
+        with context_parallel(mesh, buffers=[ids], buffer_seq_dims=[1], **kw):
+            raise AssertionError("the context must not be entered")
+
+    bad = [
+        (dict(cu_seqlens=torch.tensor([0, 5, 3, s])), ValueError, "got 5 then 3 at index 2"),
+        (dict(cu_seqlens=torch.tensor([0, s + 1])), ValueError, f"end at the sequence length {s}"),
+        (dict(position_ids=torch.arange(1, s + 1)), ValueError, "position_ids must start at 0"),
+        (dict(position_ids=torch.arange(s), cu_seqlens=torch.tensor([0, s])), ValueError,
+         "not both"),
+        (dict(position_ids=torch.stack([torch.arange(s), torch.arange(s) % 3])),
+         NotImplementedError, "packed differently"),
+        (dict(window=(-2, 0)), ValueError, r"window=\(-2, 0\) must be non-negative"),
+        (dict(position_ids=torch.arange(s - 1)), ValueError, f"cover {s - 1} tokens"),
+    ]
+    for kw, exc, match in bad:
+        with pytest.raises(exc, match=match):
+            enter(**kw)
+    assert ids.shape == (1, s)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == n
+    assert cplib.cu_seqlens_from_position_ids(torch.tensor([0, 1, 2, 0, 0, 1])).tolist() == [
+        0, 3, 4, 6]
+    return len(bad)
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_context_parallel_bad_documents(ranks, world_size):
+    assert ranks(world_size).run(_check_bad_documents) == [7] * world_size
