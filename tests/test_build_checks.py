@@ -3,15 +3,28 @@ every error message into a crash): checked on two tiny shared objects."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from build_support.libstdcxx import carries_private_libstdcxx, refuse_private_libstdcxx  # noqa: E402
+
+def _load_build_check():
+    """build_support/libstdcxx.py by its path: putting the repository root on
+    sys.path would make every later test (and its rank processes) import the
+    source tree's cplib instead of the one under test."""
+    path = os.path.join(os.path.dirname(__file__), "..", "build_support", "libstdcxx.py")
+    spec = importlib.util.spec_from_file_location("cplib_build_libstdcxx", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_check = _load_build_check()
+carries_private_libstdcxx = _check.carries_private_libstdcxx
+refuse_private_libstdcxx = _check.refuse_private_libstdcxx
 
 SOURCE = '#include <sstream>\nextern "C" int f(long x) { std::ostringstream s; s << x; return (int)s.str().size(); }\n'
 
