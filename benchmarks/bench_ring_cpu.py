@@ -28,7 +28,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import machine, plot, print_table, run_on_ranks, timeit, write_json  # noqa: E402
+from common import (machine, plot, print_table, run_on_ranks, time_full_sdpa, timeit,  # noqa: E402
+                    write_json)
 
 B, H, D = 1, 8, 64
 S = int(os.environ.get("CPLIB_BENCH_SEQ", "8192"))
@@ -133,20 +134,7 @@ def _run(n, jobs):
 
 
 def _single_full(causal):
-    torch.set_num_threads(1)
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(B, H, S, D, generator=g).requires_grad_(True) for _ in range(3))
-
-    def step():
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        out.backward(torch.ones_like(out))
-    wall = timeit(step, warmup=1, iters=ITERS)
-    cpu = []
-    for _ in range(ITERS):
-        t0 = time.process_time()
-        step()
-        cpu.append(time.process_time() - t0)
-    return wall, sorted(cpu)[len(cpu) // 2]
+    return time_full_sdpa((B, H, S, D), causal, ITERS)
 
 
 # ------------------------------------------------- windows and documents

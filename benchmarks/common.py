@@ -111,6 +111,25 @@ def interleaved(fns: dict[str, Callable[[], Any]], iters: int,
     return {k: statistics.median(v[1:]) for k, v in times.items()}
 
 
+def time_full_sdpa(shape: Sequence[int], causal: bool, iters: int) -> tuple[float, float]:
+    """The ideal: one process, full-sequence SDPA forward+backward on one
+    thread, (B, H, S, D) = ``shape``. Returns (median wall s, median CPU s)."""
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(*shape, generator=g).requires_grad_(True) for _ in range(3))
+
+    def step():
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        out.backward(torch.ones_like(out))
+    wall = timeit(step, warmup=1, iters=iters)
+    cpu = []
+    for _ in range(iters):
+        t0 = time.process_time()
+        step()
+        cpu.append(time.process_time() - t0)
+    return wall, sorted(cpu)[len(cpu) // 2]
+
+
 def _rank_main(rank: int, n: int, port: int, timeout_s: float, fn, args, results) -> None:
     import traceback
 

@@ -198,24 +198,31 @@ def _ring_sdpa_backward_fake(grad_out, q, k, v, out, lse, group_name, is_causal,
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _setup(ctx, inputs, output):
-    q, k, v, *args = inputs
-    out, lse = output
-    ctx.args = args
-    ctx.save_for_backward(q, k, v, out, lse)
-    # As for ATen's fused attention kernels, the log-sum-exp is an auxiliary
-    # output that autograd does not differentiate.
-    ctx.mark_non_differentiable(lse)
+def attention_autograd(backward_op):
+    """(setup_context, backward) for an attention op returning (out, lse)
+    whose inputs are q, k, v and then non-tensor arguments, and whose
+    ``backward_op(grad_out, q, k, v, out, lse, *args)`` gives (dq, dk, dv)."""
+
+    def setup(ctx, inputs, output):
+        q, k, v, *args = inputs
+        out, lse = output
+        ctx.args = args
+        ctx.save_for_backward(q, k, v, out, lse)
+        # As for ATen's fused attention kernels, the log-sum-exp is an
+        # auxiliary output that autograd does not differentiate.
+        ctx.mark_non_differentiable(lse)
+
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        dq, dk, dv = backward_op(grad_out, q, k, v, out, lse, *ctx.args)
+        return (dq, dk, dv) + (None,) * len(ctx.args)
+
+    return setup, backward
 
 
-def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse = ctx.saved_tensors
-    if grad_out is None:
-        grad_out = torch.zeros_like(out)
-    dq, dk, dv = ops.ring_sdpa_backward(grad_out, q, k, v, out, lse, *ctx.args)
-    return (dq, dk, dv) + (None,) * len(ctx.args)
-
-
+_setup, _backward = attention_autograd(ops.ring_sdpa_backward)
 torch.library.register_autograd("cplib_c::ring_sdpa", _backward, setup_context=_setup)
 
 

@@ -14,7 +14,7 @@ import math
 import torch
 
 from ._native import GroupLike, group_name_of, group_size, ops
-from ._ring import BACKEND_CODES, ROTATE_CODES, _acc_dtype, _check, ring_sdpa
+from ._ring import BACKEND_CODES, ROTATE_CODES, _acc_dtype, _check, attention_autograd, ring_sdpa
 
 __all__ = ["ulysses_reshard", "ulysses_sdpa", "usp_sdpa", "kv_head_repeat", "check_heads"]
 
@@ -162,22 +162,7 @@ def _local_backward_fake(grad_out, q, k, v, out, lse, is_causal, scale, backend)
     return tuple(t.new_empty_strided(t.shape, _strides(tuple(t.shape), _BSHD)) for t in (q, k, v))
 
 
-def _local_setup(ctx, inputs, output):
-    q, k, v, *args = inputs
-    out, lse = output
-    ctx.args = args
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.mark_non_differentiable(lse)
-
-
-def _local_backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse = ctx.saved_tensors
-    if grad_out is None:
-        grad_out = torch.zeros_like(out)
-    dq, dk, dv = ops.ulysses_local_sdpa_backward(grad_out, q, k, v, out, lse, *ctx.args)
-    return (dq, dk, dv) + (None,) * len(ctx.args)
-
-
+_local_setup, _local_backward = attention_autograd(ops.ulysses_local_sdpa_backward)
 torch.library.register_autograd("cplib_c::ulysses_local_sdpa", _local_backward,
                                 setup_context=_local_setup)
 
