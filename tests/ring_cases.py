@@ -37,6 +37,17 @@ def reference(q, k, v, cot, *, is_causal: bool, scale: float | None):
     return out.detach(), lse, q.grad, k.grad, v.grad
 
 
+def case_tensors(dtype, b: int, hq: int, hkv: int, s: int, d: int, seed: int, *,
+                 is_causal: bool, scale: float | None):
+    """Global q, k, v and output cotangent of one case, and their fp64
+    reference (out, lse, dq, dk, dv)."""
+    q = global_tensor((b, hq, s, d), dtype, seed)
+    k = global_tensor((b, hkv, s, d), dtype, seed + 1)
+    v = global_tensor((b, hkv, s, d), dtype, seed + 2)
+    cot = global_tensor((b, hq, s, d), dtype, seed + 3)
+    return q, k, v, cot, reference(q, k, v, cot, is_causal=is_causal, scale=scale)
+
+
 def noncontiguous(t: torch.Tensor) -> torch.Tensor:
     """Same values, storage with the head and sequence dims swapped."""
     out = t.transpose(1, 2).contiguous().transpose(1, 2)

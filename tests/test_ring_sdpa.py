@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import cplib
 from cplib._native import ops
 from harness import assert_close
-from ring_cases import global_tensor, noncontiguous, reference, shard_seq
+from ring_cases import case_tensors, global_tensor, noncontiguous, reference, shard_seq
 
 WORLD_SIZES = [1, 2, 4]
 ROTATIONS = ["p2p", "alltoall", "allgather"]
@@ -27,11 +27,8 @@ def _run_case(dtype, is_causal, load_balanced, rotate, hq, hkv, d, b, s_local, n
               scale=None, seed=0) -> None:
     rank, n = dist.get_rank(), dist.get_world_size()
     s = s_local * n
-    q = global_tensor((b, hq, s, d), dtype, seed)
-    k = global_tensor((b, hkv, s, d), dtype, seed + 1)
-    v = global_tensor((b, hkv, s, d), dtype, seed + 2)
-    cot = global_tensor((b, hq, s, d), dtype, seed + 3)
-    ref = reference(q, k, v, cot, is_causal=is_causal, scale=scale)
+    q, k, v, cot, ref = case_tensors(dtype, b, hq, hkv, s, d, seed, is_causal=is_causal,
+                                     scale=scale)
 
     def local(t):
         t = shard_seq(t, rank, n, load_balanced)

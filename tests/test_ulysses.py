@@ -18,7 +18,7 @@ import cplib
 from cplib._native import ops
 from cplib._ulysses import kv_head_repeat
 from harness import assert_close
-from ring_cases import global_tensor, noncontiguous, reference, shard_seq
+from ring_cases import case_tensors, global_tensor, noncontiguous, reference, shard_seq
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 
@@ -75,11 +75,8 @@ def test_reshard_values_layouts_and_round_trip(ranks, world_size):
 def _run_case(dtype, is_causal, hq, hkv, d, b, s_local, noncontig, scale=None, seed=0) -> None:
     rank, n, name = _world()
     s = s_local * n
-    q = global_tensor((b, hq, s, d), dtype, seed)
-    k = global_tensor((b, hkv, s, d), dtype, seed + 1)
-    v = global_tensor((b, hkv, s, d), dtype, seed + 2)
-    cot = global_tensor((b, hq, s, d), dtype, seed + 3)
-    ref = reference(q, k, v, cot, is_causal=is_causal, scale=scale)
+    q, k, v, cot, ref = case_tensors(dtype, b, hq, hkv, s, d, seed, is_causal=is_causal,
+                                     scale=scale)
 
     def local(t):
         t = shard_seq(t, rank, n, False)
