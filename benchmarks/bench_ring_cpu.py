@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import (machine, plot, print_table, run_on_ranks, time_full_sdpa, timeit,  # noqa: E402
+from common import (cpu_seconds, machine, plot, print_table, run_on_ranks, time_full_sdpa, timeit,  # noqa: E402
                     write_json)
 
 B, H, D = 1, 8, 64
@@ -76,18 +75,6 @@ def _torch_step(q, k, v, causal, lb, rotate):
             torch.ones_like(out), "grad_out", q, k, v, out, lse, causal, dropout_p=0.0)
 
 
-def _cpu_seconds(fn, iters):
-    """Median CPU seconds of this process (all its threads) per call: on a
-    shared, oversubscribed machine this is the work a rank does, free of the
-    time it waits for a core."""
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        t0 = time.process_time()
-        fn()
-        times.append(time.process_time() - t0)
-    return sorted(times)[len(times) // 2]
-
 
 def _time_rank(impl, causal, lb, rotate):
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -96,7 +83,7 @@ def _time_rank(impl, causal, lb, rotate):
     try:
         t = timeit(lambda: step(q, k, v, causal, lb, rotate), warmup=1, iters=ITERS,
                    sync=dist.barrier)
-        cpu = _cpu_seconds(lambda: step(q, k, v, causal, lb, rotate), ITERS)
+        cpu = cpu_seconds(lambda: step(q, k, v, causal, lb, rotate), ITERS)
     except Exception as exc:  # torch's ring may not run: report why
         return f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
     return t, cpu

@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import (machine, plot, print_table, run_on_ranks, time_full_sdpa, timeit,  # noqa: E402
+from common import (cpu_seconds, machine, plot, print_table, run_on_ranks, time_full_sdpa, timeit,  # noqa: E402
                     write_json)
 
 B, H, D = 1, 8, 64
@@ -83,17 +82,12 @@ def _time_rank(u: int):
     step = _step_fn(u)
     run = lambda: step(q, k, v)  # noqa: E731
     wall = timeit(run, warmup=1, iters=ITERS, sync=dist.barrier)
-    cpu = []
-    for _ in range(ITERS):
-        dist.barrier()
-        t0 = time.process_time()
-        run()
-        cpu.append(time.process_time() - t0)
+    cpu = cpu_seconds(run, ITERS)
     dist.barrier()
     _bytes_sent(True)
     run()
     sent = _bytes_sent(True)
-    return wall, sorted(cpu)[len(cpu) // 2], sent
+    return wall, cpu, sent
 
 
 def _rss_kib(field: str) -> int:

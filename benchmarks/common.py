@@ -111,6 +111,21 @@ def interleaved(fns: dict[str, Callable[[], Any]], iters: int,
     return {k: statistics.median(v[1:]) for k, v in times.items()}
 
 
+def cpu_seconds(fn: Callable[[], Any], iters: int) -> float:
+    """Median CPU seconds of this process (all its threads) per call, the
+    ranks lined up by a barrier before each: on a shared, oversubscribed
+    machine this is the work a rank does, free of the time it waits for a core."""
+    import torch.distributed as dist
+
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        t0 = time.process_time()
+        fn()
+        times.append(time.process_time() - t0)
+    return sorted(times)[len(times) // 2]
+
+
 def time_full_sdpa(shape: Sequence[int], causal: bool, iters: int) -> tuple[float, float]:
     """The ideal: one process, full-sequence SDPA forward+backward on one
     thread, (B, H, S, D) = ``shape``. Returns (median wall s, median CPU s)."""

@@ -18,6 +18,7 @@ import cplib
 from cp_reference import use_ring
 from cplib import _cp_options, _RotateMethod, context_parallel
 from harness import assert_close
+from test_models import _llama, _lm_loss
 from ring_mask_cases import masked_reference, visible
 
 TOL = dict(atol=2e-5, rtol=2e-4)
@@ -28,22 +29,6 @@ def _mesh() -> DeviceMesh:
     _cp_options.enable_load_balance = True
     _cp_options.rotate_method = _RotateMethod.P2P
     return DeviceMesh("cpu", list(range(dist.get_world_size())))
-
-
-def _llama(seed: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=2048, attn_implementation="sdpa")
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config).float()
-
-
-def _lm_loss(model, ids, pos, labels):
-    logits = model(input_ids=ids, position_ids=pos).logits
-    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
-                           reduction="sum")
 
 
 def _reduced_grads(model):
@@ -57,7 +42,7 @@ def _reduced_grads(model):
 
 def _check_llama(s: int, load_balance, documents: list[int] | None) -> int:
     mesh = _mesh()
-    ref = _llama(0)
+    ref = _llama(0, max_positions=2048)
     cp_model = copy.deepcopy(ref)
     ids = torch.randint(0, 96, (1, s), generator=torch.Generator().manual_seed(3))
     bounds = documents or [0, s]

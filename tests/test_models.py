@@ -99,12 +99,12 @@ def test_transformer_encoder_stack(ranks, world_size):
 # ------------------------------------------------------ Hugging Face Llama
 
 
-def _llama(seed: int):
+def _llama(seed: int, max_positions: int = 256):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, attn_implementation="sdpa")
+                         max_position_embeddings=max_positions, attn_implementation="sdpa")
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).float()
 
