@@ -6,6 +6,19 @@ VPY    := $(VENV)/bin/python
 DEPS   := $(VENV)/.deps-installed
 EDIT   := $(VENV)/.cplib-editable
 NPROC  ?= 2
+# Each setup stage prints one line; its full output goes to build/logs/
+# (CPLIB_VERBOSE=1 shows everything).
+LOGS   := build/logs
+QUIET  := $(PYTHON) build_support/quiet.py
+
+# ccache, when installed, caches compiled objects across builds and clones
+# (paths are hashed relative to the repository root); CPLIB_CCACHE=0 skips it.
+ifneq ($(CPLIB_CCACHE),0)
+ifneq ($(wildcard /usr/lib/ccache/g++),)
+export PATH := /usr/lib/ccache:$(PATH)
+export CCACHE_BASEDIR := $(CURDIR)
+endif
+endif
 
 # `make test-torch TORCH=oldest|default|newest`: the suite against another
 # torch (requirements/torch-$(TORCH).txt), in its own venv, with cplib
@@ -18,41 +31,52 @@ TVENV     := .venv-$(subst ==,-,$(TORCH_PIN))
 # machines) must not veto the release the project pins.
 TPIP      := PIP_CONFIG_FILE=/dev/null $(TVENV)/bin/python -m pip
 
-.PHONY: all build demo test test-torch bench cuda-check cuda-build clean
+.PHONY: all build demo test test-torch torch-venv bench cuda-check cuda-build clean
 
 all: build
 
 $(VPY):
-	$(PYTHON) -m venv $(VENV)
+	@echo "creating $(VENV)"
+	@$(PYTHON) -m venv $(VENV)
 
 $(DEPS): requirements-dev.txt requirements/torch-default.txt | $(VPY)
-	$(VPY) -m pip install -q -r requirements/torch-default.txt -r requirements-dev.txt
-	touch $@
+	@$(QUIET) $(LOGS)/install.log "installing the pinned dependencies into $(VENV)" -- \
+	  $(VPY) -m pip install -r requirements/torch-default.txt -r requirements-dev.txt
+	@touch $@
 
 # A .pth entry is what an editable install amounts to, without pip building
 # the extension a second time; `pip install --no-build-isolation -e .` works too.
 $(EDIT): $(DEPS)
-	$(VPY) -c "import site, sys; open(site.getsitepackages()[0] + '/cplib-src.pth', 'w').write(sys.argv[1] + '\\n')" "$(CURDIR)"
-	touch $@
+	@$(VPY) -c "import site, sys; open(site.getsitepackages()[0] + '/cplib-src.pth', 'w').write(sys.argv[1] + '\\n')" "$(CURDIR)"
+	@touch $@
 
 # Incremental native build (ninja) into cplib/_C*.so.
 build: $(EDIT)
-	$(VPY) setup.py -q build_ext --inplace
+	@$(QUIET) $(LOGS)/build.log "building cplib._C" -- $(VPY) setup.py build_ext --inplace
 
 demo: build
-	$(VPY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) examples/demo.py
+	@echo "running the CP training demo on $(NPROC) CPU ranks"
+	@$(VPY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) examples/demo.py
 
 test: build
 	$(VPY) -m pytest -q tests
 
 # pytest's own script, not `python -m pytest`: the source tree must not
 # shadow the installed package.
-test-torch:
-	test -x $(TVENV)/bin/python || $(PYTHON) -m venv $(TVENV)
-	$(TPIP) install -q -r requirements/torch-$(TORCH).txt -r requirements-dev.txt
-	CPLIB_CUDA=0 MAX_JOBS=$(NPROC) $(TPIP) install -q --no-build-isolation --no-deps .
-	cd / && $(CURDIR)/$(TVENV)/bin/python -c "import torch, cplib; print('cplib', cplib.__version__, 'from', cplib.__file__, 'on torch', torch.__version__)"
-	$(TVENV)/bin/pytest -q tests
+# TESTS picks the test files (CI gives the version-sensitive ones).
+TESTS ?= tests
+# The venv and pinned dependencies alone (CI prepares them while other
+# stages run).
+torch-venv:
+	@test -x $(TVENV)/bin/python || $(PYTHON) -m venv $(TVENV)
+	@$(QUIET) $(LOGS)/install-$(TORCH).log "installing $(TORCH_PIN) and the pinned dependencies into $(TVENV)" -- \
+	  $(TPIP) install -r requirements/torch-$(TORCH).txt -r requirements-dev.txt
+
+test-torch: torch-venv
+	@$(QUIET) $(LOGS)/build-$(TORCH).log "building and installing cplib beside $(TORCH_PIN)" -- \
+	  env CPLIB_CUDA=0 MAX_JOBS=$(NPROC) $(TPIP) install -v --no-build-isolation --no-deps .
+	@cd / && $(CURDIR)/$(TVENV)/bin/python -c "import torch, cplib; print('cplib', cplib.__version__, 'from', cplib.__file__, 'on torch', torch.__version__)"
+	$(TVENV)/bin/pytest -q $(TESTS)
 
 bench: build
 	$(VPY) benchmarks/run_all.py
@@ -72,17 +96,19 @@ cuda-check:
 CUDA_VENV  := .venv-cuda
 CUDA_TORCH ?= torch==2.14.1
 cuda-build:
-	test -x $(CUDA_VENV)/bin/python || $(PYTHON) -m venv $(CUDA_VENV)
-	$(CUDA_VENV)/bin/pip install -q $(CUDA_TORCH) numpy==2.4.6 setuptools==84.2.1 ninja==1.13.2 wheel==0.45.1
-	NVINC=$$($(CUDA_VENV)/bin/python -c "import glob, os, sysconfig; print(':'.join(glob.glob(os.path.join(sysconfig.get_paths()['purelib'], 'nvidia', '*', 'include'))))"); \
+	@test -x $(CUDA_VENV)/bin/python || $(PYTHON) -m venv $(CUDA_VENV)
+	@$(QUIET) $(LOGS)/install-cuda.log "installing $(CUDA_TORCH) into $(CUDA_VENV)" -- \
+	  $(CUDA_VENV)/bin/pip install $(CUDA_TORCH) numpy==2.4.6 setuptools==84.2.1 ninja==1.13.2 wheel==0.45.1
+	@NVINC=$$($(CUDA_VENV)/bin/python -c "import glob, os, sysconfig; print(':'.join(glob.glob(os.path.join(sysconfig.get_paths()['purelib'], 'nvidia', '*', 'include'))))"); \
 	CPATH="$$NVINC$${CPATH:+:$$CPATH}" CUDA_HOME=$${CUDA_HOME:-/usr/local/cuda} CPLIB_CUDA=1 MAX_JOBS=$(NPROC) \
-	  $(CUDA_VENV)/bin/python setup.py -q build_ext --build-lib build/cuda/lib --build-temp build/cuda/tmp
+	  $(QUIET) $(LOGS)/build-cuda.log "building cplib._C with CUDA" -- \
+	  $(CUDA_VENV)/bin/python setup.py build_ext --build-lib build/cuda/lib --build-temp build/cuda/tmp
 	@ls -l build/cuda/lib/cplib/_C*.so
 
 clean:
 	rm -rf build cplib/_C*.so *.egg-info
 
-# The GPU check of issue 11 on a GPU machine: build with the system compiler,
+# The GPU check on a GPU machine: build with the system compiler,
 # the whole suite, the CUDA demo, the GPU benchmark and compute-sanitizer, in
 # one output folder ($OUT, else benchmarks/out/gpu-check/). Uses the
 # installed python3 and torch (no venv, no network).

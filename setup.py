@@ -27,6 +27,9 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 INCLUDE = os.path.join(ROOT, "csrc", "include")
 DEBUG = os.environ.get("CPLIB_DEBUG", "0") == "1"
 OPT = ["-O0", "-g"] if DEBUG else ["-O3"]
+# Host compilers: Python's own CFLAGS add -g, which makes _C.so several times
+# larger and every compile slower; -g0 (last wins) drops it.
+HOST_OPT = OPT if DEBUG else [*OPT, "-g0"]
 
 
 def _rel(paths):
@@ -53,16 +56,16 @@ class BuildExt(cpp_extension.BuildExtension):
             self.build_temp = os.path.join(self.build_temp, tag)
 
     def build_extensions(self):
-        cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
-        cc = cc.split()[0]
-        if shutil.which(cc) is None:
-            cc = "cc"
+        # CC may carry a launcher or flags ("ccache gcc", "gcc -pthread").
+        cc = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()
+        if shutil.which(cc[0]) is None:
+            cc = ["cc"]
         objdir = os.path.join(self.build_temp, "core")
         os.makedirs(objdir, exist_ok=True)
         objects = []
         for src in sorted(glob.glob(os.path.join(ROOT, "csrc", "core", "*.c"))):
             obj = os.path.join(objdir, os.path.basename(src)[:-2] + ".o")
-            cmd = [cc, "-std=c11", *OPT, "-fPIC", "-fopenmp", "-Wall", "-Wextra",
+            cmd = [*cc, "-std=c11", *HOST_OPT, "-fPIC", "-fopenmp", "-Wall", "-Wextra",
                    "-I" + INCLUDE, "-c", src, "-o", obj]
             print(" ".join(cmd))
             subprocess.check_call(cmd)
@@ -79,7 +82,7 @@ def _extension():
     # name the folder, relative to csrc/torch.
     sources = _rel(glob.glob(os.path.join(ROOT, "csrc", "torch", "**", "*.cpp"), recursive=True))
     # torch picks the C++ standard its headers need (C++17 or C++20).
-    cxx = [*OPT, "-fopenmp", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+    cxx = [*HOST_OPT, "-fopenmp", "-Wall", "-Wextra", "-Wno-unused-parameter"]
     kwargs = dict(
         name="cplib._C",
         include_dirs=[INCLUDE, os.path.join(ROOT, "csrc", "torch")],

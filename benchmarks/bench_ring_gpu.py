@@ -1,6 +1,6 @@
 """Ring attention on one GPU shared by N ranks (torch's threaded process
 group), forward + backward, against the ideal and against torch's own context
-parallelism, measured in the same run (issue 12):
+parallelism, measured in the same run:
 
 - full SDPA: one full-sequence call on the fastest backend (flash, efficient
   and cuDNN are each timed alone; the best sets the ideal). The N ranks' work
@@ -339,7 +339,7 @@ def _configs(args) -> list[Config]:
         base = [Config(s, n, c, h, h) for s, n, c in
                 itertools.product([8192, 16384, 32768, 65536], [2, 4], (True, False))]
         return base + [Config(32768, 4, True, h, h // 4)]
-    # The rows of issue 12 that carry its goals, in about 3 minutes; the most
+    # The rows that carry the speed goals, in about 3 minutes; the most
     # telling first, so that a --budget cut drops the least.
     return [Config(32768, 4, True, h, h), Config(65536, 4, True, h, h),
             Config(32768, 4, True, h, h // 4), Config(32768, 2, True, h, h),
@@ -462,7 +462,7 @@ def main() -> int:
                 [(m["shape"], m["block_dtype"], m["bytes"] / 2**20, m["merge_gbps"],
                   m["copy_gbps"], m["ratio"]) for m in merge])
     goals = _goals(payload_rows, merge)
-    print_table("goals of issue 12", ["goal", "measured", "met"], goals)
+    print_table("goals", ["goal", "measured", "met"], goals)
     print_table(f"ring attention fwd+bwd, N ranks sharing one {dev.type} device "
                 f"(B={st.b} H={args.heads} D={st.d} {str(st.dtype).split('.')[-1]})",
                 ["S", "N", "causal", "heads", "full SDPA ms (best)", "cplib ms (best)",

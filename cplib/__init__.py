@@ -42,8 +42,9 @@ ContextParallel = _ContextParallel
 RotateMethod = _RotateMethod
 enable_context_parallel_dispatcher = _enable_context_parallel_dispatcher
 disable_context_parallel_dispatcher = _disable_context_parallel_dispatcher
-from ._tp_conv import disable_dtensor_conv, enable_dtensor_conv, tp_conv
-# Packed documents, sliding windows, any sequence length (issue 14).
+from ._tp_conv import tp_conv
+from ._tp_conv_dtensor import disable_dtensor_conv, enable_dtensor_conv
+# Packed documents, sliding windows, any sequence length.
 from ._documents import attention_window, cu_seqlens_from_position_ids
 from ._load_balancer import AnyLengthHeadTailLoadBalancer, AnyLengthPerDocumentLoadBalancer
 

@@ -21,7 +21,8 @@ from ._load_balancer import (
 )
 from ._options import RingConfig, _cp_options, _RotateMethod, parse_rotate_method, rotate_method_name
 from ._sdpa_dispatch import CPDispatchMode
-from ._sharding import check_mesh, check_shardable, shard_tensor, unshard
+from ._native import check_mesh
+from ._sharding import check_shardable, shard_tensor, unshard
 from ._usp import check_degrees, ulysses_layout, usp_groups
 
 __all__ = ["context_parallel", "ContextParallelHandle"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from . import _C  # noqa: F401  (importing it runs the TORCH_LIBRARY registrations)
 
@@ -43,3 +44,18 @@ def normalize_dim(dim: int, ndim: int, what: str) -> int:
             f"(expected in [{-ndim}, {ndim - 1}])"
         )
     return dim % ndim
+
+
+def check_mesh(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """The process group of a 1-D ``mesh``; anything else is a ValueError."""
+    if not isinstance(mesh, DeviceMesh):
+        raise ValueError(f"cplib: expected a DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim != 1:
+        names = mesh.mesh_dim_names
+        hint = f'mesh["{names[-1]}"]' if names else 'mesh["cp"]'
+        raise ValueError(
+            f"cplib: context parallelism needs a 1-D device mesh, got {mesh.ndim}-D mesh of "
+            f"shape {tuple(mesh.shape)} (dims {names}); slice the context-parallel dimension, "
+            f"e.g. {hint}"
+        )
+    return mesh.get_group()

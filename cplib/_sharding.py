@@ -28,6 +28,7 @@ from ._load_balancer import (
     rearrange,
     shard_lengths,
 )
+from ._native import check_mesh
 from ._options import _cp_options
 
 __all__ = [
@@ -35,23 +36,7 @@ __all__ = [
     "context_parallel_unshard",
     "shard",
     "unshard",
-    "check_mesh",
 ]
-
-
-def check_mesh(mesh: DeviceMesh) -> dist.ProcessGroup:
-    """The process group of a 1-D ``mesh``; anything else is a ValueError."""
-    if not isinstance(mesh, DeviceMesh):
-        raise ValueError(f"cplib: expected a DeviceMesh, got {type(mesh).__name__}")
-    if mesh.ndim != 1:
-        names = mesh.mesh_dim_names
-        hint = f'mesh["{names[-1]}"]' if names else 'mesh["cp"]'
-        raise ValueError(
-            f"cplib: context parallelism needs a 1-D device mesh, got {mesh.ndim}-D mesh of "
-            f"shape {tuple(mesh.shape)} (dims {names}); slice the context-parallel dimension, "
-            f"e.g. {hint}"
-        )
-    return mesh.get_group()
 
 
 def _check_seq_dim(t: torch.Tensor, seq_dim: int, what: str) -> int:

@@ -16,7 +16,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from ._flex_hook import _flex_input_hook, _register_flex_input_hook
 from ._options import RingConfig, _cp_options, rotate_method_name
 from ._sdpa_dispatch import CPDispatchMode, dispatcher_enabled
-from ._sharding import check_mesh
+from ._native import check_mesh
 from ._usp import UspGroups, usp_groups
 
 __all__ = ["_ContextParallel"]

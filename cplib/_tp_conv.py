@@ -195,8 +195,3 @@ def tp_conv(
     name = group_name_of(group if group is not None else dist.group.WORLD)
     return ops.tp_convolution(x_local, weight, bias, _as_list(stride), _as_list(padding),
                               _as_list(dilation), int(groups), int(dim), name)
-
-
-# ---------------------------------------------------------------- DTensor integration
-
-from ._tp_conv_dtensor import disable_dtensor_conv, enable_dtensor_conv  # noqa: E402

@@ -45,7 +45,7 @@ world sizes 1 / 4       ws=1: causal S=512 x {none, head-tail,   ws=4: the same
 
 Also: the hook passes every non-K/V argument through untouched, and the
 compiled CP model is exactly one graph containing cplib's all-gather.
-The default run is the whole acceptance matrix of issue 5 (about 2 minutes on
+The default run is the whole flex CP acceptance matrix (about 2 minutes on
 an idle 2-core machine); ``CPLIB_QUICK_TESTS=1`` runs only the left column.
 """
 
@@ -385,7 +385,7 @@ def test_flex_cp_sliding_window_and_gqa(ranks):
 
 @pytest.mark.parametrize("world_size", [1, 4] if FULL else [1])
 def test_flex_cp_other_world_sizes(ranks, world_size):
-    """Issue 5 asks for world size 2; 1 (and 4 unless CPLIB_QUICK_TESTS=1: four
+    """World size 2 is the point; 1 (and 4 unless CPLIB_QUICK_TESTS=1: four
     more rank processes cost about a minute here) run one causal case each."""
     _run(ranks(world_size), "causal", 1, 512, ("none", "head_tail", "ptrr"))
 

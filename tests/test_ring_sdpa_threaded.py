@@ -331,6 +331,6 @@ def test_ring_block_backward_per_step_cpu(threaded, dtype):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 def test_ring_block_backward_per_step_cuda(threaded, backend, dtype):
-    """Pins a wrong ring gradient (issue 11 item 1: NaN dq from the efficient
+    """Pins a wrong ring gradient (NaN dq from the efficient
     backend, causal and load-balanced) to the step and block that cause it."""
     _assert_steps(threaded(1, _check_steps, "cuda", dtype, backend)[0])

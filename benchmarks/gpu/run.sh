@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The GPU check (issue 11): from a copy of the repository on a GPU machine,
+# The GPU check: from a copy of the repository on a GPU machine,
 #   build    the extension in place with the system compiler (CC=/usr/bin/gcc
 #            CXX=/usr/bin/g++; a libstdc++ linked into _C.so makes every error
 #            message segfault), MAX_JOBS=16, against the installed torch;
 #   tests    the whole suite, the CUDA matrix included;
 #   memcheck compute-sanitizer --tool memcheck over the CUDA kernels' checks;
 #   demo     examples/demo.py --device cuda (torchrun, NCCL, one rank);
-#   bench    benchmarks/bench_ring_gpu.py (issue 12's table, JSON, PNG), told
+#   bench    benchmarks/bench_ring_gpu.py (the ring's speed table, JSON, PNG), told
 #            to stop starting new rows 30 s before its limit;
 # each stage under a time limit, every stage run even after a failure. Logs,
 # JSON and PNGs go to one folder ($OUT when set, else
@@ -134,7 +134,7 @@ stage_build() {
   run_limited build 240 "$log" env CPLIB_CUDA=$cuda "$PY" setup.py build_ext --inplace
   ((DRY)) && return
   if ((RC != 0)); then record build FAIL "$SECS" "$(why "$log")"; return; fi
-  # The extension must use the shared libstdc++ (issue 11 item 7; setup.py
+  # The extension must use the shared libstdc++ (setup.py
   # refuses such a build too), carry the CUDA kernels when a GPU is there, and
   # turn bad input into a ValueError.
   local so
@@ -242,7 +242,7 @@ stage_memcheck() {
   # 1. cplib's CUDA kernels (merge, halo) against their C twins;
   memcheck_run kernels "${cmd[@]}" "$PY" benchmarks/gpu/kernels_check.py
   # 2. the ring's block backward through the flash and efficient kernels, one
-  #    step at a time (an efficient-backend bug of issue 11 read past `out`);
+  #    step at a time (an efficient-backend bug read past `out`);
   memcheck_run ring-steps "${cmd[@]}" "${pytest[@]}" tests/test_ring_sdpa_threaded.py \
     -k "per_step_cuda and not cudnn"
   # 3. the kernels' own test files' CUDA cases, where they have any.
@@ -323,7 +323,7 @@ rm -rf "$LOGS"
 
 # The end of the bench's tables and the failing tests, then the summary.
 if [[ -f $OUT_DIR/bench_ring_gpu.log ]]; then
-  echo; awk '/^### goals of issue 12/{f=1} f' "$OUT_DIR/bench_ring_gpu.log" | head -n 40
+  echo; awk '/^### goals/{f=1} f' "$OUT_DIR/bench_ring_gpu.log" | head -n 40
 fi
 if [[ -f $OUT_DIR/tests.log ]] && grep -q '^FAILED\|^ERROR' "$OUT_DIR/tests.log"; then
   echo; grep '^FAILED\|^ERROR' "$OUT_DIR/tests.log" | cut -c1-200 | head -n 30
