@@ -250,3 +250,11 @@ def test_hf_cplib_outside_context_matches_eager(name):
         loss.backward()
     _compare(f"{name} outside CP", *_summed(losses[1], model, reduce=False),
              [("eager", losses[0], ref, EAGER_TOL[dtype])])
+
+
+def test_import_cplib_does_not_import_transformers():
+    import subprocess
+    import sys
+
+    code = "import sys, cplib; assert 'transformers' not in sys.modules, 'imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
