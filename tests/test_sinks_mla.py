@@ -2,7 +2,7 @@
 ring_sdpa, ulysses_sdpa and usp_sdpa against an fp64 reference on the full
 sequence: out, lse and the gradients of q, k, v and the sinks, every
 rotation, with and without load balancing, documents and windows; opcheck
-and fullgraph compile of the ops with sinks; bad sinks raising ValueError."""
+and fullgraph compile (ring and Ulysses) with sinks; bad sinks raising ValueError."""
 
 from __future__ import annotations
 
@@ -158,16 +158,22 @@ def _check_ops() -> int:
         out, lse = cplib.ring_sdpa(a, b_, c, name, is_causal=True, load_balanced=True, sinks=s_)
         return out * 2.0, lse
 
-    torch._dynamo.reset()
-    compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)
-    grads = []
-    for fn in (attend, compiled):
-        ins = [t.detach().clone().requires_grad_(True) for t in (ql, kl, vl, sl)]
-        out, lse = fn(*ins)
-        out.square().sum().backward()
-        grads.append([out, lse] + [t.grad for t in ins])
-    for label, a, b_ in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), *grads):
-        assert_close(b_, a, what=f"compiled {label}", **TOL)
+    def attend_ulysses(a, b_, c, s_):
+        out, lse = cplib.ulysses_sdpa(a, b_, c, name, is_causal=True, sinks=s_)
+        return out * 2.0, lse
+
+    for fn_eager, seq in ((attend, (ql, kl, vl)),
+                          (attend_ulysses, [t.chunk(n, 2)[dist.get_rank()] for t in (q, k, v)])):
+        torch._dynamo.reset()
+        compiled = torch.compile(fn_eager, backend="aot_eager", fullgraph=True)
+        grads = []
+        for fn in (fn_eager, compiled):
+            ins = [t.detach().clone().requires_grad_(True) for t in (*seq, sl)]
+            out, lse = fn(*ins)
+            out.square().sum().backward()
+            grads.append([out, lse] + [t.grad for t in ins])
+        for label, a, b_ in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), *grads):
+            assert_close(b_, a, what=f"compiled {fn_eager.__name__} {label}", **TOL)
 
     for bad, msg in ((torch.zeros(3, dtype=torch.float64), "sinks must have shape \\(4,\\)"),
                      (torch.zeros(4, dtype=torch.int64), "sinks must have q's dtype")):
