@@ -9,6 +9,8 @@ packed documents are marked by ``position_ids`` that do not step by one.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any
 
 import torch
@@ -116,11 +118,28 @@ def _context_parallel(config: RingConfig, q, k, v, attention_mask, scale, causal
         out, _ = ring_sdpa(q, k, v, config.group_name, load_balanced=config.load_balanced,
                            rotate=config.rotate, **kw)
     elif config.ulysses_degree == config.world_size:
+        _check_keywords(ulysses_sdpa, kw)
         out, _ = ulysses_sdpa(q, k, v, config.ulysses_group, **kw)
     else:
+        _check_keywords(usp_sdpa, kw)
         out, _ = usp_sdpa(q, k, v, config.ulysses_group, config.group_name,
                           load_balanced=config.load_balanced, rotate=config.rotate, **kw)
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _keywords(fn) -> frozenset[str]:
+    return frozenset(inspect.signature(fn).parameters)
+
+
+def _check_keywords(fn, kw: dict[str, Any]) -> None:
+    # A layer's window (or the context's documents) on an entry point that
+    # does not take them yet: say so, rather than a TypeError.
+    missing = sorted(set(kw) - _keywords(fn))
+    if missing:
+        raise NotImplementedError(
+            f"cplib attention: {fn.__name__} (ulysses_degree > 1) does not take {missing} "
+            "(sliding windows, documents); use ulysses_degree=1 (the ring) for this model")
 
 
 # ------------------------------------------------------------ one device
