@@ -148,12 +148,8 @@ def _check(op: str, q, k, v, group_name: str, is_causal: bool, load_balanced: bo
                          f"{k.shape[2]})")
     if q.shape[3] == 0 or v.shape[3] == 0:
         raise ValueError(f"cplib.{op}: empty head dim")
-    if q.device.type != "cuda":
-        if q.device.type not in ("cpu", "meta"):
-            raise ValueError(f"cplib.{op}: unsupported device {q.device}")
-        if v.shape[3] != q.shape[3]:
-            raise ValueError(f"cplib.{op}: the CPU kernel needs v's head dim ({v.shape[3]}) to "
-                             f"equal q/k's ({q.shape[3]})")
+    if q.device.type not in ("cuda", "cpu", "meta"):
+        raise ValueError(f"cplib.{op}: unsupported device {q.device}")
     if rotate not in ROTATE_CODES.values():
         raise ValueError(f"cplib.{op}: rotate={rotate} is not a rotation "
                          "(0 = p2p, 1 = alltoall, 2 = allgather)")
@@ -178,11 +174,27 @@ def _check(op: str, q, k, v, group_name: str, is_causal: bool, load_balanced: bo
     _check_extras(op, q, k, group_name, load_balanced, cu_seqlens, window, seq_len, per_document)
 
 
+def check_sinks(op: str, q, sinks) -> None:
+    """The checks of check_sinks in csrc/torch/ring/ring_sinks.cpp."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor) or sinks.dim() != 1 or sinks.shape[0] != q.shape[1]:
+        shape = list(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise ValueError(f"cplib.{op}: sinks must have shape ({q.shape[1]},) (one logit per q "
+                         f"head), got {shape}")
+    if sinks.device != q.device:
+        raise ValueError(f"cplib.{op}: sinks must be on {q.device}, got {sinks.device}")
+    if sinks.dtype not in (q.dtype, torch.float32, torch.float64):
+        raise ValueError(f"cplib.{op}: sinks must have q's dtype ({q.dtype}) or "
+                         f"float32/float64, got {sinks.dtype}")
+
+
 @torch.library.register_fake("cplib_c::ring_sdpa")
 def _ring_sdpa_fake(q, k, v, group_name, is_causal, load_balanced, scale, backend, rotate,
-                    cu_seqlens=None, window=None, seq_len=None, per_document=False):
+                    cu_seqlens=None, window=None, seq_len=None, per_document=False, sinks=None):
     _check("ring_sdpa", q, k, v, group_name, is_causal, load_balanced, scale, backend, rotate,
            cu_seqlens, window, seq_len, per_document)
+    check_sinks("ring_sdpa", q, sinks)
     b, h, s, _ = q.shape
     out = q.new_empty((b, h, s, v.shape[3]))
     lse = q.new_empty((b, h, s), dtype=_acc_dtype(q.dtype))
@@ -198,31 +210,59 @@ def _ring_sdpa_backward_fake(grad_out, q, k, v, out, lse, group_name, is_causal,
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def attention_autograd(backward_op):
+def sinks_grad(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+               sinks: torch.Tensor) -> torch.Tensor:
+    """d loss / d sinks from the sunk (out, lse): ``-sum over batch and rows of
+    rowsum(dO * O) * exp(s - lse)``, this rank's rows only (parameters'
+    gradients are summed over the context-parallel ranks, as for weights)."""
+    acc = lse.dtype
+    delta = (grad_out.to(acc) * out.to(acc)).sum(-1)
+    prob = torch.exp(sinks.to(acc).view(1, -1, 1) - lse)
+    return -(delta * prob).sum((0, 2)).to(sinks.dtype)
+
+
+def attention_autograd(backward_op, forward_op):
     """(setup_context, backward) for an attention op returning (out, lse)
     whose inputs are q, k, v and then non-tensor arguments, and whose
-    ``backward_op(grad_out, q, k, v, out, lse, *args)`` gives (dq, dk, dv)."""
+    ``backward_op(grad_out, q, k, v, out, lse, *args)`` gives (dq, dk, dv).
+    A ``sinks`` argument of ``forward_op`` (found by name in its schema) is
+    left out of ``args``: the backward kernel run with the sunk (out, lse) is
+    already exact, and the sinks' own gradient is :func:`sinks_grad`."""
+    names = [a.name for a in forward_op.default._schema.arguments]
+    sinks_at = names.index("sinks") - 3 if "sinks" in names else None
 
     def setup(ctx, inputs, output):
         q, k, v, *args = inputs
         out, lse = output
+        sinks = None
+        ctx.sinks_at = sinks_at if sinks_at is not None and sinks_at < len(args) else None
+        if ctx.sinks_at is not None:
+            sinks = args[sinks_at]
+            args = args[:sinks_at] + args[sinks_at + 1:]
         ctx.args = args
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.has_sinks = sinks is not None
+        ctx.save_for_backward(q, k, v, out, lse, *([sinks] if sinks is not None else []))
         # As for ATen's fused attention kernels, the log-sum-exp is an
         # auxiliary output that autograd does not differentiate.
         ctx.mark_non_differentiable(lse)
 
     def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *sinks = ctx.saved_tensors
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         dq, dk, dv = backward_op(grad_out, q, k, v, out, lse, *ctx.args)
-        return (dq, dk, dv) + (None,) * len(ctx.args)
+        grads = [None] * len(ctx.args)
+        if ctx.sinks_at is not None:
+            ds = None
+            if ctx.has_sinks and ctx.needs_input_grad[3 + ctx.sinks_at]:
+                ds = sinks_grad(grad_out, out, lse, sinks[0])
+            grads.insert(ctx.sinks_at, ds)
+        return (dq, dk, dv, *grads)
 
     return setup, backward
 
 
-_setup, _backward = attention_autograd(ops.ring_sdpa_backward)
+_setup, _backward = attention_autograd(ops.ring_sdpa_backward, ops.ring_sdpa)
 torch.library.register_autograd("cplib_c::ring_sdpa", _backward, setup_context=_setup)
 
 
@@ -241,9 +281,11 @@ def ring_sdpa(
     window: int | tuple[int | None, int | None] | None = None,
     seq_len: int | None = None,
     per_document: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring attention of the local shards ``q`` (B, Hq, S_local, D) and ``k``/``v``
-    (B, Hkv, S_local, D) over ``group`` (a ProcessGroup or its name).
+    (B, Hkv, S_local, D; v's head dim may differ from q/k's, as in MLA) over
+    ``group`` (a ProcessGroup or its name).
 
     Returns ``(out, lse)``: ``out`` (B, Hq, S_local, D_v) in q's dtype and ``lse``
     (B, Hq, S_local), float32 (float64 for float64 inputs), the natural-log
@@ -265,6 +307,11 @@ def ring_sdpa(
     computed nor sent (p2p and alltoall). ``per_document``: the shards are
     cut head-tail inside every document (``cplib._seq_layout`` with
     ``documents``; needs ``cu_seqlens`` and ``seq_len``).
+
+    ``sinks`` (Hq,): attention sinks (gpt-oss), one logit per q head that
+    joins every row's softmax denominator once and contributes no value;
+    ``out`` and ``lse`` then include it. Differentiable in ``sinks`` too
+    (its gradient covers this rank's rows).
     """
     if rotate not in ROTATE_CODES:
         raise ValueError(f"cplib.ring_sdpa: rotate={rotate!r} is not one of "
@@ -276,7 +323,7 @@ def ring_sdpa(
         scale = float(scale)
     return ops.ring_sdpa(q, k, v, group_name_of(group), bool(is_causal), bool(load_balanced),
                          scale, BACKEND_CODES[backend], ROTATE_CODES[rotate], cu_seqlens,
-                         window_arg(window), seq_len, bool(per_document))
+                         window_arg(window), seq_len, bool(per_document), sinks)
 
 
 # A window side without limit: the op clamps every side to S.

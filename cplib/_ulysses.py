@@ -14,7 +14,8 @@ import math
 import torch
 
 from ._native import GroupLike, group_name_of, group_size, ops
-from ._ring import BACKEND_CODES, ROTATE_CODES, _acc_dtype, _check, attention_autograd, ring_sdpa
+from ._ring import (BACKEND_CODES, ROTATE_CODES, _acc_dtype, _check, _group_rank,
+                    attention_autograd, check_sinks, ring_sdpa)
 
 __all__ = ["ulysses_reshard", "ulysses_sdpa", "usp_sdpa", "kv_head_repeat", "check_heads"]
 
@@ -147,8 +148,9 @@ def _check_local(op: str, q, k, v, is_causal, scale, backend) -> None:
 
 
 @torch.library.register_fake("cplib_c::ulysses_local_sdpa")
-def _local_fake(q, k, v, is_causal, scale, backend):
+def _local_fake(q, k, v, is_causal, scale, backend, sinks=None):
     _check_local("ulysses_local_sdpa", q, k, v, is_causal, scale, backend)
+    check_sinks("ulysses_local_sdpa", q, sinks)
     b, h, s, _ = q.shape
     sizes = (b, h, s, v.shape[3])
     out = q.new_empty_strided(sizes, _strides(sizes, _SEQ_MAJOR))
@@ -162,7 +164,8 @@ def _local_backward_fake(grad_out, q, k, v, out, lse, is_causal, scale, backend)
     return tuple(t.new_empty_strided(t.shape, _strides(tuple(t.shape), _BSHD)) for t in (q, k, v))
 
 
-_local_setup, _local_backward = attention_autograd(ops.ulysses_local_sdpa_backward)
+_local_setup, _local_backward = attention_autograd(ops.ulysses_local_sdpa_backward,
+                                                   ops.ulysses_local_sdpa)
 torch.library.register_autograd("cplib_c::ulysses_local_sdpa", _local_backward,
                                 setup_context=_local_setup)
 
@@ -201,6 +204,22 @@ def _to_heads(q, k, v, group_name: str, degree: int):
             ops.ulysses_reshard(v, group_name, True, repeat))
 
 
+@torch.compiler.assume_constant_result
+def _rank_in(group_name: str) -> int:
+    # This process's rank in the group, a constant of any compiled region.
+    return _group_rank(group_name)
+
+
+def _local_sinks(op: str, q, sinks, group_name: str, degree: int):
+    """The sinks of this rank's heads after the exchange to heads (rank r of
+    the Ulysses group holds q heads [r Hq/U, (r+1) Hq/U)); differentiable."""
+    if sinks is None:
+        return None
+    check_sinks(op, q, sinks)
+    h = q.shape[1] // degree
+    return sinks.narrow(0, _rank_in(group_name) * h, h)
+
+
 def _to_seq(out_h, lse_h, group_name: str):
     out = ops.ulysses_reshard(out_h, group_name, False, 1)
     # lse as ring_sdpa returns it: contiguous (B, H, S_local), not differentiable.
@@ -217,6 +236,7 @@ def ulysses_sdpa(
     is_causal: bool = False,
     scale: float | None = None,
     backend: str | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ulysses attention of the local sequence shards ``q`` (B, Hq, S/N, D) and
     ``k``/``v`` (B, Hkv, S/N, D), in rank order, over ``group`` (a ProcessGroup
@@ -227,7 +247,8 @@ def ulysses_sdpa(
     float64 inputs). Differentiable in q, k and v (not through ``lse``).
     Hq must be a multiple of N; K/V heads either split over N or, when fewer
     than N, are repeated to one head per rank (never to Hq). Heads that cannot
-    be split raise ValueError before any communication.
+    be split raise ValueError before any communication. v's head dim may
+    differ from q/k's (MLA); ``sinks`` (Hq,) as in :func:`cplib.ring_sdpa`.
     """
     op = "ulysses_sdpa"
     _check_qkv(op, q, k, v)
@@ -237,8 +258,9 @@ def ulysses_sdpa(
     scale = _check_scale(op, scale)
     code = _backend_code(op, backend)
     _check_local(op, q, k, v, is_causal, scale, code)
+    local_sinks = _local_sinks(op, q, sinks, name, degree)
     qh, kh, vh = _to_heads(q, k, v, name, degree)
-    out_h, lse_h = ops.ulysses_local_sdpa(qh, kh, vh, bool(is_causal), scale, code)
+    out_h, lse_h = ops.ulysses_local_sdpa(qh, kh, vh, bool(is_causal), scale, code, local_sinks)
     return _to_seq(out_h, lse_h, name)
 
 
@@ -254,13 +276,15 @@ def usp_sdpa(
     scale: float | None = None,
     rotate: str = "p2p",
     backend: str | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """USP: Ulysses over ``ulysses_group`` (U ranks) around ring attention over
     ``ring_group`` (R ranks). The shards are this rank's part of the layout
     that :mod:`cplib._usp` defines: the ring shard of this rank's Ulysses group
     (head-tail over the R ring positions with ``load_balanced``), cut into U
     pieces in Ulysses-rank order. Same returns and errors as
-    :func:`ulysses_sdpa`, plus ring_sdpa's (``rotate``, ``load_balanced``)."""
+    :func:`ulysses_sdpa`, plus ring_sdpa's (``rotate``, ``load_balanced``);
+    ``sinks`` and MLA head dims as in :func:`ulysses_sdpa`."""
     op = "usp_sdpa"
     _check_qkv(op, q, k, v)
     uname, rname = group_name_of(ulysses_group), group_name_of(ring_group)
@@ -275,7 +299,8 @@ def usp_sdpa(
         raise ValueError(f"cplib.{op}: load_balanced needs an even ring shard, got "
                          f"{q.shape[2]} x {degree} rows")
     _degree(rname)  # ValueError for an unknown ring group, before any exchange
+    local_sinks = _local_sinks(op, q, sinks, uname, degree)
     qh, kh, vh = _to_heads(q, k, v, uname, degree)
     out_h, lse_h = ring_sdpa(qh, kh, vh, rname, is_causal=is_causal, load_balanced=load_balanced,
-                             scale=scale, rotate=rotate, backend=backend)
+                             scale=scale, rotate=rotate, backend=backend, sinks=local_sinks)
     return _to_seq(out_h, lse_h, uname)

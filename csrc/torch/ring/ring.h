@@ -62,6 +62,15 @@ Config check_local_args(const char* op, const at::Tensor& q, const at::Tensor& k
                         const at::Tensor& v, bool is_causal, std::optional<double> scale,
                         int64_t backend);
 
+// Attention sinks: a 1-D tensor of one logit per q head, on q's device, in
+// q's dtype or float32/float64 (ValueError naming what is wrong).
+void check_sinks(const char* op, const at::Tensor& q, const at::Tensor& sinks);
+
+// Joins each row's softmax denominator with its head's sink logit, once:
+// lse' = logaddexp(lse, s), out *= exp(lse - lse'). `out` (B, H, L, Dv) is
+// scaled in place in the accumulator dtype; returns lse' in that dtype.
+at::Tensor apply_sinks(at::Tensor& out, const at::Tensor& lse, const at::Tensor& sinks);
+
 // The accumulator dtype: float64 for float64 inputs, else float32.
 inline at::ScalarType acc_dtype(const at::Tensor& t) {
   return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;

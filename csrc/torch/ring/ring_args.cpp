@@ -37,11 +37,8 @@ void check_tensors(const char* op, const at::Tensor& q, const at::Tensor& k, con
   TORCH_CHECK_VALUE(q.size(2) > 0 && k.size(2) > 0, "cplib.", op,
                     ": empty local sequence (q length ", q.size(2), ", kv length ", k.size(2), ")");
   TORCH_CHECK_VALUE(q.size(3) > 0 && v.size(3) > 0, "cplib.", op, ": empty head dim");
-  if (!q.is_cuda()) {
+  if (!q.is_cuda())
     TORCH_CHECK_VALUE(q.device().is_cpu(), "cplib.", op, ": unsupported device ", q.device());
-    TORCH_CHECK_VALUE(v.size(3) == q.size(3), "cplib.", op, ": the CPU kernel needs v's head dim (",
-                      v.size(3), ") to equal q/k's (", q.size(3), ")");
-  }
 }
 
 std::string join(const std::vector<int64_t>& v) {
@@ -144,6 +141,9 @@ Config check_local_args(const char* op, const at::Tensor& q, const at::Tensor& k
                     k.size(2));
   Config cfg;
   cfg.causal = is_causal;
+  // SDPA's default scale is q's; with v's head dim different (MLA) some
+  // kernels see zero-padded q/k (ring_block_cpu.cpp), so it is fixed here.
+  if (!scale && q.size(3) != v.size(3)) scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
   cfg.scale = scale;
   cfg.backend = backend;
 #ifdef CPLIB_WITH_CUDA

@@ -47,8 +47,11 @@ int64_t resolve_backend_cuda(int64_t backend, const at::Tensor& q, const at::Ten
   auto as_q_heads = [&q](const at::Tensor& t) {
     return t.narrow(1, 0, 1).expand({t.size(0), q.size(1), t.size(2), t.size(3)});
   };
-  const int64_t b = at::_fused_sdp_choice(q, as_q_heads(k), as_q_heads(v), std::nullopt, 0.0,
-                                          causal, scale, false);
+  // MLA (v's head dim below q/k's): flash and cuDNN get v zero-padded to
+  // q/k's head dim (ring_block_cpu.cpp), so ask about that shape.
+  const at::Tensor& v_seen = v.size(3) < q.size(3) ? k : v;
+  const int64_t b = at::_fused_sdp_choice(q, as_q_heads(k), as_q_heads(v_seen), std::nullopt,
+                                          0.0, causal, scale, false);
   TORCH_CHECK_NOT_IMPLEMENTED(b == kBackendFlash || b == kBackendEfficient || b == kBackendCudnn,
                               "cplib.ring_sdpa: no fused SDPA backend returning a log-sum-exp "
                               "accepts these inputs (dtype ", q.scalar_type(), ", head dim ",

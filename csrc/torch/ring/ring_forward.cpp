@@ -29,7 +29,8 @@ BlockResult attend(const Config& cfg, const Call& c, const at::Tensor& q, const 
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> ring_forward(const Config& cfg, const at::Tensor& q,
-                                                const at::Tensor& k, const at::Tensor& v) {
+                                                const at::Tensor& k, const at::Tensor& v,
+                                                const at::Tensor& sinks) {
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2);
   const auto acc_opts = q.options().dtype(acc_dtype(q));
   at::Tensor out = at::empty({B, H, Lq, v.size(3)}, acc_opts);
@@ -61,6 +62,9 @@ std::tuple<at::Tensor, at::Tensor> ring_forward(const Config& cfg, const at::Ten
     }
   }
   ring.finish();
+  // Once per row, after the last merge: a sink merged per block would count
+  // once per block.
+  if (sinks.defined()) lse = apply_sinks(out, lse, sinks);
   if (out.scalar_type() != q.scalar_type()) out = out.to(q.scalar_type());
   return {out, lse};
 }

@@ -8,9 +8,11 @@
 
 namespace cplib::ring {
 
-// (out in q's dtype, lse in the accumulator dtype), both fresh and contiguous.
+// (out in q's dtype, lse in the accumulator dtype), both fresh and contiguous;
+// with `sinks` defined, both after the sinks joined the softmax (apply_sinks).
 std::tuple<at::Tensor, at::Tensor> ring_forward(const Config& cfg, const at::Tensor& q,
-                                                const at::Tensor& k, const at::Tensor& v);
+                                                const at::Tensor& k, const at::Tensor& v,
+                                                const at::Tensor& sinks = {});
 
 // (dq, dk, dv) in the inputs' dtype, fresh and contiguous; out/lse are the forward's.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(

@@ -80,14 +80,16 @@ std::tuple<at::Tensor, at::Tensor> ring_sdpa(const at::Tensor& q, const at::Tens
                                              const std::optional<at::Tensor>& cu_seqlens,
                                              at::OptionalIntArrayRef window,
                                              std::optional<int64_t> seq_len,
-                                             bool per_document) {
+                                             bool per_document,
+                                             const std::optional<at::Tensor>& sinks) {
   NoViewTracking guard;
   const Extras ex = extras(cu_seqlens, window, seq_len, per_document);
   check_same_call("ring_sdpa", sv(group_name), {{"q", &q}, {"k", &k}, {"v", &v}}, is_causal,
                   load_balanced, scale, backend, rotate, ex);
   Config cfg = check_args("ring_sdpa", q, k, v, sv(group_name), is_causal, load_balanced, scale,
                           backend, rotate, ex);
-  return ring_forward(cfg, q, k, v);
+  if (sinks) check_sinks("ring_sdpa", q, *sinks);
+  return ring_forward(cfg, q, k, v, sinks ? *sinks : at::Tensor());
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_sdpa_backward(
@@ -132,8 +134,8 @@ TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
   m.def(
       "ring_sdpa(Tensor q, Tensor k, Tensor v, str group_name, bool is_causal, "
       "bool load_balanced, float? scale, int backend, int rotate, Tensor? cu_seqlens=None, "
-      "int[]? window=None, int? seq_len=None, bool per_document=False) "
-      "-> (Tensor out, Tensor lse)");
+      "int[]? window=None, int? seq_len=None, bool per_document=False, "
+      "Tensor? sinks=None) -> (Tensor out, Tensor lse)");
   m.def(
       "ring_sdpa_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "str group_name, bool is_causal, bool load_balanced, float? scale, int backend, "

@@ -26,11 +26,13 @@ at::Tensor reshard(const at::Tensor& x, std::string_view group_name, bool to_hea
                    int64_t head_repeat);
 
 // Full-sequence attention of head-sharded q, k, v (k/v may have fewer heads:
-// GQA). out is sequence-major (strides of (S, B, H, D)), lse (B, H, S)
-// contiguous in the accumulator dtype, as ring_sdpa's.
+// GQA; v's head dim may differ: MLA). out is sequence-major (strides of
+// (S, B, H, D)), lse (B, H, S) contiguous in the accumulator dtype, as
+// ring_sdpa's; `sinks` (one logit per local q head) join the softmax.
 std::tuple<at::Tensor, at::Tensor> local_sdpa(const at::Tensor& q, const at::Tensor& k,
                                               const at::Tensor& v, bool is_causal,
-                                              std::optional<double> scale, int64_t backend);
+                                              std::optional<double> scale, int64_t backend,
+                                              const at::Tensor& sinks = {});
 
 // dq, dk, dv with the strides of a (B, S, H, D) tensor.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> local_sdpa_backward(

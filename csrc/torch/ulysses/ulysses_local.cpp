@@ -41,13 +41,21 @@ at::Tensor in_layout(const at::Tensor& t, std::array<int64_t, 4> order, at::Scal
 
 std::tuple<at::Tensor, at::Tensor> local_sdpa(const at::Tensor& q, const at::Tensor& k,
                                               const at::Tensor& v, bool is_causal,
-                                              std::optional<double> scale, int64_t backend) {
+                                              std::optional<double> scale, int64_t backend,
+                                              const at::Tensor& sinks) {
   const ring::Config cfg =
       ring::check_local_args("ulysses_local_sdpa", q, k, v, is_causal, scale, backend);
+  if (sinks.defined()) ring::check_sinks("ulysses_local_sdpa", q, sinks);
   ring::HeadExpander expand_k(cfg.groups, k, k.size(2)), expand_v(cfg.groups, v, v.size(2));
   ring::BlockResult r = ring::block_forward(cfg, q, expand_k(k), expand_v(v), is_causal);
+  const auto acc = ring::acc_dtype(q);
+  if (sinks.defined()) {  // scaled in the accumulator dtype, then cast once
+    at::Tensor out_acc = r.out.to(acc);
+    r.lse = ring::apply_sinks(out_acc, r.lse, sinks);
+    r.out = out_acc;
+  }
   at::Tensor out = in_layout(r.out, kSeqMajor, q.scalar_type());
-  at::Tensor lse = r.lse.to(ring::acc_dtype(q)).contiguous();
+  at::Tensor lse = r.lse.to(acc).contiguous();
   return {out, lse};
 }
 

@@ -22,9 +22,10 @@ at::Tensor reshard_op(const at::Tensor& x, c10::string_view group_name, bool to_
 
 std::tuple<at::Tensor, at::Tensor> local_sdpa_op(const at::Tensor& q, const at::Tensor& k,
                                                  const at::Tensor& v, bool is_causal,
-                                                 std::optional<double> scale, int64_t backend) {
+                                                 std::optional<double> scale, int64_t backend,
+                                                 const std::optional<at::Tensor>& sinks) {
   NoViewTracking guard;
-  return local_sdpa(q, k, v, is_causal, scale, backend);
+  return local_sdpa(q, k, v, is_causal, scale, backend, sinks ? *sinks : at::Tensor());
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> local_sdpa_backward_op(
@@ -43,7 +44,7 @@ TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
   m.def("ulysses_reshard(Tensor x, str group_name, bool to_heads, int head_repeat) -> Tensor");
   m.def(
       "ulysses_local_sdpa(Tensor q, Tensor k, Tensor v, bool is_causal, float? scale, "
-      "int backend) -> (Tensor out, Tensor lse)");
+      "int backend, Tensor? sinks=None) -> (Tensor out, Tensor lse)");
   m.def(
       "ulysses_local_sdpa_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
       "Tensor lse, bool is_causal, float? scale, int backend) -> (Tensor dq, Tensor dk, "

@@ -1,0 +1,32 @@
+"""Hugging Face models under cplib: ``import cplib.hf`` registers
+``attn_implementation="cplib"`` with ``transformers.AttentionInterface``
+(and a mask function with ``AttentionMaskInterface``, so that no S x S mask
+is built for it).
+
+A model built or switched with it (``from_config(cfg,
+attn_implementation="cplib")``, ``model.set_attn_implementation("cplib")``)
+computes every layer's attention
+
+* inside ``cplib.context_parallel(...)`` with cplib's ring (or USP with
+  ``ulysses_degree``) on the local shards, with the layer's sliding window,
+  sinks (gpt-oss), scaling, GQA and head dims (MLA) and the context's
+  documents (``position_ids=`` / ``cu_seqlens=``);
+* outside any context as exact single-device attention with the same
+  semantics (so one model object works either way), padding masks included.
+
+Importing ``cplib`` alone does not import transformers; this module does.
+"""
+
+from __future__ import annotations
+
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from ._attention import cplib_attention_forward, cplib_mask
+
+__all__ = ["cplib_attention_forward", "cplib_mask", "ATTN_IMPLEMENTATION"]
+
+ATTN_IMPLEMENTATION = "cplib"
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, cplib_attention_forward)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, cplib_mask)

@@ -1,0 +1,221 @@
+"""The ``"cplib"`` attention and mask functions for Hugging Face models.
+
+HF's conventions, checked against its eager path: the attention function
+gets (B, H, S, D) tensors and returns (B, S, H, Dv); a layer's
+``sliding_window=W`` lets query i see key j iff ``0 <= i - j < W`` (causal),
+which is cplib's ``window=(W - 1, W - 1)``; ``s_aux`` are gpt-oss sinks;
+packed documents are marked by ``position_ids`` that do not step by one.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.overrides import _get_current_function_mode_stack
+
+from .._options import RingConfig
+from .._ring import ring_sdpa
+from .._sdpa_dispatch import CPDispatchMode, sdpa_backend_hint
+from .._ulysses import ulysses_sdpa, usp_sdpa
+
+__all__ = ["cplib_attention_forward", "cplib_mask"]
+
+
+def cplib_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
+               kv_offset: int = 0, mask_function: Any = None,
+               attention_mask: torch.Tensor | None = None, **kwargs: Any
+               ) -> torch.Tensor | None:
+    """The mask for ``attn_implementation="cplib"``: nothing (None) unless the
+    2-D padding mask hides a token, then that (B, kv_length) mask itself. The
+    attention function derives causal, windows and documents from the layer
+    and ``position_ids``, so no (q_length, kv_length) mask is ever built.
+    Under context parallelism the ranks agree on it (one flag reduced over
+    the group), so that every rank raises, not only those holding padding."""
+    if attention_mask is None or attention_mask.dim() != 2:
+        return None
+    padded = torch.tensor([0 if bool(attention_mask.all()) else 1],
+                          device=attention_mask.device)
+    config = _active_config()
+    if config is not None:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        # The ring groups and the Ulysses groups together span the CP ranks.
+        for name in (config.group_name, config.ulysses_group):
+            if name is not None:
+                dist.all_reduce(padded, op=dist.ReduceOp.MAX, group=_resolve_process_group(name))
+    return attention_mask.bool() if bool(padded.item()) else None
+
+
+def _active_config() -> RingConfig | None:
+    """The configuration of the innermost ``cplib.context_parallel`` region
+    this call runs in, else None."""
+    for mode in reversed(_get_current_function_mode_stack()):
+        if isinstance(mode, CPDispatchMode):
+            return mode.config
+    return None
+
+
+def cplib_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                            value: torch.Tensor, attention_mask: torch.Tensor | None,
+                            dropout: float = 0.0, scaling: float | None = None,
+                            sliding_window: int | None = None,
+                            s_aux: torch.Tensor | None = None, softcap: float | None = None,
+                            is_causal: bool | None = None, **kwargs: Any
+                            ) -> tuple[torch.Tensor, None]:
+    """A Hugging Face attention function (see ``transformers.AttentionInterface``)."""
+    if softcap is not None:
+        raise NotImplementedError(f"cplib attention: softcap={softcap} (logit soft-capping) is "
+                                  "not supported; use attn_implementation='eager'")
+    if dropout:
+        raise NotImplementedError(f"cplib attention: attention dropout={dropout} is not "
+                                  "supported; set the model's attention dropout to 0")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"cplib attention: sliding_window={sliding_window} must be >= 1")
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    # HF's window W sees the W - 1 tokens before each query (and after it,
+    # when not causal); causal attention drops the right side.
+    window = None if sliding_window is None else (sliding_window - 1, sliding_window - 1)
+    config = _active_config()
+    if config is not None:
+        out = _context_parallel(config, query, key, value, attention_mask, scaling, causal,
+                                window, s_aux)
+    else:
+        out = _single_device(query, key, value, attention_mask, scaling, causal, window, s_aux,
+                             kwargs.get("position_ids"))
+    return out.transpose(1, 2).contiguous(), None
+
+
+# ------------------------------------------------------------ context parallel
+
+
+def _context_parallel(config: RingConfig, q, k, v, attention_mask, scale, causal, window,
+                      sinks) -> torch.Tensor:
+    if attention_mask is not None:
+        raise NotImplementedError(
+            f"cplib attention: an attention mask (shape {tuple(attention_mask.shape)}: padding "
+            "or a custom mask) inside cplib.context_parallel is not supported; pack the batch "
+            "without padding (documents: context_parallel(position_ids=...)), or run outside "
+            "the context")
+    kw: dict[str, Any] = {"is_causal": causal, "scale": scale,
+                          "backend": sdpa_backend_hint(q.device)}
+    # The same keywords as ring_sdpa's, only where set (plain contexts need none).
+    if sinks is not None:
+        kw["sinks"] = sinks
+    if window is not None:
+        kw["window"] = window
+    if config.cu_seqlens is not None:
+        kw["cu_seqlens"] = config.cu_seqlens
+    if config.seq_len is not None:
+        kw["seq_len"] = config.seq_len
+    if config.per_document:
+        kw["per_document"] = True
+    if config.ulysses_degree == 1:
+        out, _ = ring_sdpa(q, k, v, config.group_name, load_balanced=config.load_balanced,
+                           rotate=config.rotate, **kw)
+    elif config.ulysses_degree == config.world_size:
+        _check_keywords(ulysses_sdpa, kw)
+        out, _ = ulysses_sdpa(q, k, v, config.ulysses_group, **kw)
+    else:
+        _check_keywords(usp_sdpa, kw)
+        out, _ = usp_sdpa(q, k, v, config.ulysses_group, config.group_name,
+                          load_balanced=config.load_balanced, rotate=config.rotate, **kw)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _keywords(fn) -> frozenset[str]:
+    return frozenset(inspect.signature(fn).parameters)
+
+
+def _check_keywords(fn, kw: dict[str, Any]) -> None:
+    # A layer's window (or the context's documents) on an entry point that
+    # does not take them yet: say so, rather than a TypeError.
+    missing = sorted(set(kw) - _keywords(fn))
+    if missing:
+        raise NotImplementedError(
+            f"cplib attention: {fn.__name__} (ulysses_degree > 1) does not take {missing} "
+            "(sliding windows, documents); use ulysses_degree=1 (the ring) for this model")
+
+
+# ------------------------------------------------------------ one device
+
+
+def _visible(q_len: int, kv_len: int, causal: bool, window, documents, padding,
+             device) -> torch.Tensor | None:
+    """Boolean (B or 1, 1, q_len, kv_len) mask of what each query sees, or
+    None for plain (causal or full) attention. Queries are the last q_len of
+    the kv_len positions (a cache in front of them)."""
+    if window is None and documents is None and padding is None:
+        return None
+    qi = torch.arange(kv_len - q_len, kv_len, device=device).view(-1, 1)
+    kj = torch.arange(kv_len, device=device).view(1, -1)
+    see = torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
+    if causal:
+        see &= kj <= qi
+    if window is not None:
+        see &= (qi - kj <= window[0]) & (kj - qi <= window[1])
+    see = see.view(1, 1, q_len, kv_len)
+    if documents is not None:  # (B, S) document ids
+        see = see & (documents[:, None, :, None] == documents[:, None, None, :])
+    if padding is not None:  # (B, kv_len), False for padding tokens
+        see = see & padding[:, None, None, :].bool()
+    # A row that sees nothing (a padding query) attends everywhere instead of
+    # giving NaN, as HF's SDPA masks do; its output is never used.
+    return see | ~see.any(-1, keepdim=True)
+
+
+def _documents(position_ids, q_len: int, kv_len: int, padding) -> torch.Tensor | None:
+    # HF packs documents as position_ids that do not step by one (only
+    # without a padding mask and a cache, as its own masks do).
+    if position_ids is None or padding is not None or q_len != kv_len or q_len < 2:
+        return None
+    pos = position_ids.reshape(-1, position_ids.shape[-1])
+    if pos.shape[-1] != q_len:
+        return None
+    first = pos[:, :1] - 1
+    starts = torch.diff(pos, prepend=first, dim=-1) != 1
+    if not bool(starts[:, 1:].any()):
+        return None
+    return starts.cumsum(-1)
+
+
+def _single_device(q, k, v, attention_mask, scale, causal, window, sinks,
+                   position_ids) -> torch.Tensor:
+    groups = q.shape[1] // k.shape[1]
+    if attention_mask is not None and attention_mask.dim() != 2:
+        # An already prepared 4-D mask holds everything, as in HF's own paths.
+        return _math_attention(q, k, v, attention_mask, scale, sinks, groups)
+    q_len, kv_len = q.shape[2], k.shape[2]
+    documents = _documents(position_ids, q_len, kv_len, attention_mask)
+    see = _visible(q_len, kv_len, causal, window, documents, attention_mask, q.device)
+    if see is None and causal and (q_len != kv_len or sinks is not None):
+        # SDPA's is_causal aligns top-left; with a cache in front the queries are the last rows.
+        see = _visible(q_len, kv_len, True, (kv_len, kv_len), None, None, q.device)
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=see,
+                                              is_causal=causal and see is None, scale=scale,
+                                              enable_gqa=groups > 1)
+    return _math_attention(q, k, v, see, scale, sinks, groups)
+
+
+def _math_attention(q, k, v, mask, scale, sinks, groups) -> torch.Tensor:
+    """Attention as HF's eager path computes it, with sinks (one more logit
+    per row, with no value) and a boolean or additive mask."""
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool \
+            else scores + mask
+    if sinks is not None:
+        sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs.to(v.dtype), v)
