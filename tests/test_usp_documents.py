@@ -162,13 +162,49 @@ def _check_style() -> int:
     return checks
 
 
-def _check_all() -> list[int]:
-    return [_check_ops(), _check_context(), _check_style()]
+def _check_bad() -> list[str]:
+    """Bad documents/lengths raise ValueError naming the value, on every rank
+    alike, before any exchange (the groups still work afterwards)."""
+    mesh, n = _mesh(), dist.get_world_size()
+    groups = usp_groups(mesh.get_group(), U)
+    ring = groups.ring_group or cplib._ulysses._self_group()
+    q = torch.randn(1, 4, 4, 8, dtype=torch.float64)
+    messages = []
+    for kwargs in (dict(seq_len=6 * n),                           # not this layout's lengths
+                   dict(cu_seqlens=torch.tensor([0, 3, 2, 4 * n])),
+                   dict(per_document=True, cu_seqlens=torch.tensor([0, 4 * n])),
+                   dict(window=(-1, 2))):
+        with pytest.raises(ValueError) as info:
+            cplib.usp_sdpa(q, q, q, groups.ulysses_group, ring, is_causal=True, **kwargs)
+        messages.append(str(info.value))
+    with pytest.raises(ValueError) as info:
+        with cplib.attention_documents():
+            pass
+    messages.append(str(info.value))
+    out, _ = cplib.usp_sdpa(q, q, q, groups.ulysses_group, ring, is_causal=True, window=2)
+    assert out.shape == q.shape
+    return messages
+
+
+def _check_all() -> list:
+    return [_check_ops(), _check_context(), _check_style(), _check_bad()]
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_usp_documents_and_windows(ranks, world_size):
-    assert ranks(world_size).run(_check_all) == [[len(_OP_CASES), 4, 2]] * world_size
+    results = ranks(world_size).run(_check_all)
+    assert [r[:3] for r in results] == [[len(_OP_CASES), 4, 2]] * world_size
+    messages = results[0][3]
+    assert all(r[3] == messages for r in results)  # the same error on every rank
+    n = world_size
+    assert f"seq_len={6 * n} over {n // U} ring positions x {U} Ulysses ranks (sequential " \
+        "layout) gives this Ulysses group pieces of [6, 6] rows, but q has 4 and k/v 4" \
+        in messages[0]
+    assert "cu_seqlens must be strictly increasing, got 3 then 2" in messages[1]
+    assert "per_document=True (head-tail inside every document) needs cu_seqlens and seq_len" \
+        in messages[2]
+    assert "window=(-1, 2) must be non-negative" in messages[3]
+    assert "pass cu_seqlens or position_ids (one)" in messages[4]
 
 
 def test_usp_layout_is_head_tail_over_ring_positions_when_it_divides():
