@@ -197,6 +197,7 @@ def _check_qkv(op: str, q, k, v) -> None:
 _self: dict[int, str] = {}
 
 
+@torch.compiler.assume_constant_result
 def _self_group() -> str:
     """A group of this process alone (made once, by this process only): the
     ring of one that runs pure Ulysses's masked attention."""
@@ -363,10 +364,10 @@ def _piece_lengths(op: str, q, k, uname: str, rname: str, degree: int, ring_degr
     if per_document and (cu_seqlens is None or seq_len is None):
         raise ValueError(f"cplib.{op}: per_document=True (head-tail inside every document) "
                          "needs cu_seqlens and seq_len")
-    if cu_seqlens is not None:
-        check_cu_seqlens(op, cu_seqlens, total)
+    if cu_seqlens is not None and not torch.compiler.is_compiling():
+        check_cu_seqlens(op, cu_seqlens, total)  # traced: the ring's fake kernel checks it
     window_arg(window)
-    docs = cu_seqlens.tolist() if per_document else None
+    docs = _documents(cu_seqlens) if per_document else None
     lengths = usp_piece_lengths(total, ring_degree, degree, _rank(rname),
                                 bool(load_balanced or per_document), docs)
     mine = lengths[_rank(uname)]
@@ -378,6 +379,13 @@ def _piece_lengths(op: str, q, k, uname: str, rname: str, degree: int, ring_degr
                          f"pieces of {lengths} rows, but q has {q.shape[2]} and k/v "
                          f"{k.shape[2]}")
     return lengths
+
+
+@torch.compiler.assume_constant_result
+def _documents(cu_seqlens: torch.Tensor) -> list[int]:
+    # The document boundaries, a constant of any compiled region (the layout
+    # depends on them, as the shapes do).
+    return cu_seqlens.tolist()
 
 
 def _pad_rows(ts, rows: int):

@@ -1,8 +1,8 @@
 """USP (ulysses_degree 2) with packed documents, sliding windows and any
 length, at world sizes 2 (pure Ulysses) and 4 (2 ring positions x 2 Ulysses
-ranks), load balanced and not: usp_sdpa / ulysses_sdpa, context_parallel and
-_ContextParallel against the fp64 single-process masked reference (out and
-the gradients of q, k, v)."""
+ranks), load balanced and not: usp_sdpa / ulysses_sdpa, context_parallel (one
+case compiled, fullgraph) and _ContextParallel against the fp64
+single-process masked reference (out and the gradients of q, k, v)."""
 
 from __future__ import annotations
 
@@ -89,13 +89,16 @@ def _check_context() -> int:
     gradients against the reference."""
     mesh = _mesh()
     checks = 0
-    cases = [  # (S, load_balance, documents, window, as position_ids)
-        (16, True, [0, 9, 16], None, False),
-        (15, False, None, 3, False),
-        (18, "per_document", [0, 5, 18], 6, True),
-        (17, True, [0, 2, 17], (4, None), False),
+    cases = [  # (S, load_balance, documents, window, as position_ids, compiled)
+        (16, True, [0, 9, 16], None, False, False),
+        (15, False, None, 3, False, False),
+        (18, "per_document", [0, 5, 18], 6, True, True),
+        (17, True, [0, 2, 17], (4, None), False, False),
     ]
-    for seed, (s, lb, docs, window, as_pos) in enumerate(cases):
+    for seed, (s, lb, docs, window, as_pos, compiled) in enumerate(cases):
+        torch._dynamo.reset()
+        compiled = compiled and dist.get_world_size() == 4  # the USP path; one compile
+        fn = torch.compile(_sdpa, backend="aot_eager", fullgraph=True) if compiled else _sdpa
         q, k, v, cot = _inputs(s, 100 + 10 * seed)
         ref = masked_reference(q, k, v, cot, visible(s, causal=True, cu_seqlens=docs,
                                                       window=window))
@@ -112,14 +115,14 @@ def _check_context() -> int:
             ql, kl, vl, cl = bufs
             for t in (ql, kl, vl):
                 t.requires_grad_(True)
-            out = _sdpa(ql, kl, vl)
+            out = fn(ql, kl, vl)
             out.backward(cl)
             got = cp.unshard([out.detach(), ql.grad, kl.grad, vl.grad], [2] * 4)
             for t in (ql, kl, vl):
                 t.requires_grad_(False)
         for label, g, w in zip(("out", "dq", "dk", "dv"), got, (ref[0],) + ref[2:]):
             assert_close(g, w, **TOL, what=f"context {label} [S={s} lb={lb} docs={docs} "
-                                           f"window={window}]")
+                                           f"window={window} compiled={compiled}]")
         checks += 1
     return checks
 
