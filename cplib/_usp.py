@@ -13,8 +13,9 @@ order, its ring shard in the order ring attention expects, which the first
 all-to-all assembles on every rank of the group; causal work is then even
 over the ring positions, and within a group every rank does the same work
 on different heads. For lengths divisible by 2N it is exactly
-``_HeadTailLoadBalancer(S, R)`` followed by the ordinary N-way cut, so ``shard``/``unshard`` take that balancer
-(``usp_load_balancer``), and with U = 1 it is today's ring layout.
+``_HeadTailLoadBalancer(S, R)`` followed by the ordinary N-way cut;
+``shard``/``unshard`` take it as ``usp_load_balancer``, and with U = 1 it
+is the ring's layout.
 
 Any length, documents. In general the ring layout is ``cplib._seq_layout``'s
 over R positions (sequential, head-tail, or head-tail inside every document,
