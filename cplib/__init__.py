@@ -29,7 +29,7 @@ from ._sdpa_dispatch import (
     _enable_context_parallel_dispatcher,
 )
 from ._sharding import _context_parallel_shard, context_parallel_unshard, shard, unshard
-from ._style import _ContextParallel
+from ._style import _ContextParallel, attention_documents
 from ._ulysses import ulysses_reshard, ulysses_sdpa, usp_sdpa
 from ._usp import usp_load_balancer
 
@@ -98,6 +98,7 @@ __all__ = [
     "unshard",
     "__version__",
     "attention_window",
+    "attention_documents",
     "cu_seqlens_from_position_ids",
     "AnyLengthHeadTailLoadBalancer",
     "AnyLengthPerDocumentLoadBalancer",

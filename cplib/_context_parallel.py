@@ -15,7 +15,6 @@ from ._documents import cu_seqlens_from_position_ids
 from ._load_balancer import (
     AnyLengthHeadTailLoadBalancer,
     AnyLengthPerDocumentLoadBalancer,
-    _HeadTailLoadBalancer,
     _LoadBalancer,
     shard_lengths,
 )
@@ -23,7 +22,7 @@ from ._options import RingConfig, _cp_options, _RotateMethod, parse_rotate_metho
 from ._sdpa_dispatch import CPDispatchMode
 from ._native import check_mesh
 from ._sharding import check_shardable, shard_tensor, unshard
-from ._usp import check_degrees, ulysses_layout, usp_groups
+from ._usp import UspLoadBalancer, check_degrees, ulysses_layout, usp_groups
 
 __all__ = ["context_parallel", "ContextParallelHandle"]
 
@@ -81,18 +80,10 @@ def _validate(buffers: list, seq_dims: list, no_restore: list, world_size: int,
             f"cplib.context_parallel: load_balance=True needs every buffer's sequence length to "
             f"be the same; got lengths {lengths}"
         )
-    if ring_degree != world_size:
-        # USP cuts each ring shard evenly among the Ulysses ranks.
-        if load_balance and not divisible:
-            raise ValueError(
-                f"cplib.context_parallel: load_balance=True with ulysses_degree > 1 needs every "
-                f"buffer's sequence length divisible by 2 * ring_degree (world_size / "
-                f"ulysses_degree) = {2 * ring_degree}; got lengths {lengths}")
-        if any(length % world_size for length in lengths):
-            raise ValueError(
-                f"cplib.context_parallel: ulysses_degree > 1 needs every buffer's sequence "
-                f"length divisible by the world size {world_size}; got lengths {lengths}")
-        return bool(wanted and divisible and same)
+    if ring_degree != world_size and not same:
+        raise ValueError(
+            f"cplib.context_parallel: ulysses_degree > 1 needs every buffer's sequence length "
+            f"to be the same; got lengths {lengths}")
     if load_balance:
         return True  # head-tail for any length (chunks within one token of each other)
     # Without an explicit request, fall back to sequential sharding as torch does.
@@ -162,9 +153,11 @@ def context_parallel(
     (all-to-all over heads) within groups of U consecutive ranks and ring
     attention across them; U = N is pure Ulysses, U = 1 (default) the ring.
     U must divide N and the heads of every attention call (ValueError).
-    With load balancing the layout is head-tail over the N/U ring positions
-    (lengths divisible by 2N/U and by N), then cut in N pieces. USP does not
-    combine with documents or windows (NotImplementedError).
+    With load balancing the layout is head-tail over the N/U ring positions,
+    then each ring shard is cut in U pieces (``cplib.usp_load_balancer``).
+    Documents, windows, per-document balancing and any length combine with
+    USP as with the ring: the ring runs on the ring shards the Ulysses
+    exchange assembles.
 
     Any length S >= world size shards without padding. Packed documents:
     ``cu_seqlens`` (``[0, s1, ..., S]``, global, unsharded) or
@@ -189,12 +182,6 @@ def context_parallel(
     if isinstance(load_balance, str) and not per_document:
         raise ValueError(f"cplib.context_parallel: load_balance={load_balance!r} is not True, "
                          "False, None or 'per_document'")
-    if ulysses_degree != 1 and (per_document or window is not None or cu_seqlens is not None
-                                or position_ids is not None):
-        raise NotImplementedError(
-            f"cplib.context_parallel: ulysses_degree={ulysses_degree} does not combine with "
-            "documents (cu_seqlens, position_ids, load_balance='per_document') or windows; "
-            "use ulysses_degree=1 (the ring) for those")
     balanced = _validate(buffers, seq_dims, no_restore, world_size,
                          True if per_document else load_balance, ring_degree)
     seq_len = buffers[0].shape[seq_dims[0]] if buffers else None
@@ -207,11 +194,14 @@ def context_parallel(
         window_arg(window)  # ValueError naming a bad window, before anything is sharded
 
     balancer = None
-    if per_document:
+    if ulysses_degree != 1 and buffers and (balanced or seq_len % world_size):
+        # USP: the ring layout over N/U positions, each ring shard cut in U pieces.
+        balancer = UspLoadBalancer(seq_len, world_size, ulysses_degree, buffers[0].device,
+                                   head_tail=balanced,
+                                   documents=documents.tolist() if per_document else None)
+    elif per_document:
         balancer = AnyLengthPerDocumentLoadBalancer(documents.tolist(), world_size,
                                                     buffers[0].device)
-    elif balanced and buffers and ring_degree != world_size:
-        balancer = _HeadTailLoadBalancer(seq_len, ring_degree, buffers[0].device)  # USP layout
     elif balanced and buffers:
         balancer = AnyLengthHeadTailLoadBalancer(seq_len, world_size, buffers[0].device)
     groups = usp_groups(group, ulysses_degree)  # collective the first time only
@@ -227,6 +217,9 @@ def context_parallel(
              for b in buffers]
     # The ring infers S from equal shards; uneven ones (or documents) need it.
     uneven = seq_len is not None and shard_lengths(seq_len, world_size, balancer) is not None
+    # USP: odd ring shards cut in equal pieces are uneven for the ring's head-tail.
+    uneven = uneven or (isinstance(balancer, UspLoadBalancer) and balanced
+                        and seq_len % (2 * ring_degree) != 0)
     config = RingConfig(groups.ring_group or group.group_name, world_size, balanced,
                         rotate_method_name(rotate), ulysses_degree, groups.ulysses_group,
                         seq_len=seq_len if uneven or documents is not None else None,

@@ -141,13 +141,15 @@ def _routed_ulysses(config: RingConfig, q, k, v, is_causal: bool, scale) -> torc
     from ._ulysses import ulysses_sdpa, usp_sdpa
 
     backend = sdpa_backend_hint(q.device)
-    if config.ulysses_degree == config.world_size:
+    extras = dict(cu_seqlens=config.cu_seqlens, window=current_window(config.window),
+                  seq_len=config.seq_len)
+    if config.ulysses_degree == config.world_size:  # the layout is sequential: no per_document
         out, _ = ulysses_sdpa(q, k, v, config.ulysses_group, is_causal=is_causal, scale=scale,
-                              backend=backend)
+                              backend=backend, **extras)
     else:
         out, _ = usp_sdpa(q, k, v, config.ulysses_group, config.group_name, is_causal=is_causal,
                           load_balanced=config.load_balanced, scale=scale, rotate=config.rotate,
-                          backend=backend)
+                          backend=backend, per_document=config.per_document, **extras)
     return out
 
 

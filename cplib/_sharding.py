@@ -94,8 +94,8 @@ def shard_tensor(t: torch.Tensor, seq_dim: int, rank: int, world_size: int,
 def _any_length(load_balancer: _LoadBalancer | None) -> bool:
     from ._load_balancer import AnyLengthHeadTailLoadBalancer, AnyLengthPerDocumentLoadBalancer
 
-    return load_balancer is None or isinstance(
-        load_balancer, (AnyLengthHeadTailLoadBalancer, AnyLengthPerDocumentLoadBalancer))
+    return load_balancer is None or callable(getattr(load_balancer, "lengths", None)) or \
+        isinstance(load_balancer, (AnyLengthHeadTailLoadBalancer, AnyLengthPerDocumentLoadBalancer))
 
 
 def _block_mask_type() -> type | None:

@@ -4,10 +4,13 @@ torch's module-wrapper entry point."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Generator
 from enum import Enum
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -19,7 +22,7 @@ from ._sdpa_dispatch import CPDispatchMode, dispatcher_enabled
 from ._native import check_mesh
 from ._usp import UspGroups, usp_groups
 
-__all__ = ["_ContextParallel"]
+__all__ = ["_ContextParallel", "attention_documents"]
 
 
 class _ContextParallel(ParallelStyle):
@@ -28,15 +31,26 @@ class _ContextParallel(ParallelStyle):
     (head-tail when a load balancer was passed to it, which
     ``_cp_options.enable_load_balance`` records); needs
     ``_enable_context_parallel_dispatcher()``. FLEX: the module's key and
-    value arguments are all-gathered along ``seq_dim`` before its forward."""
+    value arguments are all-gathered along ``seq_dim`` before its forward.
+
+    cplib's additions: ``ulysses_degree`` (USP, as ``context_parallel``'s;
+    shard with ``cplib.usp_load_balancer``), ``window`` (the sliding window of
+    the module's SDPA calls, as ``context_parallel``'s; ``cplib.attention_window``
+    overrides it per call), and packed documents per batch through
+    :func:`attention_documents`."""
 
     class AttentionType(Enum):
         FLEX = "flex_attention"
         SDPA = "scaled_dot_product_attention"
 
     def __init__(self, seq_dim: int, attention_type: AttentionType,
-                 ulysses_degree: int = 1) -> None:
+                 ulysses_degree: int = 1, *,
+                 window: int | tuple[int | None, int | None] | None = None) -> None:
         super().__init__()
+        if window is not None:
+            from ._ring import window_arg
+            window_arg(window)  # ValueError naming a bad window, at construction
+        self.window = window
         self.seq_dim = seq_dim
         self.attention_type = attention_type
         # cplib's addition: USP, as context_parallel(..., ulysses_degree=U);
@@ -52,9 +66,14 @@ class _ContextParallel(ParallelStyle):
                     f"on dim 2; got seq_dim={self.seq_dim}"
                 )
             groups = usp_groups(group, self.ulysses_degree)  # collective, once per mesh
-            module.forward = functools.partial(_sdpa_forward, module.forward, group, groups)
+            module.forward = functools.partial(_sdpa_forward, module.forward, group, groups,
+                                               self.window)
             return module
         if self.attention_type == self.AttentionType.FLEX:
+            if self.window is not None:
+                raise NotImplementedError(
+                    f"cplib: window={self.window!r} applies to SDPA attention; FLEX attention "
+                    "takes its window from the block mask")
             if self.ulysses_degree != 1:
                 raise NotImplementedError(
                     f"cplib: ulysses_degree={self.ulysses_degree} applies to SDPA attention; "
@@ -72,16 +91,52 @@ class _ContextParallel(ParallelStyle):
                                 group_name=check_mesh(mesh).group_name)
 
 
-def _sdpa_forward(forward: Any, group: dist.ProcessGroup, groups: UspGroups, *args: Any,
-                  **kwargs: Any) -> Any:
+# The documents of the SDPA calls of ``_ContextParallel`` modules made inside
+# ``attention_documents`` blocks (a stack, so blocks nest): (cu_seqlens, per_document).
+_documents: list[tuple[torch.Tensor, bool]] = []
+
+
+@contextlib.contextmanager
+def attention_documents(cu_seqlens: torch.Tensor | None = None, *,
+                        position_ids: torch.Tensor | None = None,
+                        per_document: bool = False) -> Generator[None, None, None]:
+    """Packed documents for the SDPA calls of ``_ContextParallel`` modules
+    made inside: ``cu_seqlens`` (``[0, s1, ..., S]``, global) or the full,
+    unsharded ``position_ids`` (restarting at 0 at each document), as
+    ``context_parallel`` takes them; attention stays within each document.
+    ``per_document=True``: the inputs were sharded head-tail inside every
+    document (``AnyLengthPerDocumentLoadBalancer``, or
+    ``usp_load_balancer(..., cu_seqlens=...)`` with ``ulysses_degree``)."""
+    from ._documents import cu_seqlens_from_position_ids
+    from ._ring import check_cu_seqlens
+
+    if (cu_seqlens is None) == (position_ids is None):
+        raise ValueError("cplib.attention_documents: pass cu_seqlens or position_ids (one)")
+    if position_ids is not None:
+        cu_seqlens = cu_seqlens_from_position_ids(position_ids)
+    if not isinstance(cu_seqlens, torch.Tensor):
+        cu_seqlens = torch.tensor(cu_seqlens)
+    check_cu_seqlens("attention_documents", cu_seqlens, int(cu_seqlens[-1]))
+    _documents.append((cu_seqlens.to("cpu", torch.long), bool(per_document)))
+    try:
+        yield
+    finally:
+        _documents.pop()
+
+
+def _sdpa_forward(forward: Any, group: dist.ProcessGroup, groups: UspGroups, window: Any,
+                  *args: Any, **kwargs: Any) -> Any:
     if not dispatcher_enabled():
         raise RuntimeError(
             "cplib: this module was parallelized with _ContextParallel but the context "
             "parallel dispatcher is off; call cplib._enable_context_parallel_dispatcher() first"
         )
+    cu_seqlens, per_document = _documents[-1] if _documents else (None, False)
     config = RingConfig(groups.ring_group or group.group_name, dist.get_world_size(group),
-                        _cp_options.enable_load_balance,
+                        _cp_options.enable_load_balance or per_document,
                         rotate_method_name(_cp_options.rotate_method), groups.ulysses_degree,
-                        groups.ulysses_group)
+                        groups.ulysses_group,
+                        seq_len=None if cu_seqlens is None else int(cu_seqlens[-1]),
+                        cu_seqlens=cu_seqlens, window=window, per_document=per_document)
     with CPDispatchMode(config):
         return forward(*args, **kwargs)

@@ -197,6 +197,21 @@ def _check_qkv(op: str, q, k, v) -> None:
                              f"is {shape}")
 
 
+_self: dict[int, str] = {}
+
+
+@torch.compiler.assume_constant_result
+def _self_group() -> str:
+    """A group of this process alone (made once, by this process only): the
+    ring of one that runs pure Ulysses's masked attention."""
+    import torch.distributed as dist
+
+    me = dist.get_rank()
+    if me not in _self:
+        _self[me] = dist.new_group([me], use_local_synchronization=True).group_name
+    return _self[me]
+
+
 def _to_heads(q, k, v, group_name: str, degree: int):
     repeat = kv_head_repeat(k.shape[1], degree)
     return (ops.ulysses_reshard(q, group_name, True, 1),
@@ -237,6 +252,9 @@ def ulysses_sdpa(
     scale: float | None = None,
     backend: str | None = None,
     sinks: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    window: int | tuple[int | None, int | None] | None = None,
+    seq_len: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ulysses attention of the local sequence shards ``q`` (B, Hq, S/N, D) and
     ``k``/``v`` (B, Hkv, S/N, D), in rank order, over ``group`` (a ProcessGroup
@@ -249,8 +267,17 @@ def ulysses_sdpa(
     than N, are repeated to one head per rank (never to Hq). Heads that cannot
     be split raise ValueError before any communication. v's head dim may
     differ from q/k's (MLA); ``sinks`` (Hq,) as in :func:`cplib.ring_sdpa`.
+
+    ``cu_seqlens``, ``window`` and ``seq_len`` (any S >= N: rank r holds
+    ``chunk_range(S, N, r)``) mean what they mean for
+    :func:`cplib.ring_sdpa`; the attention over the whole sequence is then
+    the ring's masked kernel on a ring of one rank.
     """
     op = "ulysses_sdpa"
+    if cu_seqlens is not None or window is not None or seq_len is not None:
+        return usp_sdpa(q, k, v, group, _self_group(), is_causal=is_causal, scale=scale,
+                        backend=backend, sinks=sinks, cu_seqlens=cu_seqlens, window=window,
+                        seq_len=seq_len)
     _check_qkv(op, q, k, v)
     name = group_name_of(group)
     degree = _degree(name)
@@ -277,6 +304,10 @@ def usp_sdpa(
     rotate: str = "p2p",
     backend: str | None = None,
     sinks: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    window: int | tuple[int | None, int | None] | None = None,
+    seq_len: int | None = None,
+    per_document: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """USP: Ulysses over ``ulysses_group`` (U ranks) around ring attention over
     ``ring_group`` (R ranks). The shards are this rank's part of the layout
@@ -284,7 +315,14 @@ def usp_sdpa(
     (head-tail over the R ring positions with ``load_balanced``), cut into U
     pieces in Ulysses-rank order. Same returns and errors as
     :func:`ulysses_sdpa`, plus ring_sdpa's (``rotate``, ``load_balanced``);
-    ``sinks`` and MLA head dims as in :func:`ulysses_sdpa`."""
+    ``sinks`` and MLA head dims as in :func:`ulysses_sdpa`.
+
+    ``cu_seqlens``, ``window``, ``seq_len`` and ``per_document`` mean what they
+    mean for :func:`cplib.ring_sdpa`, in global positions; the ring sees the
+    ring shards the Ulysses exchange assembles, so it skips the same empty
+    blocks. With ``seq_len`` (any S >= N) or ``per_document`` the pieces of a
+    ring shard may differ by a row (``cplib.usp_load_balancer``); they travel
+    padded to one length and the padding never reaches the attention."""
     op = "usp_sdpa"
     _check_qkv(op, q, k, v)
     uname, rname = group_name_of(ulysses_group), group_name_of(ring_group)
@@ -295,12 +333,93 @@ def usp_sdpa(
     scale = _check_scale(op, scale)
     code = _backend_code(op, backend)
     _check_local(op, q, k, v, is_causal, scale, code)
-    if load_balanced and (q.shape[2] * degree) % 2:
-        raise ValueError(f"cplib.{op}: load_balanced needs an even ring shard, got "
-                         f"{q.shape[2]} x {degree} rows")
-    _degree(rname)  # ValueError for an unknown ring group, before any exchange
+    ring_degree = _degree(rname)  # ValueError for an unknown ring group, before any exchange
+    masked = dict(cu_seqlens=cu_seqlens, window=window, seq_len=seq_len,
+                  per_document=bool(per_document))
+    if cu_seqlens is None and window is None and seq_len is None and not per_document:
+        if load_balanced and (q.shape[2] * degree) % 2:
+            raise ValueError(f"cplib.{op}: load_balanced needs an even ring shard, got "
+                             f"{q.shape[2]} x {degree} rows")
+        lengths = [q.shape[2]] * degree
+    else:
+        lengths = _piece_lengths(op, q, k, uname, rname, degree, ring_degree, load_balanced,
+                                 **masked)
+    mine = q.shape[2]
+    keep = _real_rows(lengths, q.device)
+    if keep is not None:  # uneven pieces travel padded to one length
+        q, k, v = _pad_rows((q, k, v), max(lengths))
     local_sinks = _local_sinks(op, q, sinks, uname, degree)
     qh, kh, vh = _to_heads(q, k, v, uname, degree)
+    if keep is not None:  # drop the padding: the ring sees exactly its shard
+        qh, kh, vh = (t.index_select(2, keep) for t in (qh, kh, vh))
     out_h, lse_h = ring_sdpa(qh, kh, vh, rname, is_causal=is_causal, load_balanced=load_balanced,
-                             scale=scale, rotate=rotate, backend=backend, sinks=local_sinks)
-    return _to_seq(out_h, lse_h, uname)
+                             scale=scale, rotate=rotate, backend=backend, sinks=local_sinks,
+                             **masked)
+    if keep is not None:
+        rows = max(lengths) * degree
+        out_h = out_h.new_zeros(out_h.shape[:2] + (rows, out_h.shape[3])).index_copy(
+            2, keep, out_h)
+        lse_h = lse_h.new_zeros(lse_h.shape[:2] + (rows,)).index_copy(2, keep, lse_h)
+    out, lse = _to_seq(out_h, lse_h, uname)
+    if out.shape[2] != mine:
+        out, lse = out.narrow(2, 0, mine), lse.narrow(2, 0, mine).contiguous()
+    return out, lse
+
+
+# ---------------------------------------------------------------- uneven pieces (USP layout)
+
+
+def _piece_lengths(op: str, q, k, uname: str, rname: str, degree: int, ring_degree: int,
+                   load_balanced: bool, cu_seqlens, window, seq_len, per_document) -> list[int]:
+    """The rows of the U pieces of this rank's ring shard (cplib._usp's
+    layout), checked against q and k/v (from shapes and arguments alone, so
+    every rank fails alike before any exchange)."""
+    from ._ring import check_cu_seqlens, window_arg
+    from ._usp import usp_piece_lengths
+
+    n = degree * ring_degree
+    total = q.shape[2] * n if seq_len is None else int(seq_len)
+    if total < n:
+        raise ValueError(f"cplib.{op}: seq_len={seq_len} is shorter than the world size {n} "
+                         "(every rank needs a token)")
+    if per_document and (cu_seqlens is None or seq_len is None):
+        raise ValueError(f"cplib.{op}: per_document=True (head-tail inside every document) "
+                         "needs cu_seqlens and seq_len")
+    if cu_seqlens is not None and not torch.compiler.is_compiling():
+        check_cu_seqlens(op, cu_seqlens, total)  # traced: the ring's fake kernel checks it
+    window_arg(window)
+    docs = _documents(cu_seqlens) if per_document else None
+    lengths = usp_piece_lengths(total, ring_degree, degree, _rank_in(rname),
+                                bool(load_balanced or per_document), docs)
+    mine = lengths[_rank_in(uname)]
+    if q.shape[2] != mine or k.shape[2] != mine or min(lengths) < 1:
+        layout = ("per-document head-tail" if per_document
+                  else "head-tail" if load_balanced else "sequential")
+        raise ValueError(f"cplib.{op}: seq_len={total} over {ring_degree} ring positions x "
+                         f"{degree} Ulysses ranks ({layout} layout) gives this Ulysses group "
+                         f"pieces of {lengths} rows, but q has {q.shape[2]} and k/v "
+                         f"{k.shape[2]}")
+    return lengths
+
+
+@torch.compiler.assume_constant_result
+def _documents(cu_seqlens: torch.Tensor) -> list[int]:
+    # The document boundaries, a constant of any compiled region (the layout
+    # depends on them, as the shapes do).
+    return cu_seqlens.tolist()
+
+
+def _pad_rows(ts, rows: int):
+    return tuple(t if t.shape[2] == rows else
+                 torch.cat([t, t.new_zeros(t.shape[:2] + (rows - t.shape[2], t.shape[3]))], 2)
+                 for t in ts)
+
+
+def _real_rows(lengths: list[int], device) -> torch.Tensor | None:
+    """Rows of the exchanged (padded) ring shard that hold tokens, or None
+    when no piece was padded."""
+    rows = max(lengths)
+    if all(n == rows for n in lengths):
+        return None
+    return torch.cat([torch.arange(j * rows, j * rows + n, device=device)
+                      for j, n in enumerate(lengths)])

@@ -12,9 +12,18 @@ pieces, piece p on rank p. So each Ulysses group's U pieces are, in rank
 order, its ring shard in the order ring attention expects, which the first
 all-to-all assembles on every rank of the group; causal work is then even
 over the ring positions, and within a group every rank does the same work
-on different heads. It is exactly ``_HeadTailLoadBalancer(S, R)`` followed by
-the ordinary N-way cut, so ``shard``/``unshard`` take that balancer
-(``usp_load_balancer``), and with U = 1 it is today's ring layout.
+on different heads. For lengths divisible by 2N it is exactly
+``_HeadTailLoadBalancer(S, R)`` followed by the ordinary N-way cut;
+``shard``/``unshard`` take it as ``usp_load_balancer``, and with U = 1 it
+is the ring's layout.
+
+Any length, documents. In general the ring layout is ``cplib._seq_layout``'s
+over R positions (sequential, head-tail, or head-tail inside every document,
+for any S >= R) and ring shard i (L_i rows) is cut into U pieces of
+``chunk_range(L_i, U, j)`` rows, piece j on rank i*U + j. When S divides
+evenly this is the layout above. ``usp_shard_ranges`` is the one definition:
+``UspLoadBalancer`` (shard/unshard) and ``usp_sdpa`` (which pads the pieces
+of a ring shard to one length for the exchange) both read it.
 """
 
 from __future__ import annotations
@@ -24,10 +33,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ._load_balancer import _HeadTailLoadBalancer
+from ._load_balancer import _inverse, _LoadBalancer
+from ._seq_layout import chunk_range, shard_ranges
 
-__all__ = ["UspGroups", "check_degrees", "usp_groups", "usp_load_balancer",
-           "active_ulysses_degree", "ulysses_layout"]
+__all__ = ["UspGroups", "UspLoadBalancer", "check_degrees", "usp_groups", "usp_load_balancer",
+           "usp_piece_lengths", "usp_shard_ranges", "active_ulysses_degree", "ulysses_layout"]
 
 
 def check_degrees(world_size: int, ulysses_degree: int) -> int:
@@ -41,15 +51,87 @@ def check_degrees(world_size: int, ulysses_degree: int) -> int:
     return world_size // ulysses_degree
 
 
-def usp_load_balancer(seq_length: int, world_size: int, ulysses_degree: int,
-                      device: str | torch.device = "cpu") -> _HeadTailLoadBalancer:
-    """The load balancer of the USP layout: head-tail over the ring degree
-    N / U (pass it to ``shard``, ``unshard``, ``_context_parallel_shard``)."""
+def usp_piece_lengths(seq_len: int, ring_degree: int, ulysses_degree: int, ring_rank: int,
+                      head_tail: bool, documents: list[int] | None = None) -> list[int]:
+    """The rows of the U pieces of ring shard ``ring_rank``, in Ulysses-rank order."""
+    total = sum(n for _, n in shard_ranges(seq_len, ring_degree, ring_rank, head_tail, documents))
+    return [chunk_range(total, ulysses_degree, j)[1] for j in range(ulysses_degree)]
+
+
+def usp_shard_ranges(seq_len: int, world_size: int, ulysses_degree: int, rank: int,
+                     head_tail: bool, documents: list[int] | None = None
+                     ) -> list[tuple[int, int]]:
+    """The (start, length) global pieces of ``rank``'s USP shard, in local
+    order: its Ulysses piece of its ring position's shard."""
     ring_degree = check_degrees(world_size, ulysses_degree)
-    if seq_length % world_size:
-        raise ValueError(f"cplib: sequence length {seq_length} is not divisible by the "
+    ring_rank, j = divmod(rank, ulysses_degree)
+    ring = shard_ranges(seq_len, ring_degree, ring_rank, head_tail, documents)
+    first, count = chunk_range(sum(n for _, n in ring), ulysses_degree, j)
+    pieces = []
+    for start, n in ring:  # the rows [first, first + count) of the ring shard
+        lo, hi = max(first, 0), min(first + count, n)
+        if lo < hi:
+            pieces.append((start + lo, hi - lo))
+        first -= n
+    return pieces
+
+
+class UspLoadBalancer(_LoadBalancer):
+    """The USP layout as a load balancer for ``shard``, ``unshard`` and
+    ``_context_parallel_shard``: ring layout over N / U positions (head-tail
+    with ``head_tail``, inside every document with ``documents``), each ring
+    shard cut into U pieces. Any length S >= N; shards may differ by a row."""
+
+    def __init__(self, seq_length: int, world_size: int, ulysses_degree: int,
+                 device: str | torch.device = "cpu", *, head_tail: bool = True,
+                 documents: list[int] | None = None):
+        self.seq_length = seq_length
+        self.world_size = world_size
+        self.ulysses_degree = ulysses_degree
+        self.device = device
+        self.head_tail = head_tail or documents is not None
+        self.documents = None if documents is None else [int(x) for x in documents]
+        lengths = self.lengths()
+        if min(lengths) < 1:
+            raise ValueError(
+                f"cplib: sequence length {seq_length} over {world_size} ranks with "
+                f"ulysses_degree={ulysses_degree} leaves a rank without a token (shard lengths "
+                f"{lengths}); use a longer sequence or a smaller world")
+
+    def ranges(self, rank: int) -> list[tuple[int, int]]:
+        return usp_shard_ranges(self.seq_length, self.world_size, self.ulysses_degree, rank,
+                                self.head_tail, self.documents)
+
+    def lengths(self) -> list[int]:
+        return [sum(n for _, n in self.ranges(r)) for r in range(self.world_size)]
+
+    def _generate_indices(self, restore: bool = False) -> torch.Tensor:
+        perm = torch.cat([torch.arange(s, s + n, device=self.device)
+                          for r in range(self.world_size) for s, n in self.ranges(r)])
+        return (_inverse(perm) if restore else perm).unsqueeze(0)
+
+
+def usp_load_balancer(seq_length: int, world_size: int, ulysses_degree: int,
+                      device: str | torch.device = "cpu", *, head_tail: bool = True,
+                      cu_seqlens: torch.Tensor | list[int] | None = None) -> UspLoadBalancer:
+    """The load balancer of the USP layout (pass it to ``shard``, ``unshard``,
+    ``_context_parallel_shard``): head-tail over the ring degree N / U (the
+    layout of ``load_balanced=True``; ``head_tail=False``: sequential, for
+    uneven lengths), or head-tail inside every document of ``cu_seqlens``
+    (``per_document=True``). Any length S >= N."""
+    check_degrees(world_size, ulysses_degree)
+    if seq_length < world_size:
+        raise ValueError(f"cplib: sequence length {seq_length} is shorter than the "
                          f"context-parallel world size {world_size}")
-    return _HeadTailLoadBalancer(seq_length, ring_degree, device)
+    documents = None
+    if cu_seqlens is not None:
+        documents = [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor)
+                                      else cu_seqlens)]
+        if documents[-1] != seq_length:
+            raise ValueError(f"cplib: cu_seqlens ends at {documents[-1]}, not at the sequence "
+                             f"length {seq_length}")
+    return UspLoadBalancer(seq_length, world_size, ulysses_degree, device, head_tail=head_tail,
+                           documents=documents)
 
 
 @dataclass(frozen=True)
