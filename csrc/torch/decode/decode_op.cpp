@@ -13,7 +13,6 @@
 #include "comm/consistency.h"
 #include "merge/merge_op.h"
 #include "ring/ring_block.h"
-#include "ring/ring_heads.h"
 
 namespace cplib::decode {
 namespace {
@@ -134,15 +133,20 @@ std::tuple<at::Tensor, at::Tensor> decode_sdpa(const at::Tensor& q, const at::Te
       if (!no_key.any().item<bool>() && !mask.ne(0).any().item<bool>()) mask = at::Tensor();
     }
     if (!no_key.defined() || !no_key.all().item<bool>()) {
-      ring::HeadExpander ek(cfg.groups, k, L), ev(cfg.groups, v, L);
-      ring::BlockResult r = ring::block_forward(cfg, q, ek(k.contiguous()), ev(v.contiguous()),
-                                                /*causal=*/false, mask);
+      // GQA without expanding k/v: the q heads of one group become rows of
+      // their k/v head, (B, Hkv, groups * T, D), rows ordered (group, token).
+      const int64_t G = cfg.groups, Hkv = k.size(1);
+      const at::Tensor qg = q.reshape({B, Hkv, G * T, q.size(3)});
+      const at::Tensor mg = mask.defined() && G > 1 ? mask.repeat({G, 1}) : mask;
+      cfg.groups = 1;
+      ring::BlockResult r = ring::block_forward(cfg, qg, k, v, /*causal=*/false, mg);
+      at::Tensor o = r.out.reshape({B, H, T, Dv}), l = r.lse.reshape({B, H, T});
       if (mask.defined()) {
-        r.out = r.out.masked_fill(no_key.view({-1, 1}), 0);
-        r.lse = r.lse.masked_fill(no_key, ninf);
+        o = o.masked_fill(no_key.view({-1, 1}), 0);
+        l = l.masked_fill(no_key, ninf);
       }
-      part_out.copy_(r.out);
-      part_lse.copy_(r.lse);
+      part_out.copy_(o);
+      part_lse.copy_(l);
     }
   }
   const int64_t n = pg->getSize();
