@@ -23,7 +23,9 @@ from ._options import (
     _RotateMethod,
     set_rotate_method,
 )
-from ._ring import ring_sdpa
+from ._decode import decode_sdpa
+from ._kv_cache import ShardedKVCache
+from ._ring import ring_pass_auto, ring_sdpa
 from ._sdpa_dispatch import (
     _disable_context_parallel_dispatcher,
     _enable_context_parallel_dispatcher,
@@ -85,6 +87,9 @@ __all__ = [
     "consistency_checks_enabled",
     "set_consistency_checks",
     "ring_sdpa",
+    "ring_pass_auto",
+    "decode_sdpa",
+    "ShardedKVCache",
     "ulysses_reshard",
     "ulysses_sdpa",
     "usp_sdpa",

@@ -4,14 +4,18 @@ entry point ``ring_sdpa``."""
 
 from __future__ import annotations
 
+import logging
 import math
+from typing import Literal
 
 import torch
 
 from ._native import GroupLike, group_name_of, group_size, ops
 from ._seq_layout import local_length
 
-__all__ = ["ring_sdpa", "ROTATE_CODES", "BACKEND_CODES"]
+__all__ = ["ring_sdpa", "ring_pass_auto", "ROTATE_CODES", "BACKEND_CODES", "RING_PASS_CODES"]
+
+log = logging.getLogger("cplib")
 
 # Integer codes of the ops' `rotate` and `backend` arguments (see csrc/torch/ring/ring.h).
 ROTATE_CODES: dict[str, int] = {"p2p": 0, "alltoall": 1, "allgather": 2}
@@ -20,6 +24,9 @@ ROTATE_CODES: dict[str, int] = {"p2p": 0, "alltoall": 1, "allgather": 2}
 # CPU always runs the CPU flash kernel and accepts only auto and flash.
 BACKEND_CODES: dict[str | None, int] = {None: -1, "auto": -1, "flash": 1, "efficient": 2,
                                         "cudnn": 3}
+
+# Codes of the op's `ring_pass` argument (see csrc/torch/ring/ring.h).
+RING_PASS_CODES: dict[str, int] = {"kv": 0, "q": 1, "auto": 2}
 
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -115,9 +122,28 @@ def _check_extras(op: str, q, k, group_name: str, load_balanced: bool, cu_seqlen
             raise ValueError(f"cplib.{op}: window={w} must be non-negative (None for no limit)")
 
 
+def _check_positions(op: str, name: str, pos, rows: int, rows_of: str) -> None:
+    if pos is None:
+        raise ValueError(f"cplib.{op}: {name} is missing: give q_positions and kv_positions "
+                         "together, or neither")
+    if not isinstance(pos, torch.Tensor) or pos.dtype.is_floating_point or \
+            pos.dtype.is_complex or pos.dtype == torch.bool:
+        what = pos.dtype if isinstance(pos, torch.Tensor) else type(pos).__name__
+        raise ValueError(f"cplib.{op}: {name} must be an integer tensor, got dtype {what}")
+    if pos.dim() != 1:
+        raise ValueError(f"cplib.{op}: {name} must be 1-D (one global position per row), got "
+                         f"shape {list(pos.shape)}")
+    if pos.shape[0] != rows:
+        raise ValueError(f"cplib.{op}: {name} has {pos.shape[0]} positions but {rows_of} has "
+                         f"{rows} rows")
+    if rows and not _is_fake(pos) and int(pos.min()) < 0:
+        raise ValueError(f"cplib.{op}: {name} must be non-negative, got {int(pos.min())}")
+
+
 def _check(op: str, q, k, v, group_name: str, is_causal: bool, load_balanced: bool,
            scale: float | None, backend: int, rotate: int, cu_seqlens=None, window=None,
-           seq_len=None, per_document=False) -> None:
+           seq_len=None, per_document=False, q_positions=None, kv_positions=None,
+           ring_pass: int = 0) -> None:
     # Mirrors check_args in csrc/torch/ring/ring_args.cpp so traced code fails the same way.
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"cplib.{op}: expected q, k, v of shape (B, H, S_local, D), got q "
@@ -143,7 +169,8 @@ def _check(op: str, q, k, v, group_name: str, is_causal: bool, load_balanced: bo
     if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"cplib.{op}: q has {q.shape[1]} heads, which is not a multiple of "
                          f"k/v's {k.shape[1]} heads")
-    if q.shape[2] == 0 or k.shape[2] == 0:
+    positions = q_positions is not None or kv_positions is not None
+    if (q.shape[2] == 0 or k.shape[2] == 0) and not positions:
         raise ValueError(f"cplib.{op}: empty local sequence (q length {q.shape[2]}, kv length "
                          f"{k.shape[2]})")
     if q.shape[3] == 0 or v.shape[3] == 0:
@@ -161,6 +188,23 @@ def _check(op: str, q, k, v, group_name: str, is_causal: bool, load_balanced: bo
                          "flash (1)")
     if scale is not None and not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"cplib.{op}: scale={scale} must be a finite positive number or None")
+    if ring_pass not in RING_PASS_CODES.values():
+        raise ValueError(f"cplib.{op}: ring_pass={ring_pass} is not a ring pass "
+                         "(0 = kv, 1 = q, 2 = auto)")
+    if positions:
+        _check_positions(op, "q_positions", q_positions, q.shape[2], "q")
+        _check_positions(op, "kv_positions", kv_positions, k.shape[2], "k/v")
+        if load_balanced or seq_len is not None or per_document:
+            raise ValueError(f"cplib.{op}: q_positions/kv_positions describe the layout "
+                             "themselves: they exclude load_balanced, seq_len and per_document")
+        if group_name is not None:
+            group_size(group_name)
+        if window is not None and len(list(window)) != 2:
+            raise ValueError(f"cplib.{op}: window must be (left, right), got {list(window)}")
+        if window is not None and min(window) < 0:
+            raise ValueError(f"cplib.{op}: window={list(window)} must be non-negative "
+                             "(None for no limit)")
+        return
     if is_causal and q.shape[2] != k.shape[2]:
         raise ValueError(f"cplib.{op}: is_causal needs equal local q and kv lengths, got q "
                          f"{q.shape[2]} and kv {k.shape[2]}")
@@ -191,9 +235,10 @@ def check_sinks(op: str, q, sinks) -> None:
 
 @torch.library.register_fake("cplib_c::ring_sdpa")
 def _ring_sdpa_fake(q, k, v, group_name, is_causal, load_balanced, scale, backend, rotate,
-                    cu_seqlens=None, window=None, seq_len=None, per_document=False, sinks=None):
+                    cu_seqlens=None, window=None, seq_len=None, per_document=False, sinks=None,
+                    q_positions=None, kv_positions=None, ring_pass=0):
     _check("ring_sdpa", q, k, v, group_name, is_causal, load_balanced, scale, backend, rotate,
-           cu_seqlens, window, seq_len, per_document)
+           cu_seqlens, window, seq_len, per_document, q_positions, kv_positions, ring_pass)
     check_sinks("ring_sdpa", q, sinks)
     b, h, s, _ = q.shape
     out = q.new_empty((b, h, s, v.shape[3]))
@@ -204,9 +249,10 @@ def _ring_sdpa_fake(q, k, v, group_name, is_causal, load_balanced, scale, backen
 @torch.library.register_fake("cplib_c::ring_sdpa_backward")
 def _ring_sdpa_backward_fake(grad_out, q, k, v, out, lse, group_name, is_causal, load_balanced,
                              scale, backend, rotate, cu_seqlens=None, window=None, seq_len=None,
-                             per_document=False):
+                             per_document=False, q_positions=None, kv_positions=None,
+                             ring_pass=0):
     _check("ring_sdpa_backward", q, k, v, group_name, is_causal, load_balanced, scale, backend,
-           rotate, cu_seqlens, window, seq_len, per_document)
+           rotate, cu_seqlens, window, seq_len, per_document, q_positions, kv_positions)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -282,6 +328,9 @@ def ring_sdpa(
     seq_len: int | None = None,
     per_document: bool = False,
     sinks: torch.Tensor | None = None,
+    q_positions: torch.Tensor | None = None,
+    kv_positions: torch.Tensor | None = None,
+    ring_pass: Literal["kv", "q", "auto"] = "kv",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring attention of the local shards ``q`` (B, Hq, S_local, D) and ``k``/``v``
     (B, Hkv, S_local, D; v's head dim may differ from q/k's, as in MLA) over
@@ -312,6 +361,20 @@ def ring_sdpa(
     joins every row's softmax denominator once and contributes no value;
     ``out`` and ``lse`` then include it. Differentiable in ``sinks`` too
     (its gradient covers this rank's rows).
+
+    ``q_positions`` / ``kv_positions`` (1-D integer tensors, both or
+    neither): the global positions of this rank's q rows and k/v rows, in
+    local order, the same for every batch row. The mask is then read on them
+    (causal: ``kv_pos <= q_pos``; the window and the documents likewise), the
+    ranks may hold different lengths (zero queries too), and q and k/v may
+    cover different tokens: T new queries against a persistent cache of P + T
+    keys. They exclude ``load_balanced``, ``seq_len`` and ``per_document``.
+
+    ``ring_pass``: "kv" rotates k/v (differentiable); "q" rotates the queries
+    and returns each partial (out, lse) to its owner (forward only: cheaper
+    when few new queries meet a long cache); "auto" picks the one that moves
+    fewer bytes (:func:`ring_pass_auto`), and "kv" whenever a gradient is
+    needed. The choice is logged at debug level on the "cplib" logger.
     """
     if rotate not in ROTATE_CODES:
         raise ValueError(f"cplib.ring_sdpa: rotate={rotate!r} is not one of "
@@ -319,11 +382,46 @@ def ring_sdpa(
     if backend not in BACKEND_CODES:
         raise ValueError(f"cplib.ring_sdpa: backend={backend!r} is not one of None, 'auto', "
                          "'flash', 'efficient', 'cudnn'")
+    if ring_pass not in RING_PASS_CODES:
+        raise ValueError(f"cplib.ring_sdpa: ring_pass={ring_pass!r} is not one of "
+                         "'kv', 'q', 'auto'")
+    wants_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or
+                                              v.requires_grad)
+    if ring_pass == "q" and wants_grad:
+        raise ValueError("cplib.ring_sdpa: ring_pass='q' is forward only, but q, k or v requires "
+                         "grad: use ring_pass=\"kv\" (or run under torch.no_grad())")
+    code = RING_PASS_CODES["kv" if wants_grad else ring_pass]
     if scale is not None:
         scale = float(scale)
-    return ops.ring_sdpa(q, k, v, group_name_of(group), bool(is_causal), bool(load_balanced),
-                         scale, BACKEND_CODES[backend], ROTATE_CODES[rotate], cu_seqlens,
-                         window_arg(window), seq_len, bool(per_document), sinks)
+    out = ops.ring_sdpa(q, k, v, group_name_of(group), bool(is_causal), bool(load_balanced),
+                        scale, BACKEND_CODES[backend], ROTATE_CODES[rotate], cu_seqlens,
+                        window_arg(window), seq_len, bool(per_document), sinks, q_positions,
+                        kv_positions, code)
+    if ring_pass == "auto" and log.isEnabledFor(logging.DEBUG) and not _is_fake(q):
+        chosen = "q" if ops.ring_debug_last_pass() == RING_PASS_CODES["q"] else "kv"
+        log.debug("cplib.ring_sdpa: ring_pass='auto' chose %r%s", chosen,
+                  " (a gradient is needed)" if wants_grad else "")
+    return out
+
+
+def ring_pass_auto(q_tokens: int, kv_tokens: int, q_heads: int, kv_heads: int, head_dim: int,
+                   v_head_dim: int | None = None, dtype: torch.dtype = torch.float32,
+                   requires_grad: bool = False) -> Literal["kv", "q"]:
+    """The ring pass ``ring_pass="auto"`` picks: "q" when sending every query
+    (``q_tokens * q_heads * head_dim`` elements) and returning its partial
+    out and lse (``q_tokens * q_heads * (v_head_dim + 1)`` in the accumulator
+    dtype, float32 or float64) moves fewer bytes than sending every key and
+    value (``kv_tokens * kv_heads * (head_dim + v_head_dim)``); else "kv".
+    Token counts are global (summed over the ranks). Always "kv" when a
+    gradient is needed. The same rule as csrc/torch/ring/ring_args.cpp."""
+    if requires_grad:
+        return "kv"
+    dv = head_dim if v_head_dim is None else v_head_dim
+    elem = torch.empty((), dtype=dtype).element_size()
+    acc = 8 if dtype == torch.float64 else 4
+    kv_bytes = kv_tokens * kv_heads * (head_dim + dv) * elem
+    q_bytes = q_tokens * q_heads * (head_dim * elem + (dv + 1) * acc)
+    return "q" if q_bytes < kv_bytes else "kv"
 
 
 # A window side without limit: the op clamps every side to S.

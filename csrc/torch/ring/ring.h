@@ -39,7 +39,14 @@ struct Config {
   int64_t groups = 1;  // q heads per k/v head (GQA)
   Layout q_layout, kv_layout;  // where every rank's q and k/v rows sit globally
   Mask mask;                   // causal, documents, window, in global positions
+  bool pass_q = false;         // queries travel, k/v stay (forward only)
 };
+
+// ring_pass codes: 0 = "kv" (k/v travel), 1 = "q" (queries travel and the
+// partial (out, lse) return), 2 = "auto" (the one that moves fewer bytes).
+constexpr int64_t kPassKV = 0;
+constexpr int64_t kPassQ = 1;
+constexpr int64_t kPassAuto = 2;
 
 // The optional arguments of the ops (documents, window, global length).
 struct Extras {
@@ -47,6 +54,10 @@ struct Extras {
   std::optional<std::vector<int64_t>> window;
   std::optional<int64_t> seq_len;
   bool per_document = false;  // shards cut head-tail inside every document
+  // Explicit global positions of this rank's q rows and k/v rows (both or neither).
+  std::optional<at::Tensor> q_positions, kv_positions;
+  int64_t ring_pass = kPassKV;
+  bool has_positions() const { return q_positions.has_value() || kv_positions.has_value(); }
 };
 
 // Validates every argument (ValueError naming the value) and resolves the
@@ -55,6 +66,22 @@ Config check_args(const char* op, const at::Tensor& q, const at::Tensor& k, cons
                   std::string_view group_name, bool is_causal, bool load_balanced,
                   std::optional<double> scale, int64_t backend, int64_t rotate,
                   const Extras& extras = {});
+
+// After check_args, before the ring: with explicit positions gathers every
+// rank's positions (two small all-gathers of integers; check_args has
+// validated the local ones), fills the layouts and completes the mask; then
+// resolves ring_pass ("auto" from the global counts). The choice of the last
+// call is kept for ring_debug_last_pass.
+void finish_config(Config& cfg, const Extras& extras, const at::Tensor& q, const at::Tensor& k,
+                   const at::Tensor& v);
+int64_t last_ring_pass();
+
+// ring_pass="auto": "q" (true) when passing the queries and returning the
+// partial (out, lse) moves fewer bytes than passing k and v, from the global
+// query and key counts, the head counts and head dims.
+bool pass_q_moves_less(int64_t q_tokens, int64_t kv_tokens, int64_t q_heads, int64_t kv_heads,
+                       int64_t head_dim, int64_t v_head_dim, int64_t elem_size,
+                       int64_t acc_size);
 
 // The checks of check_args that concern one block of attention (tensors,
 // backend, scale, causal lengths), for a world of one: no group, size 1.

@@ -1,6 +1,8 @@
 // Argument validation of the ring ops: every check runs before any
 // communication and reads nothing another rank could see differently, except
 // cu_seqlens (the same on every rank by contract).
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <sstream>
 
@@ -12,7 +14,11 @@ namespace cplib::ring {
 namespace {
 
 
-void check_tensors(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+std::atomic<int64_t> g_last_pass{kPassKV};
+
+// With explicit positions a rank may hold no queries or no keys.
+void check_tensors(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                   bool allow_empty = false) {
   TORCH_CHECK_VALUE(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "cplib.", op,
                     ": expected q, k, v of shape (B, H, S_local, D), got q ", q.sizes(), ", k ",
                     k.sizes(), ", v ", v.sizes());
@@ -34,7 +40,7 @@ void check_tensors(const char* op, const at::Tensor& q, const at::Tensor& k, con
                     " differs from k head dim ", k.size(3));
   TORCH_CHECK_VALUE(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "cplib.", op, ": q has ",
                     q.size(1), " heads, which is not a multiple of k/v's ", k.size(1), " heads");
-  TORCH_CHECK_VALUE(q.size(2) > 0 && k.size(2) > 0, "cplib.", op,
+  TORCH_CHECK_VALUE(allow_empty || (q.size(2) > 0 && k.size(2) > 0), "cplib.", op,
                     ": empty local sequence (q length ", q.size(2), ", kv length ", k.size(2), ")");
   TORCH_CHECK_VALUE(q.size(3) > 0 && v.size(3) > 0, "cplib.", op, ": empty head dim");
   if (!q.is_cuda())
@@ -77,6 +83,50 @@ std::vector<int64_t> document_bounds(const char* op, const at::Tensor& cu, int64
   return b;
 }
 
+// Explicit positions: 1-D integers, one per row, non-negative, inside the
+// documents if any. Reads only this rank's values.
+void check_positions(const char* op, const char* name, const std::optional<at::Tensor>& pos,
+                     int64_t rows, const char* rows_of) {
+  TORCH_CHECK_VALUE(pos.has_value(), "cplib.", op, ": ", name,
+                    " is missing: give q_positions and kv_positions together, or neither");
+  const at::Tensor& p = *pos;
+  TORCH_CHECK_VALUE(!at::isFloatingType(p.scalar_type()) && !at::isComplexType(p.scalar_type()) &&
+                        p.scalar_type() != at::kBool,
+                    "cplib.", op, ": ", name, " must be an integer tensor, got dtype ",
+                    p.scalar_type());
+  TORCH_CHECK_VALUE(p.dim() == 1, "cplib.", op, ": ", name,
+                    " must be 1-D (one global position per row), got shape ", p.sizes());
+  TORCH_CHECK_VALUE(p.numel() == rows, "cplib.", op, ": ", name, " has ", p.numel(),
+                    " positions but ", rows_of, " has ", rows, " rows");
+  if (rows > 0) {
+    const int64_t lo = p.min().item<int64_t>();
+    TORCH_CHECK_VALUE(lo >= 0, "cplib.", op, ": ", name, " must be non-negative, got ", lo);
+  }
+}
+
+void check_explicit(const char* op, const Config& cfg, const at::Tensor& q, const at::Tensor& k,
+                    const Extras& ex) {
+  check_positions(op, "q_positions", ex.q_positions, q.size(2), "q");
+  check_positions(op, "kv_positions", ex.kv_positions, k.size(2), "k/v");
+  TORCH_CHECK_VALUE(!cfg.load_balanced && !ex.seq_len && !ex.per_document, "cplib.", op,
+                    ": q_positions/kv_positions describe the layout themselves: they exclude "
+                    "load_balanced, seq_len and per_document");
+  if (ex.cu_seqlens) {
+    const at::Tensor& cu = *ex.cu_seqlens;
+    TORCH_CHECK_VALUE(cu.dim() == 1 && cu.numel() >= 2, "cplib.", op,
+                      ": cu_seqlens must be 1-D with at least 2 entries [0, ..., S], got shape ",
+                      cu.sizes());
+    const int64_t end = cu[-1].item<int64_t>();
+    for (const auto* pos : {&*ex.q_positions, &*ex.kv_positions}) {
+      if (pos->numel() == 0) continue;
+      const int64_t hi = pos->max().item<int64_t>();
+      TORCH_CHECK_VALUE(hi < end, "cplib.", op, ": ",
+                        pos == &*ex.q_positions ? "q_positions" : "kv_positions", " holds ", hi,
+                        ", past the last document (cu_seqlens ends at ", end, ")");
+    }
+  }
+}
+
 // Layouts and mask from the optional arguments.
 void check_extras(const char* op, Config& cfg, const at::Tensor& q, const at::Tensor& k,
                   const Extras& ex) {
@@ -88,16 +138,20 @@ void check_extras(const char* op, Config& cfg, const at::Tensor& q, const at::Te
                       " is shorter than the world size ", n, " (every rank needs a token)");
     sq = sk = s;
   }
+  if (ex.has_positions()) {
+    check_explicit(op, cfg, q, k, ex);
+    if (ex.cu_seqlens) sq = sk = (*ex.cu_seqlens)[-1].item<int64_t>();
+  }
   const bool masked = ex.cu_seqlens.has_value() || ex.window.has_value();
-  TORCH_CHECK_VALUE(!masked || sq == sk, "cplib.", op, ": cu_seqlens and window need q and k/v "
+  TORCH_CHECK_VALUE(!masked || sq == sk || ex.has_positions(), "cplib.", op, ": cu_seqlens and window need q and k/v "
                     "of one global length, got q ", sq, " and kv ", sk);
   TORCH_CHECK_VALUE(!ex.per_document || (ex.cu_seqlens && ex.seq_len), "cplib.", op,
                     ": per_document=True (head-tail inside every document) needs cu_seqlens and "
                     "seq_len");
   Mask& m = cfg.mask;
   if (ex.cu_seqlens) m.bounds = document_bounds(op, *ex.cu_seqlens, sq);
-  cfg.q_layout = {sq, n, cfg.load_balanced, {}};
-  cfg.kv_layout = {sk, n, cfg.load_balanced, {}};
+  cfg.q_layout = {sq, n, cfg.load_balanced, {}, {}};
+  cfg.kv_layout = {sk, n, cfg.load_balanced, {}, {}};
   if (ex.per_document) cfg.q_layout.documents = cfg.kv_layout.documents = m.bounds;
   if (ex.seq_len || ex.per_document) {
     const int64_t want = cfg.q_layout.local_len(cfg.rank);
@@ -124,10 +178,11 @@ void check_extras(const char* op, Config& cfg, const at::Tensor& q, const at::Te
 
 }  // namespace
 
-Config check_local_args(const char* op, const at::Tensor& q, const at::Tensor& k,
-                        const at::Tensor& v, bool is_causal, std::optional<double> scale,
-                        int64_t backend) {
-  check_tensors(op, q, k, v);
+namespace {
+
+Config check_local(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                   bool is_causal, std::optional<double> scale, int64_t backend, bool positions) {
+  check_tensors(op, q, k, v, positions);
   TORCH_CHECK_VALUE(backend == kBackendAuto || backend == kBackendFlash ||
                         backend == kBackendEfficient || backend == kBackendCudnn,
                     "cplib.", op, ": backend=", backend,
@@ -136,7 +191,7 @@ Config check_local_args(const char* op, const at::Tensor& q, const at::Tensor& k
                     op, ": backend=", backend, " needs CUDA; CPU tensors always use flash (1)");
   TORCH_CHECK_VALUE(!scale || (std::isfinite(*scale) && *scale > 0.0), "cplib.", op, ": scale=",
                     scale ? *scale : 0.0, " must be a finite positive number or None");
-  TORCH_CHECK_VALUE(!is_causal || q.size(2) == k.size(2), "cplib.", op,
+  TORCH_CHECK_VALUE(!is_causal || positions || q.size(2) == k.size(2), "cplib.", op,
                     ": is_causal needs equal local q and kv lengths, got q ", q.size(2), " and kv ",
                     k.size(2));
   Config cfg;
@@ -148,10 +203,19 @@ Config check_local_args(const char* op, const at::Tensor& q, const at::Tensor& k
   cfg.backend = backend;
 #ifdef CPLIB_WITH_CUDA
   // Chosen once, before any communication, so every rank fails alike.
-  if (q.is_cuda()) cfg.backend = resolve_backend_cuda(backend, q, k, v, is_causal, scale);
+  if (q.is_cuda() && q.size(2) > 0 && k.size(2) > 0)
+    cfg.backend = resolve_backend_cuda(backend, q, k, v, is_causal && !positions, scale);
 #endif
   cfg.groups = q.size(1) / k.size(1);
   return cfg;
+}
+
+}  // namespace
+
+Config check_local_args(const char* op, const at::Tensor& q, const at::Tensor& k,
+                        const at::Tensor& v, bool is_causal, std::optional<double> scale,
+                        int64_t backend) {
+  return check_local(op, q, k, v, is_causal, scale, backend, false);
 }
 
 Config check_args(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -160,10 +224,14 @@ Config check_args(const char* op, const at::Tensor& q, const at::Tensor& k, cons
                   const Extras& extras) {
   TORCH_CHECK_VALUE(rotate >= 0 && rotate <= 2, "cplib.", op, ": rotate=", rotate,
                     " is not a rotation (0 = p2p, 1 = alltoall, 2 = allgather)");
-  Config cfg = check_local_args(op, q, k, v, is_causal, scale, backend);
+  TORCH_CHECK_VALUE(extras.ring_pass >= kPassKV && extras.ring_pass <= kPassAuto, "cplib.", op,
+                    ": ring_pass=", extras.ring_pass,
+                    " is not a ring pass (0 = kv, 1 = q, 2 = auto)");
+  Config cfg = check_local(op, q, k, v, is_causal, scale, backend, extras.has_positions());
   // Without seq_len the global length is N times the local one, two equal
   // chunks per rank when load balanced.
   TORCH_CHECK_VALUE(extras.seq_len || extras.per_document || !load_balanced ||
+                        extras.has_positions() ||
                         (q.size(2) % 2 == 0 && k.size(2) % 2 == 0),
                     "cplib.", op,
                     ": load_balanced needs even local lengths (two chunks per rank), got q ",
@@ -175,6 +243,75 @@ Config check_args(const char* op, const at::Tensor& q, const at::Tensor& k, cons
   cfg.rotate = static_cast<Rotate>(rotate);
   check_extras(op, cfg, q, k, extras);
   return cfg;
+}
+
+bool pass_q_moves_less(int64_t q_tokens, int64_t kv_tokens, int64_t q_heads, int64_t kv_heads,
+                       int64_t head_dim, int64_t v_head_dim, int64_t elem_size,
+                       int64_t acc_size) {
+  // pass-KV: every k/v row travels; pass-Q: every q row travels and its
+  // partial out and lse (accumulator dtype) come back.
+  const double kv = static_cast<double>(kv_tokens) * kv_heads * (head_dim + v_head_dim) * elem_size;
+  const double qb = static_cast<double>(q_tokens) * q_heads *
+                    (head_dim * elem_size + (v_head_dim + 1) * acc_size);
+  return qb < kv;
+}
+
+int64_t last_ring_pass() { return g_last_pass.load(); }
+
+void finish_config(Config& cfg, const Extras& ex, const at::Tensor& q, const at::Tensor& k,
+                   const at::Tensor& v) {
+  if (ex.has_positions()) {
+    const int64_t n = cfg.size;
+    const auto idx = at::TensorOptions().dtype(at::kLong).device(q.device());
+    at::Tensor mine = at::tensor(std::vector<int64_t>{q.size(2), k.size(2)}, idx);
+    at::Tensor lens = at::empty({2 * n}, idx);
+    wait(all_gather_dim0(cfg.pg, lens, mine));
+    const at::Tensor hl = lens.cpu();
+    const int64_t* l = hl.const_data_ptr<int64_t>();
+    int64_t wq = 1, wk = 1;
+    for (int64_t r = 0; r < n; ++r) wq = std::max(wq, l[2 * r]), wk = std::max(wk, l[2 * r + 1]);
+    // [q positions padded to wq | kv positions padded to wk] per rank.
+    at::Tensor in = at::full({wq + wk}, -1, idx);
+    in.narrow(0, 0, q.size(2)).copy_(*ex.q_positions);
+    in.narrow(0, wq, k.size(2)).copy_(*ex.kv_positions);
+    at::Tensor all = at::empty({n * (wq + wk)}, idx);
+    wait(all_gather_dim0(cfg.pg, all, in));
+    const at::Tensor ha = all.cpu();
+    const int64_t* a = ha.const_data_ptr<int64_t>();
+    Layout ql, kl;
+    ql.size = kl.size = n;
+    int64_t top = 0;
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t* row = a + r * (wq + wk);
+      ql.positions.emplace_back(row, row + l[2 * r]);
+      kl.positions.emplace_back(row + wq, row + wq + l[2 * r + 1]);
+      for (const auto* p : {&ql.positions.back(), &kl.positions.back()})
+        for (const int64_t x : *p) top = std::max(top, x + 1);
+    }
+    cfg.q_layout = std::move(ql);
+    cfg.kv_layout = std::move(kl);
+    Mask& m = cfg.mask;
+    m.seq_len = std::max<int64_t>({top, m.bounds.empty() ? 0 : m.bounds.back(), 1});
+    m.left = m.right = m.seq_len;
+    if (ex.window) {
+      m.left = std::min((*ex.window)[0], m.seq_len);
+      m.right = std::min((*ex.window)[1], m.seq_len);
+    }
+    if (cfg.causal) m.right = 0;
+  }
+  int64_t pass = ex.ring_pass;
+  if (pass == kPassAuto) {
+    int64_t tq = 0, tk = 0;
+    for (int64_t r = 0; r < cfg.size; ++r)
+      tq += cfg.q_layout.local_len(r), tk += cfg.kv_layout.local_len(r);
+    pass = pass_q_moves_less(tq, tk, q.size(1), k.size(1), q.size(3), v.size(3),
+                             static_cast<int64_t>(q.element_size()),
+                             acc_dtype(q) == at::kDouble ? 8 : 4)
+               ? kPassQ
+               : kPassKV;
+  }
+  cfg.pass_q = pass == kPassQ;
+  g_last_pass = pass;
 }
 
 }  // namespace cplib::ring

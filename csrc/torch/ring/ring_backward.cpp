@@ -28,7 +28,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
       for (const Call& c : plan.calls(s)) {
         auto rows = [&c](const at::Tensor& t) { return t.narrow(2, c.q_local, c.q_len); };
         at::Tensor mask;
-        if (c.kind == Visibility::partial) mask = cfg.mask.build(c.q(), c.k(), q.options()).first;
+        if (c.kind == Visibility::partial) mask = plan.mask(c, q.options()).first;
         auto [gq, gk, gv] = block_backward(
             cfg, rows(grad_out), rows(q), expand_k(blk[0].narrow(2, c.k_local, c.k_len)),
             expand_v(blk[1].narrow(2, c.k_local, c.k_len)), rows(out), rows(lse),

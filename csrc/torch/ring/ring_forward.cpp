@@ -12,12 +12,11 @@
 #include "ring/ring_rotate.h"
 
 namespace cplib::ring {
-namespace {
 
-BlockResult attend(const Config& cfg, const Call& c, const at::Tensor& q, const at::Tensor& k,
-                   const at::Tensor& v) {
+BlockResult attend(const Config& cfg, const RingPlan& plan, const Call& c, const at::Tensor& q,
+                   const at::Tensor& k, const at::Tensor& v) {
   if (c.kind != Visibility::partial) return block_forward(cfg, q, k, v, c.kind == Visibility::causal);
-  auto [mask, no_key] = cfg.mask.build(c.q(), c.k(), q.options());
+  auto [mask, no_key] = plan.mask(c, q.options());
   BlockResult r = block_forward(cfg, q, k, v, false, mask);
   // Rows that see no key here contribute nothing: the kernels report lse 0
   // (CPU) for them, the merge needs -inf.
@@ -26,11 +25,16 @@ BlockResult attend(const Config& cfg, const Call& c, const at::Tensor& q, const 
   return r;
 }
 
-}  // namespace
-
 std::tuple<at::Tensor, at::Tensor> ring_forward(const Config& cfg, const at::Tensor& q,
                                                 const at::Tensor& k, const at::Tensor& v,
                                                 const at::Tensor& sinks) {
+  if (cfg.pass_q) {
+    auto [out, lse] = ring_forward_pass_q(cfg, q, k, v);
+    if (!sinks.defined()) return {out, lse};
+    at::Tensor acc = out.to(lse.scalar_type());
+    lse = apply_sinks(acc, lse, sinks);
+    return {acc.to(q.scalar_type()), lse};
+  }
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2);
   const auto acc_opts = q.options().dtype(acc_dtype(q));
   at::Tensor out = at::empty({B, H, Lq, v.size(3)}, acc_opts);
@@ -45,7 +49,7 @@ std::tuple<at::Tensor, at::Tensor> ring_forward(const Config& cfg, const at::Ten
     const KV blk = ring.fetch(s);
     if (!blk[0].defined()) continue;
     for (const Call& c : plan.calls(s)) {
-      BlockResult r = attend(cfg, c, q.narrow(2, c.q_local, c.q_len),
+      BlockResult r = attend(cfg, plan, c, q.narrow(2, c.q_local, c.q_len),
                              expand_k(blk[0].narrow(2, c.k_local, c.k_len)),
                              expand_v(blk[1].narrow(2, c.k_local, c.k_len)));
       if (!written && c.q_len == Lq) {  // a call over every row initialises the accumulators

@@ -34,6 +34,7 @@ std::vector<Piece> Layout::pieces(int64_t rank) const {
 }
 
 int64_t Layout::local_len(int64_t rank) const {
+  if (is_explicit()) return static_cast<int64_t>(positions[rank].size());
   int64_t n = 0;
   for (const Piece& p : pieces(rank)) n += p.global.len;
   return n;

@@ -2,7 +2,8 @@
 // is cut into C chunks whose sizes differ by at most one (the first S % C
 // chunks get the extra token); sequential sharding gives rank r chunk r of N,
 // head-tail sharding chunks r and 2N-1-r of 2N, and per-document head-tail
-// sharding does that inside every document (chunks r and 2N-1-r of each). Every rank can compute every
+// sharding does that inside every document (chunks r and 2N-1-r of each), and
+// an explicit layout lists every rank's positions. Every rank can compute every
 // rank's pieces from (S, N, layout) alone, so uneven shards need no padding
 // and no exchange of lengths.
 #pragma once
@@ -32,6 +33,11 @@ struct Layout {
   int64_t seq_len = 0, size = 1;
   bool head_tail = false;
   std::vector<int64_t> documents;  // per-document head-tail: cu_seqlens; else empty
+  // Explicit layout: every rank's global positions in local order (then
+  // seq_len, head_tail and documents are unused). The derived layouts above
+  // are the ways of computing these that need no exchange.
+  std::vector<std::vector<int64_t>> positions;
+  bool is_explicit() const { return !positions.empty(); }
 
   // The non-empty pieces of `rank`'s shard in local order (one or two; two
   // per document with a per-document layout).

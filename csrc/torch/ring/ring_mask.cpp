@@ -57,15 +57,19 @@ Range Mask::visible_keys(Range q, Range k) const {
 std::pair<at::Tensor, at::Tensor> Mask::build(Range q, Range k,
                                               const at::TensorOptions& opts) const {
   const auto idx = opts.dtype(at::kLong);
-  const at::Tensor qi = at::arange(q.start, q.end(), idx).unsqueeze(1);
-  const at::Tensor kj = at::arange(k.start, k.end(), idx).unsqueeze(0);
+  return build_at(at::arange(q.start, q.end(), idx), at::arange(k.start, k.end(), idx), opts);
+}
+
+std::pair<at::Tensor, at::Tensor> Mask::build_at(const at::Tensor& q_pos, const at::Tensor& k_pos,
+                                                 const at::TensorOptions& opts) const {
+  const at::Tensor qi = q_pos.unsqueeze(1), kj = k_pos.unsqueeze(0);
   at::Tensor visible = kj.ge(qi - left).logical_and_(kj.le(qi + right));
   if (bounds.size() > 2) {
-    const at::Tensor b = at::tensor(bounds, idx);
+    const at::Tensor b = at::tensor(bounds, opts.dtype(at::kLong));
     visible.logical_and_(at::searchsorted(b, qi, /*out_int32=*/false, /*right=*/true)
                              .eq(at::searchsorted(b, kj, false, true)));
   }
-  at::Tensor additive = at::zeros({q.len, k.len}, opts);
+  at::Tensor additive = at::zeros({q_pos.size(0), k_pos.size(0)}, opts);
   additive.masked_fill_(visible.logical_not(), -std::numeric_limits<double>::infinity());
   return {additive, visible.any(1).logical_not_()};
 }

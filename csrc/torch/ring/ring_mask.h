@@ -31,6 +31,10 @@ struct Mask {
   // (q.len, k.len) additive mask (0 or -inf) in `opts`' dtype on its device,
   // and the (q.len) boolean rows that see no key at all.
   std::pair<at::Tensor, at::Tensor> build(Range q, Range k, const at::TensorOptions& opts) const;
+  // The same for explicit positions: 1-D int64 tensors of the rows' and
+  // columns' global positions, on opts' device.
+  std::pair<at::Tensor, at::Tensor> build_at(const at::Tensor& q_pos, const at::Tensor& k_pos,
+                                             const at::TensorOptions& opts) const;
 
  private:
   int64_t doc_of(int64_t pos) const;  // index into bounds

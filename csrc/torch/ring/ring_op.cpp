@@ -22,8 +22,14 @@ std::string_view sv(c10::string_view s) { return {s.data(), s.size()}; }
 using NoViewTracking = at::AutoDispatchBelowADInplaceOrView;
 
 Extras extras(const std::optional<at::Tensor>& cu_seqlens, at::OptionalIntArrayRef window,
-              std::optional<int64_t> seq_len, bool per_document) {
+              std::optional<int64_t> seq_len, bool per_document,
+              const std::optional<at::Tensor>& q_positions = std::nullopt,
+              const std::optional<at::Tensor>& kv_positions = std::nullopt,
+              int64_t ring_pass = kPassKV) {
   Extras e;
+  e.q_positions = q_positions;
+  e.kv_positions = kv_positions;
+  e.ring_pass = ring_pass;
   e.per_document = per_document;
   e.cu_seqlens = cu_seqlens;
   if (window.has_value()) e.window = window->vec();
@@ -41,7 +47,7 @@ void check_same_call(const char* op, std::string_view group_name,
   if (!consistency_checks_enabled()) return;
   CallSignature sig;
   for (const auto& [name, t] : tensors) {
-    if ((!ex.seq_len && !ex.per_document) || !t->defined()) {
+    if ((!ex.seq_len && !ex.per_document && !ex.has_positions()) || !t->defined()) {
       sig.add_meta(name, *t);
       continue;
     }
@@ -63,6 +69,9 @@ void check_same_call(const char* op, std::string_view group_name,
     sig.add("cu_seqlens.numel()", ex.cu_seqlens->numel());
     sig.add_values_hash("cu_seqlens", *ex.cu_seqlens);
   }
+  sig.add("q_positions given", ex.q_positions.has_value());
+  sig.add("kv_positions given", ex.kv_positions.has_value());
+  sig.add("ring_pass", ex.ring_pass);
   sig.add("is_causal", is_causal);
   sig.add("load_balanced", load_balanced);
   sig.add("scale given", scale.has_value());
@@ -81,14 +90,19 @@ std::tuple<at::Tensor, at::Tensor> ring_sdpa(const at::Tensor& q, const at::Tens
                                              at::OptionalIntArrayRef window,
                                              std::optional<int64_t> seq_len,
                                              bool per_document,
-                                             const std::optional<at::Tensor>& sinks) {
+                                             const std::optional<at::Tensor>& sinks,
+                                             const std::optional<at::Tensor>& q_positions,
+                                             const std::optional<at::Tensor>& kv_positions,
+                                             int64_t ring_pass) {
   NoViewTracking guard;
-  const Extras ex = extras(cu_seqlens, window, seq_len, per_document);
+  const Extras ex =
+      extras(cu_seqlens, window, seq_len, per_document, q_positions, kv_positions, ring_pass);
   check_same_call("ring_sdpa", sv(group_name), {{"q", &q}, {"k", &k}, {"v", &v}}, is_causal,
                   load_balanced, scale, backend, rotate, ex);
   Config cfg = check_args("ring_sdpa", q, k, v, sv(group_name), is_causal, load_balanced, scale,
                           backend, rotate, ex);
   if (sinks) check_sinks("ring_sdpa", q, *sinks);
+  finish_config(cfg, ex, q, k, v);
   return ring_forward(cfg, q, k, v, sinks ? *sinks : at::Tensor());
 }
 
@@ -97,8 +111,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_sdpa_backward(
     const at::Tensor& out, const at::Tensor& lse, c10::string_view group_name, bool is_causal,
     bool load_balanced, std::optional<double> scale, int64_t backend, int64_t rotate,
     const std::optional<at::Tensor>& cu_seqlens, at::OptionalIntArrayRef window,
-    std::optional<int64_t> seq_len, bool per_document) {
-  const Extras ex = extras(cu_seqlens, window, seq_len, per_document);
+    std::optional<int64_t> seq_len, bool per_document,
+    const std::optional<at::Tensor>& q_positions, const std::optional<at::Tensor>& kv_positions,
+    int64_t ring_pass) {
+  // The backward always runs the pass-KV ring (pass-Q is forward only).
+  (void)ring_pass;
+  const Extras ex = extras(cu_seqlens, window, seq_len, per_document, q_positions, kv_positions);
   check_same_call("ring_sdpa_backward", sv(group_name),
                   {{"q", &q}, {"k", &k}, {"v", &v}, {"grad_out", &grad_out}, {"out", &out},
                    {"lse", &lse}},
@@ -123,10 +141,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_sdpa_backward(
   NoViewTracking guard;
   Config cfg = check_args("ring_sdpa_backward", q, k, v, sv(group_name), is_causal, load_balanced,
                           scale, backend, rotate, ex);
+  finish_config(cfg, ex, q, k, v);
   return ring_backward(cfg, grad_out, q, k, v, out, lse);
 }
 
 int64_t ring_debug_bytes_sent(bool reset) { return bytes_sent(reset); }
+int64_t ring_debug_last_pass() { return last_ring_pass(); }
 
 }  // namespace
 
@@ -135,13 +155,17 @@ TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
       "ring_sdpa(Tensor q, Tensor k, Tensor v, str group_name, bool is_causal, "
       "bool load_balanced, float? scale, int backend, int rotate, Tensor? cu_seqlens=None, "
       "int[]? window=None, int? seq_len=None, bool per_document=False, "
-      "Tensor? sinks=None) -> (Tensor out, Tensor lse)");
+      "Tensor? sinks=None, Tensor? q_positions=None, Tensor? kv_positions=None, "
+      "int ring_pass=0) -> (Tensor out, Tensor lse)");
   m.def(
       "ring_sdpa_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "str group_name, bool is_causal, bool load_balanced, float? scale, int backend, "
       "int rotate, Tensor? cu_seqlens=None, int[]? window=None, int? seq_len=None, "
-      "bool per_document=False) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "bool per_document=False, Tensor? q_positions=None, Tensor? kv_positions=None, "
+      "int ring_pass=0) -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def("ring_debug_bytes_sent(bool reset=False) -> int", &ring_debug_bytes_sent);
+  // The ring pass (0 = kv, 1 = q) the last ring_sdpa ran, "auto" resolved.
+  m.def("ring_debug_last_pass() -> int", &ring_debug_last_pass);
 }
 
 TORCH_LIBRARY_IMPL(cplib_c, CPU, m) {

@@ -18,6 +18,8 @@ int64_t mod(int64_t a, int64_t n) { return ((a % n) + n) % n; }
 
 RingPlan::RingPlan(const Config& cfg) : cfg_(cfg) {
   const int64_t n = cfg.size;
+  for (const auto& p : cfg.kv_layout.positions)
+    kv_sorted_.push_back(std::is_sorted(p.begin(), p.end()));
   needs_.assign(n * n, 0);
   offsets_.push_back(0);
   for (int64_t d = 0; d < n; ++d) {
@@ -42,6 +44,7 @@ std::vector<Call> RingPlan::calls(int64_t s) const {
 }
 
 std::vector<Call> RingPlan::plan_pair(int64_t rank, int64_t src, bool any_only) const {
+  if (cfg_.q_layout.is_explicit()) return plan_explicit(rank, src, any_only);
   const Mask& mask = cfg_.mask;
   const std::vector<Piece> qp = cfg_.q_layout.pieces(rank), kp = cfg_.kv_layout.pieces(src);
   const size_t nq = qp.size(), nk = kp.size();
@@ -131,6 +134,83 @@ std::vector<Call> RingPlan::plan_pair(int64_t rank, int64_t src, bool any_only) 
         calls.push_back(c);
       }
     }
+  return calls;
+}
+
+std::pair<at::Tensor, at::Tensor> RingPlan::mask(const Call& c,
+                                                 const at::TensorOptions& opts) const {
+  if (c.q_rank < 0) return cfg_.mask.build(c.q(), c.k(), opts);
+  auto slice = [&opts](const std::vector<int64_t>& p, int64_t start, int64_t len) {
+    return at::tensor(std::vector<int64_t>(p.begin() + start, p.begin() + start + len),
+                      at::TensorOptions().dtype(at::kLong))
+        .to(opts.device());
+  };
+  return cfg_.mask.build_at(slice(cfg_.q_layout.positions[c.q_rank], c.q_local, c.q_len),
+                            slice(cfg_.kv_layout.positions[c.k_rank], c.k_local, c.k_len), opts);
+}
+
+// Explicit positions: tiles of kTile q rows (in local order). Against sorted
+// k/v positions a tile sees one contiguous run of keys, found by binary
+// search, and within it the keys every query of the tile sees form a run
+// that needs no mask (the cached prefix, under a causal mask); the rest gets
+// an explicit mask read on the positions. Unsorted k/v: the whole block,
+// masked. Classification works on the hulls [min, max] of the positions,
+// which is exact for "empty" and "full" and conservative otherwise.
+std::vector<Call> RingPlan::plan_explicit(int64_t rank, int64_t src, bool any_only) const {
+  const Mask& mask = cfg_.mask;
+  const std::vector<int64_t>& qp = cfg_.q_layout.positions[rank];
+  const std::vector<int64_t>& kp = cfg_.kv_layout.positions[src];
+  std::vector<Call> calls;
+  const int64_t lq = static_cast<int64_t>(qp.size()), lk = static_cast<int64_t>(kp.size());
+  if (lq == 0 || lk == 0) return calls;
+  const bool sorted = kv_sorted_[src] != 0;
+  auto hull = [](const std::vector<int64_t>& p, int64_t a, int64_t b) {
+    const auto [lo, hi] = std::minmax_element(p.begin() + a, p.begin() + b);
+    return Range{*lo, *hi - *lo + 1};
+  };
+  // Key rows [a, b) of the sorted block with positions in [lo, hi].
+  auto rows_in = [&kp](int64_t lo, int64_t hi, int64_t a, int64_t b) {
+    const int64_t x = std::lower_bound(kp.begin() + a, kp.begin() + b, lo) - kp.begin();
+    const int64_t y = std::upper_bound(kp.begin() + a, kp.begin() + b, hi) - kp.begin();
+    return std::pair<int64_t, int64_t>{x, std::max(x, y)};
+  };
+  auto emit = [&](int64_t q0, int64_t qn, Range qh, int64_t k0, int64_t k1) {
+    if (k1 <= k0) return;
+    Visibility v = mask.classify(qh, hull(kp, k0, k1));
+    if (v == Visibility::empty) return;
+    if (v == Visibility::causal) v = Visibility::partial;  // local orders may differ
+    Call c;
+    c.kind = v;
+    c.q_local = q0;
+    c.q_len = qn;
+    c.k_local = k0;
+    c.k_len = k1 - k0;
+    c.q_rank = rank;
+    c.k_rank = src;
+    calls.push_back(c);
+  };
+  for (int64_t t = 0; t < lq; t += kTile) {
+    const int64_t qn = std::min(kTile, lq - t);
+    const Range qh = hull(qp, t, t + qn);
+    if (!sorted) {
+      emit(t, qn, qh, 0, lk);
+    } else {
+      const Range vis = mask.visible_keys(qh, {kp.front(), kp.back() - kp.front() + 1});
+      if (vis.empty()) continue;
+      const auto [a, b] = rows_in(vis.start, vis.end() - 1, 0, lk);
+      // Keys every query of the tile sees (by the window; documents are
+      // checked by classify): [qmax - left, qmin + right].
+      const auto [fa, fb] = rows_in(qh.end() - 1 - mask.left, qh.start + mask.right, a, b);
+      if (fa < fb) {
+        emit(t, qn, qh, a, fa);
+        emit(t, qn, qh, fa, fb);
+        emit(t, qn, qh, fb, b);
+      } else {
+        emit(t, qn, qh, a, b);
+      }
+    }
+    if (any_only && !calls.empty()) return calls;
+  }
   return calls;
 }
 

@@ -16,6 +16,9 @@ struct Call {
   int64_t q_local = 0, q_len = 0;      // rows of the local q
   int64_t k_local = 0, k_len = 0;      // rows of the visiting block
   int64_t q_global = 0, k_global = 0;  // their first global positions (for the mask)
+  // Explicit layouts: the ranks whose q rows and k/v rows these are (the
+  // mask is then read on their positions).
+  int64_t q_rank = -1, k_rank = -1;
   Range q() const { return {q_global, q_len}; }
   Range k() const { return {k_global, k_len}; }
 };
@@ -34,14 +37,22 @@ class RingPlan {
   int64_t kv_len(int64_t rank) const { return cfg_.kv_layout.local_len(rank); }
   // This rank's calls at step s.
   std::vector<Call> calls(int64_t s) const;
+  // The calls of q rows of `q_rank` against the k/v block of `kv_rank` (pass-Q).
+  std::vector<Call> calls_between(int64_t q_rank, int64_t kv_rank) const {
+    return plan_pair(q_rank, kv_rank, /*any_only=*/false);
+  }
+  // The additive mask and the rows that see no key of a partial call.
+  std::pair<at::Tensor, at::Tensor> mask(const Call& c, const at::TensorOptions& opts) const;
 
  private:
   bool needs(int64_t rank, int64_t offset) const;
   std::vector<Call> plan_pair(int64_t rank, int64_t src, bool any_only) const;
+  std::vector<Call> plan_explicit(int64_t rank, int64_t src, bool any_only) const;
 
   const Config& cfg_;
   std::vector<int64_t> offsets_;
   std::vector<char> needs_;  // [offset * size + rank]
+  std::vector<char> kv_sorted_;  // explicit layouts: rank's k/v positions ascending
 };
 
 }  // namespace cplib::ring

@@ -67,6 +67,7 @@ at::Tensor padded_slot(const at::Tensor& all, int64_t size, int64_t rank,
 }  // namespace
 
 int64_t bytes_sent(bool reset) { return reset ? g_bytes_sent.exchange(0) : g_bytes_sent.load(); }
+void count_bytes_sent(int64_t bytes) { g_bytes_sent += bytes; }
 
 // ------------------------------------------------------------------ blocks
 

@@ -82,5 +82,7 @@ class GradRing {
 // Bytes this process has sent around rings since the last reset (a debug
 // counter for tests: it shows what GQA, windows and documents save).
 int64_t bytes_sent(bool reset);
+// Adds to that counter (the pass-Q ring's messages).
+void count_bytes_sent(int64_t bytes);
 
 }  // namespace cplib::ring
