@@ -11,6 +11,10 @@ NPROC  ?= 2
 LOGS   := build/logs
 QUIET  := $(PYTHON) build_support/quiet.py
 
+# torch.compile's inductor cache, per checkout: code compiled against another
+# checkout's op schemas (a shared /tmp cache) must never be replayed here.
+export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/build/torchinductor
+
 # ccache, when installed, caches compiled objects across builds and clones
 # (paths are hashed relative to the repository root); CPLIB_CCACHE=0 skips it.
 ifneq ($(CPLIB_CCACHE),0)
