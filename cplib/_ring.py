@@ -5,10 +5,13 @@ entry point ``ring_sdpa``."""
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
-from ._native import GroupLike, group_name_of, group_size, ops
+from ._handshake import agreed
+from ._native import GroupLike, group_name_of, group_size, ops, reject_mixed_meta, \
+    reject_real_in_fake
 from ._seq_layout import local_length
 
 __all__ = ["ring_sdpa", "ROTATE_CODES", "BACKEND_CODES"]
@@ -134,6 +137,8 @@ def _check(op: str, q, k, v, group_name: str, is_causal: bool, load_balanced: bo
     if not (q.shape[0] == k.shape[0] == v.shape[0]):
         raise ValueError(f"cplib.{op}: batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, "
                          f"v {v.shape[0]}")
+    if q.shape[0] == 0:
+        raise ValueError(f"cplib.{op}: empty batch (q has shape {tuple(q.shape)})")
     if k.shape[1:3] != v.shape[1:3]:
         raise ValueError(f"cplib.{op}: k {tuple(k.shape)} and v {tuple(v.shape)} must agree in "
                          "heads and length")
@@ -181,6 +186,7 @@ def _check(op: str, q, k, v, group_name: str, is_causal: bool, load_balanced: bo
 @torch.library.register_fake("cplib_c::ring_sdpa")
 def _ring_sdpa_fake(q, k, v, group_name, is_causal, load_balanced, scale, backend, rotate,
                     cu_seqlens=None, window=None, seq_len=None, per_document=False):
+    reject_real_in_fake("ring_sdpa", q, k, v, cu_seqlens)
     _check("ring_sdpa", q, k, v, group_name, is_causal, load_balanced, scale, backend, rotate,
            cu_seqlens, window, seq_len, per_document)
     b, h, s, _ = q.shape
@@ -193,6 +199,7 @@ def _ring_sdpa_fake(q, k, v, group_name, is_causal, load_balanced, scale, backen
 def _ring_sdpa_backward_fake(grad_out, q, k, v, out, lse, group_name, is_causal, load_balanced,
                              scale, backend, rotate, cu_seqlens=None, window=None, seq_len=None,
                              per_document=False):
+    reject_real_in_fake("ring_sdpa_backward", grad_out, q, k, v, out, lse, cu_seqlens)
     _check("ring_sdpa_backward", q, k, v, group_name, is_causal, load_balanced, scale, backend,
            rotate, cu_seqlens, window, seq_len, per_document)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
@@ -266,17 +273,70 @@ def ring_sdpa(
     cut head-tail inside every document (``cplib._seq_layout`` with
     ``documents``; needs ``cu_seqlens`` and ``seq_len``).
     """
-    if rotate not in ROTATE_CODES:
-        raise ValueError(f"cplib.ring_sdpa: rotate={rotate!r} is not one of "
-                         f"{sorted(ROTATE_CODES)}")
-    if backend not in BACKEND_CODES:
-        raise ValueError(f"cplib.ring_sdpa: backend={backend!r} is not one of None, 'auto', "
+    name = group_name_of(group)
+
+    def args():
+        check_inputs("ring_sdpa", q=q, k=k, v=v, cu_seqlens=cu_seqlens)
+        return (rotate_arg("ring_sdpa", rotate), backend_arg("ring_sdpa", backend),
+                scale_arg("ring_sdpa", scale), window_arg(window),
+                int_arg("ring_sdpa", "seq_len", seq_len))
+
+    rotate_code, backend_code, scale, window, seq_len = agreed(
+        "ring_sdpa", name, (q, k, v, cu_seqlens), args)
+    return ops.ring_sdpa(q, k, v, name, bool(is_causal), bool(load_balanced), scale,
+                         backend_code, rotate_code, cu_seqlens, window, seq_len,
+                         bool(per_document))
+
+
+def check_inputs(op: str, **tensors) -> None:
+    """The entry points' checks of their tensor arguments, before dispatch:
+    tensors where tensors belong (None for the optional ones, cu_seqlens),
+    and no meta device mixed with real ones."""
+    for key, t in tensors.items():
+        if t is None and key == "cu_seqlens":
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"cplib.{op}: {key} must be a torch.Tensor, got {type(t).__name__}")
+    reject_mixed_meta(op, **tensors)
+
+
+def rotate_arg(op: str, rotate) -> int:
+    if not isinstance(rotate, str) or rotate not in ROTATE_CODES:
+        raise ValueError(f"cplib.{op}: rotate={rotate!r} is not one of {sorted(ROTATE_CODES)}")
+    return ROTATE_CODES[rotate]
+
+
+def backend_arg(op: str, backend) -> int:
+    if not (backend is None or isinstance(backend, str)) or backend not in BACKEND_CODES:
+        raise ValueError(f"cplib.{op}: backend={backend!r} is not one of None, 'auto', "
                          "'flash', 'efficient', 'cudnn'")
-    if scale is not None:
-        scale = float(scale)
-    return ops.ring_sdpa(q, k, v, group_name_of(group), bool(is_causal), bool(load_balanced),
-                         scale, BACKEND_CODES[backend], ROTATE_CODES[rotate], cu_seqlens,
-                         window_arg(window), seq_len, bool(per_document))
+    return BACKEND_CODES[backend]
+
+
+def scale_arg(op: str, scale) -> float | None:
+    """``scale`` as the op's ``float?``: a real number or None."""
+    if scale is None:
+        return None
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise ValueError(f"cplib.{op}: scale must be a number or None, got "
+                         f"{type(scale).__name__}" + (" (pass float(scale))"
+                                                      if isinstance(scale, torch.Tensor) else ""))
+    scale = float(scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"cplib.{op}: scale={scale} must be a finite positive number or None")
+    return scale
+
+
+def int_arg(op: str, what: str, value) -> int | None:
+    """An optional integer argument (None stays None)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"cplib.{op}: {what} must be an int or None, got {value!r} "
+                         f"({type(value).__name__})")
+    if not -2 ** 63 <= int(value) < 2 ** 63:
+        raise ValueError(f"cplib.{op}: {what}={value} does not fit in 64 bits")
+    return int(value)
 
 
 # A window side without limit: the op clamps every side to S.
@@ -285,19 +345,27 @@ _NO_LIMIT = 2 ** 62
 
 def window_arg(window) -> list[int] | None:
     """``window`` as the op's ``int[]?``: ``w`` -> ``[w, w]``; ``None`` sides
-    -> no limit; negative sides raise ValueError naming the value."""
+    (and sides of 2**62 or more, beyond any sequence) -> no limit; anything
+    but a non-negative int or None raises ValueError naming the value."""
     if window is None:
         return None
-    pair = (window, window) if isinstance(window, int) else tuple(window)
+    if isinstance(window, numbers.Integral) and not isinstance(window, bool):
+        pair = (window, window)
+    elif isinstance(window, (tuple, list)):
+        pair = tuple(window)
+    else:
+        raise ValueError(f"cplib.ring_sdpa: window={window!r} must be an int, (left, right) or "
+                         f"None, got {type(window).__name__}")
     if len(pair) != 2:
         raise ValueError(f"cplib.ring_sdpa: window={window!r} must be an int or (left, right)")
     out = []
     for side in pair:
         if side is None:
             out.append(_NO_LIMIT)
-        elif not isinstance(side, int) or isinstance(side, bool) or side < 0:
+        elif isinstance(side, bool) or not isinstance(side, numbers.Integral) or side < 0:
             raise ValueError(f"cplib.ring_sdpa: window={window!r} must be non-negative ints "
-                             "(or None for no limit)")
+                             f"(or None for no limit); got a side {side!r} "
+                             f"({type(side).__name__})")
         else:
-            out.append(side)
+            out.append(min(int(side), _NO_LIMIT))
     return out
