@@ -245,28 +245,29 @@ def ulysses_sdpa(
     return _to_seq(out_h, lse_h, name)
 
 
-def _group_ranks(name: str) -> list[int] | None:
+@torch.compiler.assume_constant_result
+def _shared_ranks(uname: str, rname: str) -> int:
+    """How many ranks the two groups share (-1: groups torch cannot list); a
+    constant of any compiled region, like _degree."""
     try:
         c10d = torch.distributed.distributed_c10d
-        return c10d.get_process_group_ranks(c10d._resolve_process_group(name))
-    except Exception:  # a group torch cannot list: the ops check what they can
-        return None
+        ur, rr = (c10d.get_process_group_ranks(c10d._resolve_process_group(name))
+                  for name in (uname, rname))
+    except Exception:  # the ops check what they can
+        return -1
+    return len(set(ur) & set(rr))
 
 
 def _check_usp_groups(op: str, uname: str, rname: str) -> None:
     """The Ulysses and ring groups of one rank meet in that rank only (they
     span the U x R grid); the same group twice would attend each shard twice."""
-    ur, rr = _group_ranks(uname), _group_ranks(rname)
-    if ur is None or rr is None:
-        if uname == rname and _degree(uname) > 1:
-            raise ValueError(f"cplib.{op}: ulysses_group and ring_group are the same group "
-                             f"'{uname}'; they must be the two dimensions of a U x R grid")
-        return
-    shared = sorted(set(ur) & set(rr))
-    if len(shared) != 1:
-        raise ValueError(f"cplib.{op}: ulysses_group (ranks {ur}) and ring_group (ranks {rr}) "
-                         f"share ranks {shared}; they must meet in this rank only (the two "
-                         "dimensions of a U x R grid, see cplib.usp_groups)")
+    shared = _shared_ranks(uname, rname)
+    if shared == -1 and uname == rname and _degree(uname) > 1:
+        shared = _degree(uname)
+    if shared > 1:
+        raise ValueError(f"cplib.{op}: ulysses_group '{uname}' and ring_group '{rname}' share "
+                         f"{shared} ranks; they must meet in this rank only (the two dimensions "
+                         "of a U x R grid, see cplib.usp_groups)")
 
 
 def usp_sdpa(

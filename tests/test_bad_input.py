@@ -213,7 +213,7 @@ CASES = [
     ("ulysses/one/heads", 2, _ulysses_on(1, h=3, hkv=3), ValueError, "invalid input on rank 1"),
     ("ulysses/disagree/length", 2, _ulysses_on(1, length=6), ValueError,
      "disagree on x.size(2) (rank 0: 8, rank 1: 6)"),
-    ("usp/same/one-group-twice", 2, _usp_same_group, ValueError, "share ranks"),
+    ("usp/same/one-group-twice", 2, _usp_same_group, ValueError, "share 2 ranks"),
     ("usp/one/scale", 4, _usp_one_bad_scale, ValueError, "scale=nan"),
     # flex_cp_allgather
     ("flex/same/complex", 2, _flex_on(None, dtype=torch.complex64), ValueError,
