@@ -5,6 +5,12 @@ rotations side by side, torch's own ring (its _templated_ring_attention driven
 with the CPU flash kernel) where it runs, and peak memory per rank beyond the
 inputs for the three rotations at N = 4.
 
+``CPLIB_BENCH_SERIES=handshake`` measures what the handshake that begins
+every op costs: one handshake alone (its all-gather and verdict), and the
+ring's fwd+bwd (causal, head-tail, p2p: two handshakes) with it on and with
+``CPLIB_CHECK_CONSISTENCY=0``, alternating call by call so that both see the
+same machine load.
+
 Two more series (``CPLIB_BENCH_SERIES``, default ``dense,window,documents``;
 ``window,documents`` runs just those): fwd+bwd time and bytes sent per rank
 against the sliding-window size (causal, sequential, S=16384, N=4; expected:
@@ -240,7 +246,66 @@ def masked_series() -> None:
         print(machine())
 
 
+def _time_handshake(iters: int):
+    """Per rank: median wall and CPU seconds of one handshake alone, and of
+    the ring's fwd+bwd with the handshake on and off (alternating)."""
+    import time
+
+    import cplib  # noqa: F401  (loads the ops)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    name = dist.group.WORLD.group_name
+    hs = lambda: torch.ops.cplib_c.handshake(name, "bench", [], [], [], [], [])  # noqa: E731
+    for _ in range(20):
+        hs()
+    alone_wall, alone_cpu = [], []
+    for _ in range(200):
+        dist.barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
+        hs()
+        alone_wall.append(time.perf_counter() - t0)
+        alone_cpu.append(time.process_time() - c0)
+    q, k, v = _inputs(rank, n, True)
+    step = lambda: _cplib_step(q, k, v, True, True, "p2p")  # noqa: E731
+    step()
+    ring = {"on": ([], []), "off": ([], [])}
+    for i in range(2 * iters):
+        mode = "on" if i % 2 == 0 else "off"
+        if mode == "off":
+            os.environ["CPLIB_CHECK_CONSISTENCY"] = "0"
+        dist.barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
+        step()
+        ring[mode][0].append(time.perf_counter() - t0)
+        ring[mode][1].append(time.process_time() - c0)
+        os.environ.pop("CPLIB_CHECK_CONSISTENCY", None)
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    return (med(alone_wall), med(alone_cpu), med(ring["on"][0]), med(ring["on"][1]),
+            med(ring["off"][0]), med(ring["off"][1]))
+
+
+def handshake_series() -> None:
+    rows, payload = [], {"S": S, "rows": []}
+    for n in WORLDS:
+        per_rank = run_on_ranks(n, _time_handshake, ITERS)
+        hw, hc, on_w, on_c, off_w, off_c = (max(r[i] for r in per_rank) for i in range(6))
+        # fwd + bwd: two handshakes per step.
+        rows.append((n, hw * 1e6, hc * 1e6, on_w, off_w, 2 * hw / off_w * 100, on_c, off_c,
+                     2 * hc / off_c * 100))
+        payload["rows"].append(dict(n=n, handshake_wall_s=hw, handshake_cpu_s=hc,
+                                    ring_on_wall_s=on_w, ring_off_wall_s=off_w,
+                                    ring_on_cpu_s=on_c, ring_off_cpu_s=off_c))
+    print_table(f"handshake cost, ring fwd+bwd causal+lb p2p, B={B} H={H} S={S} D={D} fp32",
+                ["N", "handshake wall us", "handshake cpu us", "ring on wall s",
+                 "ring off wall s", "2 handshakes / ring wall %", "ring on cpu s",
+                 "ring off cpu s", "2 handshakes / ring cpu %"], rows)
+    write_json("bench_ring_cpu_handshake", payload)
+    print(machine())
+
+
 def main() -> None:
+    if os.environ.get("CPLIB_BENCH_SERIES") == "handshake":
+        handshake_series()
+        return
     if "dense" not in os.environ.get("CPLIB_BENCH_SERIES", "dense,window,documents").split(","):
         masked_series()
         return

@@ -1,12 +1,10 @@
-"""Check mode: before their first collective, cplib's communicating ops
-compare a description of the call (shapes, dtypes, flags) across the ranks of
-the group, and every rank raises the same ValueError when they disagree,
-instead of one rank raising and the others waiting for the process-group
-timeout. On with ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (torch's convention) or
-``CPLIB_CHECK_CONSISTENCY=1``; it costs one small all-gather per op call.
+"""The switch of the handshake that cplib's communicating ops begin with (see
+cplib/_handshake.py): on by default, off with ``CPLIB_CHECK_CONSISTENCY=0``
+for those who want the last fraction of a percent; a rank's invalid input
+then raises on that rank only, and ranks that disagree are not told.
 
 The native ops read the environment at each call, so the switch below is the
-environment variable itself (per process, like torch's own debug level)."""
+environment variable itself (per process)."""
 
 from __future__ import annotations
 
@@ -20,27 +18,24 @@ _ENV = "CPLIB_CHECK_CONSISTENCY"
 
 
 def consistency_checks_enabled() -> bool:
-    """Whether cplib's ops compare their calls across ranks first."""
-    return (os.environ.get("TORCH_DISTRIBUTED_DEBUG") == "DETAIL"
-            or os.environ.get(_ENV) == "1")
+    """Whether cplib's ops begin with the handshake (the default)."""
+    return os.environ.get(_ENV) != "0"
 
 
 def set_consistency_checks(enabled: bool) -> bool:
-    """Turns cplib's check mode on or off for this process (it stays on while
-    ``TORCH_DISTRIBUTED_DEBUG=DETAIL``); returns the previous setting of the
-    cplib switch."""
-    previous = os.environ.get(_ENV) == "1"
+    """Turns the handshake on or off for this process; returns the previous setting."""
+    previous = consistency_checks_enabled()
     if enabled:
-        os.environ[_ENV] = "1"
-    else:
         os.environ.pop(_ENV, None)
+    else:
+        os.environ[_ENV] = "0"
     return previous
 
 
 @contextlib.contextmanager
 def consistency_checks(enabled: bool = True) -> Iterator[None]:
-    """``with cplib.consistency_checks():`` turns check mode on for the block
-    and restores the previous setting on every exit path."""
+    """``with cplib.consistency_checks(False):`` turns the handshake off for
+    the block and restores the previous setting on every exit path."""
     previous = set_consistency_checks(enabled)
     try:
         yield

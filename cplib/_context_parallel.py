@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._documents import cu_seqlens_from_position_ids
+from ._handshake import agreed, handshake, values_hash
 from ._load_balancer import (
     AnyLengthHeadTailLoadBalancer,
     AnyLengthPerDocumentLoadBalancer,
@@ -112,6 +113,27 @@ def _documents(cu_seqlens: torch.Tensor | None, position_ids: torch.Tensor | Non
     return cu_seqlens.to("cpu", torch.long)
 
 
+def _agree_on_call(group_name: str, buffers: list, seq_dims: list, no_restore: list,
+                   rotate: _RotateMethod, ulysses_degree: int, load_balance, balanced: bool,
+                   documents: torch.Tensor | None, window: list[int] | None) -> None:
+    """The handshake of the entry: every rank must shard the same buffers the
+    same way (a buffer that differs is named, with the ranks and values)."""
+    fields = {f"buffer_seq_dims[{i}]": d % b.ndim
+              for i, (b, d) in enumerate(zip(buffers, seq_dims))}
+    fields["number of no_restore_buffers"] = len(no_restore)
+    fields["rotate_method (1 = alltoall, 2 = allgather, 3 = p2p)"] = rotate.value
+    fields["ulysses_degree"] = ulysses_degree
+    fields["load_balance (-1 = None, 0 = False, 1 = True, 2 = 'per_document')"] = (
+        -1 if load_balance is None else 2 if isinstance(load_balance, str) else int(load_balance))
+    fields["load balancing in effect"] = int(balanced)
+    fields["documents (hash of cu_seqlens)"] = (
+        -1 if documents is None else values_hash(documents.tolist()))
+    for i, side in enumerate(window or []):
+        fields[f"window[{i}]"] = side
+    handshake(group_name, "context_parallel", {f"buffer {i}": b for i, b in enumerate(buffers)},
+              fields)
+
+
 @contextlib.contextmanager
 def context_parallel(
     mesh: DeviceMesh,
@@ -172,40 +194,52 @@ def context_parallel(
     """
     group = check_mesh(mesh)
     buffers = [] if buffers is None else list(buffers)
-    seq_dims = [] if buffer_seq_dims is None else list(buffer_seq_dims)
-    no_restore = [] if no_restore_buffers is None else list(no_restore_buffers)
-    rotate = parse_rotate_method(_cp_options.rotate_method if rotate_method is None
-                                 else rotate_method)
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
-    ring_degree = check_degrees(world_size, ulysses_degree)
-    per_document = load_balance == "per_document"
-    if isinstance(load_balance, str) and not per_document:
-        raise ValueError(f"cplib.context_parallel: load_balance={load_balance!r} is not True, "
-                         "False, None or 'per_document'")
-    balanced = _validate(buffers, seq_dims, no_restore, world_size,
-                         True if per_document else load_balance, ring_degree)
-    seq_len = buffers[0].shape[seq_dims[0]] if buffers else None
-    documents = _documents(cu_seqlens, position_ids, seq_len)
-    if per_document and documents is None:
-        raise ValueError("cplib.context_parallel: load_balance='per_document' needs the "
-                         "documents (cu_seqlens or position_ids)")
-    if window is not None:
-        from ._ring import window_arg
-        window_arg(window)  # ValueError naming a bad window, before anything is sharded
+    # Every check before the handshake, whose all-gather comes before any
+    # other collective (usp_groups); an error on one rank raises on all.
 
-    balancer = None
-    if ulysses_degree != 1 and buffers and (balanced or seq_len % world_size):
-        # USP: the ring layout over N/U positions, each ring shard cut in U pieces.
-        balancer = UspLoadBalancer(seq_len, world_size, ulysses_degree, buffers[0].device,
-                                   head_tail=balanced,
-                                   documents=documents.tolist() if per_document else None)
-    elif per_document:
-        balancer = AnyLengthPerDocumentLoadBalancer(documents.tolist(), world_size,
-                                                    buffers[0].device)
-    elif balanced and buffers:
-        balancer = AnyLengthHeadTailLoadBalancer(seq_len, world_size, buffers[0].device)
+    def check():
+        seq_dims = [] if buffer_seq_dims is None else list(buffer_seq_dims)
+        no_restore = [] if no_restore_buffers is None else list(no_restore_buffers)
+        rotate = parse_rotate_method(_cp_options.rotate_method if rotate_method is None
+                                     else rotate_method)
+        ring_degree = check_degrees(world_size, ulysses_degree)
+        per_document = isinstance(load_balance, str) and load_balance == "per_document"
+        if not (load_balance is None or isinstance(load_balance, bool) or per_document):
+            raise ValueError(f"cplib.context_parallel: load_balance={load_balance!r} is not "
+                             "True, False, None or 'per_document'")
+        balanced = _validate(buffers, seq_dims, no_restore, world_size,
+                             True if per_document else load_balance, ring_degree)
+        seq_len = buffers[0].shape[seq_dims[0]] if buffers else None
+        documents = _documents(cu_seqlens, position_ids, seq_len)
+        if per_document and documents is None:
+            raise ValueError("cplib.context_parallel: load_balance='per_document' needs the "
+                             "documents (cu_seqlens or position_ids)")
+        sides = None
+        if window is not None:
+            from ._ring import window_arg
+            sides = window_arg(window)  # ValueError naming a bad window, before any sharding
+        balancer = None
+        if ulysses_degree != 1 and buffers and (balanced or seq_len % world_size):
+            # USP: the ring layout over N/U positions, each ring shard cut in U pieces.
+            balancer = UspLoadBalancer(seq_len, world_size, ulysses_degree, buffers[0].device,
+                                       head_tail=balanced,
+                                       documents=documents.tolist() if per_document else None)
+        elif per_document:
+            balancer = AnyLengthPerDocumentLoadBalancer(documents.tolist(), world_size,
+                                                        buffers[0].device)
+        elif balanced and buffers:
+            balancer = AnyLengthHeadTailLoadBalancer(seq_len, world_size, buffers[0].device)
+        indices = balancer._generate_indices() if balancer is not None else None
+        return (seq_dims, no_restore, rotate, ring_degree, per_document, balanced, seq_len,
+                documents, sides, balancer, indices)
+
+    (seq_dims, no_restore, rotate, ring_degree, per_document, balanced, seq_len, documents,
+     sides, balancer, indices) = agreed("context_parallel", group.group_name, buffers, check)
+    _agree_on_call(group.group_name, buffers, seq_dims, no_restore, rotate, ulysses_degree,
+                   load_balance, balanced, documents, sides)
+
     groups = usp_groups(group, ulysses_degree)  # collective the first time only
-    indices = balancer._generate_indices() if balancer is not None else None
     with torch.no_grad():
         shards = [shard_tensor(b, d, rank, world_size, indices,
                                shard_lengths(b.shape[d], world_size, balancer))

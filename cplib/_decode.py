@@ -8,8 +8,9 @@ import math
 
 import torch
 
-from ._native import GroupLike, group_name_of, group_size, ops
-from ._ring import _DTYPES, _acc_dtype, window_arg
+from ._handshake import agreed
+from ._native import GroupLike, group_name_of, group_size, ops, reject_real_in_fake
+from ._ring import _DTYPES, _acc_dtype, check_inputs, scale_arg, window_arg
 
 __all__ = ["decode_sdpa"]
 
@@ -55,9 +56,6 @@ def _check(q, k, v, group_name, q_positions, kv_positions, window, scale) -> Non
     if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         raise ValueError(f"cplib.decode_sdpa: q has {q.shape[1]} heads, which is not a multiple "
                          f"of k/v's {k.shape[1]} heads")
-    if q.device.type != "cuda" and v.shape[3] != q.shape[3]:
-        raise ValueError(f"cplib.decode_sdpa: the CPU kernel needs v's head dim ({v.shape[3]}) "
-                         f"to equal q/k's ({q.shape[3]})")
     if (q_positions is None) != (kv_positions is None):
         missing = "q_positions" if q_positions is None else "kv_positions"
         raise ValueError(f"cplib.decode_sdpa: {missing} is missing: give q_positions and "
@@ -75,6 +73,7 @@ def _check(q, k, v, group_name, q_positions, kv_positions, window, scale) -> Non
 @torch.library.register_fake("cplib_c::decode_sdpa")
 def _decode_sdpa_fake(q, k, v, group_name, q_positions=None, kv_positions=None, window=None,
                       scale=None):
+    reject_real_in_fake("decode_sdpa", q, k, v, q_positions, kv_positions)
     _check(q, k, v, group_name, q_positions, kv_positions, window, scale)
     b, h, t, _ = q.shape
     out = q.new_empty((b, h, t, v.shape[3]))
@@ -104,10 +103,15 @@ def decode_sdpa(
     with ``window`` (``w`` or ``(left, right)``; right is 0 under the causal
     mask) also ``kv_pos[j] >= q_pos[i] - left``. Without positions every
     query sees every key. GQA: Hq a multiple of Hkv. It costs one all-gather
-    of B*Hq*T*(Dv+1) values of the accumulator dtype. Forward only. In check
-    mode (``cplib.consistency_checks``) a q that differs between ranks
-    raises ValueError on every rank."""
-    if scale is not None:
-        scale = float(scale)
-    return ops.decode_sdpa(q, k, v, group_name_of(group), q_positions, kv_positions,
-                           window_arg(window), scale)
+    of B*Hq*T*(Dv+1) values of the accumulator dtype, after the handshake
+    (which raises ValueError on every rank when q differs between ranks).
+    Forward only."""
+    name = group_name_of(group)
+
+    def args():
+        check_inputs("decode_sdpa", q=q, k=k, v=v, q_positions=q_positions,
+                     kv_positions=kv_positions)
+        return window_arg(window), scale_arg("decode_sdpa", scale)
+
+    window_sides, scale = agreed("decode_sdpa", name, (q, k, v), args)
+    return ops.decode_sdpa(q, k, v, name, q_positions, kv_positions, window_sides, scale)

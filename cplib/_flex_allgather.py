@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import torch
 
-from ._native import GroupLike, group_name_of, group_size, normalize_dim, ops
+from ._handshake import agreed
+from ._native import GroupLike, group_name_of, group_size, normalize_dim, ops, reject_real_in_fake
 
 __all__ = ["flex_cp_allgather"]
 
 
 def _check_pair(k: torch.Tensor, v: torch.Tensor, dim: int, op: str) -> None:
     # Mirrors check_pair in csrc/torch/flex/allgather.cpp so traced code fails the same way.
+    for name, t in (("k", k), ("v", v)):
+        if not t.dtype.is_floating_point:
+            raise ValueError(f"cplib.{op}: {name} has dtype {t.dtype}; expected a floating "
+                             "dtype (float32, float64, bfloat16 or float16)")
     if k.dim() != v.dim():
         raise ValueError(
             f"cplib.{op}: k and v must have the same number of dimensions, "
@@ -34,6 +39,7 @@ def _resized(t: torch.Tensor, dim: int, factor: int, divide: bool) -> torch.Tens
 
 @torch.library.register_fake("cplib_c::flex_cp_allgather")
 def _allgather_fake(k, v, seq_dim, group_name):
+    reject_real_in_fake("flex_cp_allgather", k, v)
     dim = normalize_dim(seq_dim, k.dim(), "seq_dim")
     _check_pair(k, v, dim, "flex_cp_allgather")
     n = group_size(group_name)
@@ -42,6 +48,7 @@ def _allgather_fake(k, v, seq_dim, group_name):
 
 @torch.library.register_fake("cplib_c::flex_cp_allgather_backward")
 def _allgather_backward_fake(grad_k, grad_v, seq_dim, group_name):
+    reject_real_in_fake("flex_cp_allgather_backward", grad_k, grad_v)
     dim = normalize_dim(seq_dim, grad_k.dim(), "seq_dim")
     _check_pair(grad_k, grad_v, dim, "flex_cp_allgather_backward")
     n = group_size(group_name)
@@ -91,4 +98,16 @@ def flex_cp_allgather(
     a sum reduce-scatter, so each rank receives the gradient of its own shard.
     ``k`` and ``v`` may differ in head and feature dimensions (GQA).
     """
-    return ops.flex_cp_allgather(k, v, seq_dim, group_name_of(pg_name))
+    from ._ring import check_inputs
+
+    name = group_name_of(pg_name)
+
+    def check():
+        check_inputs("flex_cp_allgather", k=k, v=v)
+        if isinstance(seq_dim, bool) or not isinstance(seq_dim, int):
+            raise ValueError(f"cplib.flex_cp_allgather: seq_dim must be an int, got {seq_dim!r} "
+                             f"({type(seq_dim).__name__})")
+        _check_pair(k, v, normalize_dim(seq_dim, k.dim(), "seq_dim"), "flex_cp_allgather")
+
+    agreed("flex_cp_allgather", name, (k, v), check)
+    return ops.flex_cp_allgather(k, v, seq_dim, name)

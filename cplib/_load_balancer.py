@@ -28,6 +28,13 @@ __all__ = [
 ]
 
 
+def _check_count(what: str, value, minimum: int) -> int:
+    """A non-negative (or positive) int argument of a balancer, or ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"cplib: {what} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
 def _inverse(perm: Tensor) -> Tensor:
     """Inverse of a permutation along the last dimension."""
     return torch.argsort(perm, dim=-1)
@@ -105,6 +112,8 @@ class _HeadTailLoadBalancer(_LoadBalancer):
     """Head-tail balancing for causal attention (one permutation per batch)."""
 
     def __init__(self, seq_length: int, world_size: int, device: str | torch.device):
+        _check_count("seq_length", seq_length, 0)
+        _check_count("world_size", world_size, 1)
         self.seq_length = seq_length
         self.world_size = world_size
         self.device = device
@@ -140,6 +149,16 @@ class AnyLengthPerDocumentLoadBalancer(_LoadBalancer):
 
     def __init__(self, cu_seqlens: Sequence[int], world_size: int,
                  device: str | torch.device):
+        if isinstance(cu_seqlens, Tensor):
+            cu_seqlens = cu_seqlens.tolist()
+        if not isinstance(cu_seqlens, Sequence) or len(cu_seqlens) < 2 or any(
+                isinstance(x, bool) or not isinstance(x, int) for x in cu_seqlens):
+            raise ValueError(f"cplib: cu_seqlens must be a sequence of ints [0, ..., S], got "
+                             f"{cu_seqlens!r}")
+        if cu_seqlens[0] != 0 or any(b <= a for a, b in zip(cu_seqlens, cu_seqlens[1:])):
+            raise ValueError(f"cplib: cu_seqlens={list(cu_seqlens)} must start at 0 and be "
+                             "strictly increasing (document boundaries)")
+        _check_count("world_size", world_size, 1)
         self.cu_seqlens = [int(x) for x in cu_seqlens]
         self.seq_length = self.cu_seqlens[-1]
         self.world_size = world_size
@@ -191,6 +210,10 @@ class _PerDocumentHeadTailLoadBalancer(_LoadBalancer):
 
     def __init__(self, seq_length_per_doc: Sequence[Sequence[int]], world_size: int,
                  device: str | torch.device):
+        for row in seq_length_per_doc:
+            for length in row:
+                _check_count("every document length in seq_length_per_doc", length, 1)
+        _check_count("world_size", world_size, 1)
         self.seq_length_per_doc = seq_length_per_doc
         self.world_size = world_size
         self.device = device
@@ -234,6 +257,10 @@ class _PTRRLoadBalancer(_LoadBalancer):
     """
 
     def __init__(self, block_mask, world_size: int):  # block_mask: BlockMask
+        if not all(hasattr(block_mask, a) for a in ("BLOCK_SIZE", "kv_num_blocks")):
+            raise ValueError(f"cplib: block_mask must be a flex attention BlockMask, got "
+                             f"{type(block_mask).__name__}")
+        _check_count("world_size", world_size, 1)
         self.block_mask = block_mask
         self.world_size = world_size
 

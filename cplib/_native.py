@@ -17,10 +17,64 @@ GroupLike = str | dist.ProcessGroup
 def group_name_of(group: GroupLike) -> str:
     """Accepts a group name or a ProcessGroup and returns the registered name."""
     if isinstance(group, dist.ProcessGroup):
-        return group.group_name
-    if not isinstance(group, str):
+        name = group.group_name
+    elif isinstance(group, str):
+        name = group
+    else:
         raise ValueError(f"cplib: expected a process group or its name, got {type(group).__name__}")
-    return group
+    if not torch.compiler.is_compiling():
+        _register_handshake_group(name)
+    return name
+
+
+_handshake_groups: set[str] = set()
+
+
+def _register_handshake_group(name: str) -> None:
+    """Handshakes of a group run over the first live group with the same
+    ranks (in order) and backend, so that ranks passing different group
+    objects for those ranks meet in one collective and are told so, instead
+    of each waiting in its own."""
+    if name in _handshake_groups:
+        return
+    c10d = dist.distributed_c10d
+    try:
+        pg = c10d._resolve_process_group(name)
+        key = (c10d.get_process_group_ranks(pg), dist.get_backend(pg))
+    except Exception:  # unknown here: the op raises, naming it
+        return
+    _handshake_groups.add(name)
+    for other, other_name in list(c10d._world.pg_names.items()):
+        if other_name == name:
+            return
+        try:
+            if (c10d.get_process_group_ranks(other), dist.get_backend(other)) == key:
+                ops.handshake_group(name, other_name)
+                return
+        except Exception:  # not a member, or gone
+            continue
+
+
+def reject_mixed_meta(op: str, **tensors) -> None:
+    """ValueError when the meta device is mixed with real ones among the
+    inputs: dispatch would send the call to the fake kernel, which computes
+    nothing."""
+    given = {k: t for k, t in tensors.items() if isinstance(t, torch.Tensor)}
+    meta = [k for k, t in given.items() if t.device.type == "meta"]
+    if meta and len(meta) != len(given):
+        devices = ", ".join(f"{k} on {t.device}" for k, t in given.items())
+        raise ValueError(f"cplib.{op}: {', '.join(meta)} on the meta device mixed with real "
+                         f"tensors ({devices}); put every input on one real device")
+
+
+def reject_real_in_fake(op: str, *tensors) -> None:
+    """In a fake kernel: a real (not fake, not meta) input means another input
+    was on the meta device and dispatch chose this kernel (see reject_mixed_meta)."""
+    from torch._subclasses.fake_tensor import is_fake
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type != "meta" and not is_fake(t):
+            raise ValueError(f"cplib.{op}: inputs mix the meta device with real tensors (one is "
+                             f"on {t.device}); put every input on one real device")
 
 
 def group_size(group_name: str) -> int:
@@ -31,7 +85,7 @@ def group_size(group_name: str) -> int:
     except Exception as exc:  # torch raises RuntimeError/ValueError by version
         raise ValueError(
             f"cplib: no process group is registered under the name '{group_name}' "
-            "(pass group.group_name of an initialised group)"
+            "(destroyed, or never initialised: pass group.group_name of a live group)"
         ) from exc
 
 

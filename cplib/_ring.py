@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 from typing import Literal
 
 import torch
 
-from ._native import GroupLike, group_name_of, group_size, ops
+from ._handshake import agreed
+from ._native import GroupLike, group_name_of, group_size, ops, reject_mixed_meta, \
+    reject_real_in_fake
 from ._seq_layout import local_length
 
 __all__ = ["ring_sdpa", "ring_pass_auto", "ROTATE_CODES", "BACKEND_CODES", "RING_PASS_CODES"]
@@ -160,6 +163,8 @@ def _check(op: str, q, k, v, group_name: str, is_causal: bool, load_balanced: bo
     if not (q.shape[0] == k.shape[0] == v.shape[0]):
         raise ValueError(f"cplib.{op}: batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, "
                          f"v {v.shape[0]}")
+    if q.shape[0] == 0:
+        raise ValueError(f"cplib.{op}: empty batch (q has shape {tuple(q.shape)})")
     if k.shape[1:3] != v.shape[1:3]:
         raise ValueError(f"cplib.{op}: k {tuple(k.shape)} and v {tuple(v.shape)} must agree in "
                          "heads and length")
@@ -237,6 +242,7 @@ def check_sinks(op: str, q, sinks) -> None:
 def _ring_sdpa_fake(q, k, v, group_name, is_causal, load_balanced, scale, backend, rotate,
                     cu_seqlens=None, window=None, seq_len=None, per_document=False, sinks=None,
                     q_positions=None, kv_positions=None, ring_pass=0):
+    reject_real_in_fake("ring_sdpa", q, k, v, cu_seqlens, sinks, q_positions, kv_positions)
     _check("ring_sdpa", q, k, v, group_name, is_causal, load_balanced, scale, backend, rotate,
            cu_seqlens, window, seq_len, per_document, q_positions, kv_positions, ring_pass)
     check_sinks("ring_sdpa", q, sinks)
@@ -251,6 +257,8 @@ def _ring_sdpa_backward_fake(grad_out, q, k, v, out, lse, group_name, is_causal,
                              scale, backend, rotate, cu_seqlens=None, window=None, seq_len=None,
                              per_document=False, q_positions=None, kv_positions=None,
                              ring_pass=0):
+    reject_real_in_fake("ring_sdpa_backward", grad_out, q, k, v, out, lse, cu_seqlens, q_positions,
+                        kv_positions)
     _check("ring_sdpa_backward", q, k, v, group_name, is_causal, load_balanced, scale, backend,
            rotate, cu_seqlens, window, seq_len, per_document, q_positions, kv_positions)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
@@ -376,32 +384,89 @@ def ring_sdpa(
     fewer bytes (:func:`ring_pass_auto`), and "kv" whenever a gradient is
     needed. The choice is logged at debug level on the "cplib" logger.
     """
-    if rotate not in ROTATE_CODES:
-        raise ValueError(f"cplib.ring_sdpa: rotate={rotate!r} is not one of "
-                         f"{sorted(ROTATE_CODES)}")
-    if backend not in BACKEND_CODES:
-        raise ValueError(f"cplib.ring_sdpa: backend={backend!r} is not one of None, 'auto', "
-                         "'flash', 'efficient', 'cudnn'")
-    if ring_pass not in RING_PASS_CODES:
-        raise ValueError(f"cplib.ring_sdpa: ring_pass={ring_pass!r} is not one of "
-                         "'kv', 'q', 'auto'")
-    wants_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or
-                                              v.requires_grad)
-    if ring_pass == "q" and wants_grad:
-        raise ValueError("cplib.ring_sdpa: ring_pass='q' is forward only, but q, k or v requires "
-                         "grad: use ring_pass=\"kv\" (or run under torch.no_grad())")
-    code = RING_PASS_CODES["kv" if wants_grad else ring_pass]
-    if scale is not None:
-        scale = float(scale)
-    out = ops.ring_sdpa(q, k, v, group_name_of(group), bool(is_causal), bool(load_balanced),
-                        scale, BACKEND_CODES[backend], ROTATE_CODES[rotate], cu_seqlens,
-                        window_arg(window), seq_len, bool(per_document), sinks, q_positions,
-                        kv_positions, code)
+    name = group_name_of(group)
+    wants_grad = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
+
+    def args():
+        check_inputs("ring_sdpa", q=q, k=k, v=v, cu_seqlens=cu_seqlens, sinks=sinks,
+                     q_positions=q_positions, kv_positions=kv_positions)
+        if not isinstance(ring_pass, str) or ring_pass not in RING_PASS_CODES:
+            raise ValueError(f"cplib.ring_sdpa: ring_pass={ring_pass!r} is not one of "
+                             "'kv', 'q', 'auto'")
+        if ring_pass == "q" and wants_grad:
+            raise ValueError("cplib.ring_sdpa: ring_pass='q' is forward only, but q, k or v "
+                             "requires grad: use ring_pass=\"kv\" (or run under "
+                             "torch.no_grad())")
+        return (rotate_arg("ring_sdpa", rotate), backend_arg("ring_sdpa", backend),
+                scale_arg("ring_sdpa", scale), window_arg(window),
+                int_arg("ring_sdpa", "seq_len", seq_len),
+                RING_PASS_CODES["kv" if wants_grad else ring_pass])
+
+    rotate_code, backend_code, scale, window, seq_len, pass_code = agreed(
+        "ring_sdpa", name, (q, k, v, cu_seqlens), args)
+    out = ops.ring_sdpa(q, k, v, name, bool(is_causal), bool(load_balanced), scale,
+                        backend_code, rotate_code, cu_seqlens, window, seq_len,
+                        bool(per_document), sinks, q_positions, kv_positions, pass_code)
     if ring_pass == "auto" and log.isEnabledFor(logging.DEBUG) and not _is_fake(q):
         chosen = "q" if ops.ring_debug_last_pass() == RING_PASS_CODES["q"] else "kv"
         log.debug("cplib.ring_sdpa: ring_pass='auto' chose %r%s", chosen,
                   " (a gradient is needed)" if wants_grad else "")
     return out
+
+
+_OPTIONAL_TENSORS = ("cu_seqlens", "sinks", "q_positions", "kv_positions")
+
+
+def check_inputs(op: str, **tensors) -> None:
+    """The entry points' checks of their tensor arguments, before dispatch:
+    tensors where tensors belong (None for the optional ones, cu_seqlens),
+    and no meta device mixed with real ones."""
+    for key, t in tensors.items():
+        if t is None and key in _OPTIONAL_TENSORS:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"cplib.{op}: {key} must be a torch.Tensor, got {type(t).__name__}")
+    reject_mixed_meta(op, **tensors)
+
+
+def rotate_arg(op: str, rotate) -> int:
+    if not isinstance(rotate, str) or rotate not in ROTATE_CODES:
+        raise ValueError(f"cplib.{op}: rotate={rotate!r} is not one of {sorted(ROTATE_CODES)}")
+    return ROTATE_CODES[rotate]
+
+
+def backend_arg(op: str, backend) -> int:
+    if not (backend is None or isinstance(backend, str)) or backend not in BACKEND_CODES:
+        raise ValueError(f"cplib.{op}: backend={backend!r} is not one of None, 'auto', "
+                         "'flash', 'efficient', 'cudnn'")
+    return BACKEND_CODES[backend]
+
+
+def scale_arg(op: str, scale) -> float | None:
+    """``scale`` as the op's ``float?``: a real number or None."""
+    if scale is None:
+        return None
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise ValueError(f"cplib.{op}: scale must be a number or None, got "
+                         f"{type(scale).__name__}" + (" (pass float(scale))"
+                                                      if isinstance(scale, torch.Tensor) else ""))
+    scale = float(scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"cplib.{op}: scale={scale} must be a finite positive number or None")
+    return scale
+
+
+def int_arg(op: str, what: str, value) -> int | None:
+    """An optional integer argument (None stays None)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"cplib.{op}: {what} must be an int or None, got {value!r} "
+                         f"({type(value).__name__})")
+    if not -2 ** 63 <= int(value) < 2 ** 63:
+        raise ValueError(f"cplib.{op}: {what}={value} does not fit in 64 bits")
+    return int(value)
 
 
 def ring_pass_auto(q_tokens: int, kv_tokens: int, q_heads: int, kv_heads: int, head_dim: int,
@@ -430,19 +495,27 @@ _NO_LIMIT = 2 ** 62
 
 def window_arg(window) -> list[int] | None:
     """``window`` as the op's ``int[]?``: ``w`` -> ``[w, w]``; ``None`` sides
-    -> no limit; negative sides raise ValueError naming the value."""
+    (and sides of 2**62 or more, beyond any sequence) -> no limit; anything
+    but a non-negative int or None raises ValueError naming the value."""
     if window is None:
         return None
-    pair = (window, window) if isinstance(window, int) else tuple(window)
+    if isinstance(window, numbers.Integral) and not isinstance(window, bool):
+        pair = (window, window)
+    elif isinstance(window, (tuple, list)):
+        pair = tuple(window)
+    else:
+        raise ValueError(f"cplib.ring_sdpa: window={window!r} must be an int, (left, right) or "
+                         f"None, got {type(window).__name__}")
     if len(pair) != 2:
         raise ValueError(f"cplib.ring_sdpa: window={window!r} must be an int or (left, right)")
     out = []
     for side in pair:
         if side is None:
             out.append(_NO_LIMIT)
-        elif not isinstance(side, int) or isinstance(side, bool) or side < 0:
+        elif isinstance(side, bool) or not isinstance(side, numbers.Integral) or side < 0:
             raise ValueError(f"cplib.ring_sdpa: window={window!r} must be non-negative ints "
-                             "(or None for no limit)")
+                             f"(or None for no limit); got a side {side!r} "
+                             f"({type(side).__name__})")
         else:
-            out.append(side)
+            out.append(min(int(side), _NO_LIMIT))
     return out

@@ -14,6 +14,7 @@ the cut is ``torch.chunk``'s.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,6 +29,7 @@ from ._load_balancer import (
     rearrange,
     shard_lengths,
 )
+from ._handshake import agreed, handshake
 from ._native import check_mesh
 from ._options import _cp_options
 
@@ -42,6 +44,9 @@ __all__ = [
 def _check_seq_dim(t: torch.Tensor, seq_dim: int, what: str) -> int:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"cplib: {what} must be a torch.Tensor, got {type(t).__name__}")
+    if isinstance(seq_dim, bool) or not isinstance(seq_dim, int):
+        raise ValueError(f"cplib: the seq_dim of {what} must be an int, got {seq_dim!r} "
+                         f"({type(seq_dim).__name__})")
     if t.ndim == 0 or not -t.ndim <= seq_dim < t.ndim:
         raise ValueError(
             f"cplib: {what} has shape {tuple(t.shape)}; its seq_dim {seq_dim} is out of range"
@@ -106,6 +111,19 @@ def _block_mask_type() -> type | None:
     return BlockMask
 
 
+def check_load_balancer(load_balancer) -> None:
+    if load_balancer is not None and not isinstance(load_balancer, _LoadBalancer):
+        raise ValueError(f"cplib: load_balancer must be a cplib load balancer or None, got "
+                         f"{type(load_balancer).__name__}")
+
+
+def describe_load_balancer(load_balancer: _LoadBalancer | None) -> dict[str, int]:
+    """The handshake fields of a load balancer: its kind and sequence length."""
+    kind = 0 if load_balancer is None else zlib.crc32(type(load_balancer).__name__.encode())
+    return {"load_balancer (kind)": kind,
+            "load_balancer.seq_length": int(getattr(load_balancer, "seq_length", -1) or -1)}
+
+
 def _shard_block_mask(mesh: DeviceMesh, mask: Any, load_balancer: _LoadBalancer | None) -> Any:
     from ._flex_mask import _shard_block_mask as shard_flex_mask  # needs flex attention
     return shard_flex_mask(mesh, mask, load_balancer)
@@ -123,18 +141,26 @@ def shard(mesh: DeviceMesh, buffers: Sequence[torch.Tensor] | Mapping[str, torch
     group = check_mesh(mesh)
     flat, spec = tree_flatten(buffers)
     flat_dims, dims_spec = tree_flatten(seq_dims)
-    if len(buffers) != len(seq_dims) or len(flat) != len(flat_dims):
-        raise ValueError(
-            f"cplib: seq_dims must have the same structure as buffers; got {len(flat)} buffers "
-            f"and {len(flat_dims)} seq_dims"
-        )
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     block_mask = _block_mask_type()
     tensors = [(i, b, d) for i, (b, d) in enumerate(zip(flat, flat_dims))
                if not (block_mask is not None and isinstance(b, block_mask))]
-    check_shardable([b for _, b, _ in tensors], [d for _, _, d in tensors], n,
-                    any_length=_any_length(load_balancer))
-    indices = load_balancer._generate_indices() if load_balancer is not None else None
+
+    def check():
+        if len(buffers) != len(seq_dims) or len(flat) != len(flat_dims):
+            raise ValueError(
+                f"cplib: seq_dims must have the same structure as buffers; got {len(flat)} "
+                f"buffers and {len(flat_dims)} seq_dims"
+            )
+        check_load_balancer(load_balancer)
+        check_shardable([b for _, b, _ in tensors], [d for _, _, d in tensors], n,
+                        any_length=_any_length(load_balancer))
+        return load_balancer._generate_indices() if load_balancer is not None else None
+
+    indices = agreed("shard", group.group_name, [b for _, b, _ in tensors], check)
+    handshake(group.group_name, "shard", {f"buffer {i}": b for i, b, _ in tensors},
+              {**{f"seq_dims[{i}]": d % b.ndim for i, b, d in tensors},
+               **describe_load_balancer(load_balancer)})
     out = list(flat)
     for i, b, d in tensors:
         lengths = shard_lengths(b.shape[d], n, load_balancer)
@@ -182,15 +208,17 @@ def _gathered_lengths(t: torch.Tensor, seq_dim: int, group: dist.ProcessGroup) -
 
 
 def _layout(group: dist.ProcessGroup, t: torch.Tensor, seq_dim: int,
-            load_balancer: _LoadBalancer | None) -> list[int] | None:
-    """Shard lengths of ``t``'s layout, or None when they are all equal."""
+            load_balancer: _LoadBalancer | None,
+            gathered: list[int] | None = None) -> list[int] | None:
+    """Shard lengths of ``t``'s layout, or None when they are all equal.
+    ``gathered``: every rank's length of ``t``, from the handshake."""
     n = dist.get_world_size(group)
     seq_length = getattr(load_balancer, "seq_length", None)
     if load_balancer is not None and seq_length is not None:
         return shard_lengths(seq_length, n, load_balancer)
     if load_balancer is not None:
         return None
-    lengths = _gathered_lengths(t, seq_dim, group)
+    lengths = gathered if gathered is not None else _gathered_lengths(t, seq_dim, group)
     return None if len(set(lengths)) == 1 else lengths
 
 
@@ -204,14 +232,34 @@ def _default_restore_indices(mesh: DeviceMesh, length: int,
     return balancer._generate_indices(restore=True) if balancer else None
 
 
-def _check_unshard(mesh: DeviceMesh, buffers: Sequence[torch.Tensor],
-                   seq_dims: Sequence[int]) -> dist.ProcessGroup:
+def _check_unshard(op: str, mesh: DeviceMesh, buffers: Sequence[torch.Tensor],
+                   seq_dims: Sequence[int],
+                   load_balancer: _LoadBalancer | None) -> tuple[dist.ProcessGroup, list]:
+    """The group and, per buffer, every rank's length along its seq dim
+    (None per buffer when the handshake is off), after checks and the
+    handshake (all ranks raise alike)."""
     group = check_mesh(mesh)
-    if len(buffers) != len(seq_dims):
-        raise ValueError(f"cplib: got {len(buffers)} buffers but {len(seq_dims)} seq_dims")
-    for i, (b, d) in enumerate(zip(buffers, seq_dims)):
-        _check_seq_dim(b, d, f"buffer {i}")
-    return group
+
+    def check():
+        if len(buffers) != len(seq_dims):
+            raise ValueError(f"cplib: got {len(buffers)} buffers but {len(seq_dims)} seq_dims")
+        for i, (b, d) in enumerate(zip(buffers, seq_dims)):
+            _check_seq_dim(b, d, f"buffer {i}")
+        check_load_balancer(load_balancer)
+
+    agreed(op, group.group_name, list(buffers), check)
+    dims = [d % b.ndim for b, d in zip(buffers, seq_dims)]
+    # Shards may differ in length: the description leaves it out (a view of
+    # no rows) and the lengths travel as the call's local lengths.
+    table = handshake(group.group_name, op,
+                      {f"buffer {i}": b.narrow(d, 0, 0) for i, (b, d) in enumerate(zip(buffers,
+                                                                                         dims))},
+                      {**{f"seq_dims[{i}]": d for i, d in enumerate(dims)},
+                       **describe_load_balancer(load_balancer)},
+                      [b.shape[d] for b, d in zip(buffers, dims)])
+    per_buffer = [None if table is None else [row[i] for row in table]
+                  for i in range(len(buffers))]
+    return group, per_buffer
 
 
 @torch.no_grad()
@@ -223,11 +271,12 @@ def context_parallel_unshard(mesh: DeviceMesh, buffers: list[torch.Tensor], seq_
     divides evenly), as in torch. Not differentiable: see :func:`unshard`."""
     if not buffers:
         return []
-    group = _check_unshard(mesh, buffers, seq_dims)
+    group, gathered = _check_unshard("context_parallel_unshard", mesh, buffers, seq_dims,
+                                     load_balancer)
     out = []
-    for b, d in zip(buffers, seq_dims):
+    for b, d, g in zip(buffers, seq_dims, gathered):
         d = d % b.ndim
-        lengths = _layout(group, b, d, load_balancer)
+        lengths = _layout(group, b, d, load_balancer, g)
         if load_balancer is not None:
             restore = load_balancer._generate_indices(restore=True)
         else:
@@ -266,11 +315,11 @@ def unshard(mesh: DeviceMesh, buffers: Sequence[torch.Tensor], seq_dims: Sequenc
     so gradients of replicated parameters are then summed over the group."""
     if not buffers:
         return []
-    group = _check_unshard(mesh, buffers, seq_dims)
+    group, gathered = _check_unshard("unshard", mesh, buffers, seq_dims, load_balancer)
     forward = restore = None
     if load_balancer is not None:
         forward = load_balancer._generate_indices()
         restore = load_balancer._generate_indices(restore=True)
     return [_Unshard.apply(b, d % b.ndim, group, restore, forward,
-                           _layout(group, b, d % b.ndim, load_balancer))
-            for b, d in zip(buffers, seq_dims)]
+                           _layout(group, b, d % b.ndim, load_balancer, g))
+            for b, d, g in zip(buffers, seq_dims, gathered)]

@@ -34,7 +34,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ._native import GroupLike, group_name_of, group_size, normalize_dim, ops
+from ._handshake import agreed
+from ._native import GroupLike, group_name_of, group_size, normalize_dim, ops, reject_real_in_fake
 
 __all__ = ["tp_conv", "enable_dtensor_conv", "disable_dtensor_conv"]
 
@@ -126,6 +127,7 @@ def _group_rank(group_name: str) -> int:
 
 @torch.library.register_fake("cplib_c::tp_convolution")
 def _tp_convolution_fake(x, w, b, stride, padding, dilation, groups, shard_dim, group_name):
+    reject_real_in_fake("tp_conv", x, w, b)
     size = group_size(group_name)
     shape = _local_out_shape(x.shape, w.shape, stride, padding, dilation, groups, shard_dim,
                              _group_rank(group_name), size)
@@ -135,6 +137,7 @@ def _tp_convolution_fake(x, w, b, stride, padding, dilation, groups, shard_dim, 
 @torch.library.register_fake("cplib_c::tp_convolution_backward")
 def _tp_convolution_backward_fake(grad_out, x, w, stride, padding, dilation, groups, shard_dim,
                                   group_name, output_mask):
+    reject_real_in_fake("tp_conv", grad_out, x, w)
     size = group_size(group_name)
     _local_out_shape(x.shape, w.shape, stride, padding, dilation, groups, shard_dim,
                      _group_rank(group_name), size)
@@ -165,8 +168,13 @@ torch.library.register_autograd("cplib_c::tp_convolution", _backward, setup_cont
 # ---------------------------------------------------------------- functional API
 
 
-def _as_list(v: IntOrSeq) -> list[int]:
-    return [int(v)] if isinstance(v, int) else [int(e) for e in v]
+def _as_list(v: IntOrSeq, what: str) -> list[int]:
+    """An int or a sequence of ints as a list; anything else (floats,
+    tensors, strings) is a ValueError naming the argument."""
+    items = [v] if isinstance(v, int) else list(v) if isinstance(v, (list, tuple)) else None
+    if items is None or any(isinstance(e, bool) or not isinstance(e, int) for e in items):
+        raise ValueError(f"cplib.tp_conv: {what}={v!r} must be an int or a sequence of ints")
+    return items
 
 
 def tp_conv(
@@ -190,8 +198,22 @@ def tp_conv(
     this rank's partial sums and must be all-reduced (SUM) over ``group`` to
     equal the full convolution's gradients.
     """
-    if isinstance(padding, str):
-        raise ValueError(f"cplib.tp_conv: padding={padding!r} is not supported; pass integers")
+    from ._ring import check_inputs
+
     name = group_name_of(group if group is not None else dist.group.WORLD)
-    return ops.tp_convolution(x_local, weight, bias, _as_list(stride), _as_list(padding),
-                              _as_list(dilation), int(groups), int(dim), name)
+
+    def check():
+        check_inputs("tp_conv", x_local=x_local, weight=weight,
+                     **({} if bias is None else {"bias": bias}))
+        if isinstance(padding, str):
+            raise ValueError(f"cplib.tp_conv: padding={padding!r} is not supported; pass "
+                             "integers")
+        for what, value in (("groups", groups), ("dim", dim)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"cplib.tp_conv: {what} must be an int, got {value!r}")
+        return [_as_list(v, what) for v, what in ((stride, "stride"), (padding, "padding"),
+                                                  (dilation, "dilation"))]
+
+    args = agreed("tp_conv", name, (x_local, weight, bias), check)
+    return ops.tp_convolution(x_local, weight, bias, *args, groups, dim, name)
+

@@ -9,13 +9,13 @@ Fake kernels and autograd of the ``cplib_c::ulysses_*`` ops
 
 from __future__ import annotations
 
-import math
 
 import torch
 
-from ._native import GroupLike, group_name_of, group_size, ops
-from ._ring import (BACKEND_CODES, ROTATE_CODES, _acc_dtype, _check, _group_rank,
-                    attention_autograd, check_sinks, ring_sdpa)
+from ._handshake import agreed, forward_error
+from ._native import GroupLike, group_name_of, group_size, ops, reject_real_in_fake
+from ._ring import (_acc_dtype, _check, _group_rank, attention_autograd, backend_arg,
+                    check_inputs, check_sinks, ring_sdpa, rotate_arg, scale_arg)
 
 __all__ = ["ulysses_reshard", "ulysses_sdpa", "usp_sdpa", "kv_head_repeat", "check_heads"]
 
@@ -104,6 +104,7 @@ def _reshard_shape(op: str, x: torch.Tensor, n: int, to_heads: bool, repeat: int
 
 @torch.library.register_fake("cplib_c::ulysses_reshard")
 def _reshard_fake(x, group_name, to_heads, head_repeat):
+    reject_real_in_fake("ulysses_reshard", x)
     sizes, order = _reshard_shape("ulysses_reshard", x, group_size(group_name), to_heads,
                                   head_repeat)
     return x.new_empty_strided(sizes, _strides(sizes, order))
@@ -136,7 +137,16 @@ def ulysses_reshard(x: torch.Tensor, group: GroupLike, *, to_heads: bool,
     The result is a fresh tensor in the order the exchange delivers it:
     sequence-major strides for ``to_heads``, head-major otherwise.
     """
-    return ops.ulysses_reshard(x, group_name_of(group), bool(to_heads), int(head_repeat))
+    name = group_name_of(group)
+
+    def check():
+        check_inputs("ulysses_reshard", x=x)
+        if isinstance(head_repeat, bool) or not isinstance(head_repeat, int):
+            raise ValueError(f"cplib.ulysses_reshard: head_repeat must be an int, got "
+                             f"{head_repeat!r}")
+
+    agreed("ulysses_reshard", name, (x,), check)
+    return ops.ulysses_reshard(x, name, bool(to_heads), head_repeat)
 
 
 # ---------------------------------------------------------------- local attention op
@@ -149,6 +159,7 @@ def _check_local(op: str, q, k, v, is_causal, scale, backend) -> None:
 
 @torch.library.register_fake("cplib_c::ulysses_local_sdpa")
 def _local_fake(q, k, v, is_causal, scale, backend, sinks=None):
+    reject_real_in_fake("ulysses_local_sdpa", q, k, v, sinks)
     _check_local("ulysses_local_sdpa", q, k, v, is_causal, scale, backend)
     check_sinks("ulysses_local_sdpa", q, sinks)
     b, h, s, _ = q.shape
@@ -160,6 +171,7 @@ def _local_fake(q, k, v, is_causal, scale, backend, sinks=None):
 
 @torch.library.register_fake("cplib_c::ulysses_local_sdpa_backward")
 def _local_backward_fake(grad_out, q, k, v, out, lse, is_causal, scale, backend):
+    reject_real_in_fake("ulysses_local_sdpa_backward", grad_out, q, k, v, out, lse)
     _check_local("ulysses_local_sdpa_backward", q, k, v, is_causal, scale, backend)
     return tuple(t.new_empty_strided(t.shape, _strides(tuple(t.shape), _BSHD)) for t in (q, k, v))
 
@@ -173,23 +185,8 @@ torch.library.register_autograd("cplib_c::ulysses_local_sdpa", _local_backward,
 # ---------------------------------------------------------------- entry points
 
 
-def _backend_code(op: str, backend: str | None) -> int:
-    if backend not in BACKEND_CODES:
-        raise ValueError(f"cplib.{op}: backend={backend!r} is not one of None, 'auto', 'flash', "
-                         "'efficient', 'cudnn'")
-    return BACKEND_CODES[backend]
-
-
-def _check_scale(op: str, scale: float | None) -> float | None:
-    if scale is None:
-        return None
-    scale = float(scale)
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"cplib.{op}: scale={scale} must be a finite positive number or None")
-    return scale
-
-
 def _check_qkv(op: str, q, k, v) -> None:
+    check_inputs(op, q=q, k=k, v=v)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -278,17 +275,46 @@ def ulysses_sdpa(
         return usp_sdpa(q, k, v, group, _self_group(), is_causal=is_causal, scale=scale,
                         backend=backend, sinks=sinks, cu_seqlens=cu_seqlens, window=window,
                         seq_len=seq_len)
-    _check_qkv(op, q, k, v)
     name = group_name_of(group)
-    degree = _degree(name)
-    check_heads(op, q.shape[1], k.shape[1], degree)
-    scale = _check_scale(op, scale)
-    code = _backend_code(op, backend)
-    _check_local(op, q, k, v, is_causal, scale, code)
-    local_sinks = _local_sinks(op, q, sinks, name, degree)
+
+    def args():
+        _check_qkv(op, q, k, v)
+        degree = _degree(name)
+        check_heads(op, q.shape[1], k.shape[1], degree)
+        scale_ = scale_arg(op, scale)
+        code = backend_arg(op, backend)
+        _check_local(op, q, k, v, is_causal, scale_, code)
+        return degree, scale_, code, _local_sinks(op, q, sinks, name, degree)
+
+    degree, scale, code, local_sinks = agreed(op, name, (q, k, v), args)
     qh, kh, vh = _to_heads(q, k, v, name, degree)
     out_h, lse_h = ops.ulysses_local_sdpa(qh, kh, vh, bool(is_causal), scale, code, local_sinks)
     return _to_seq(out_h, lse_h, name)
+
+
+@torch.compiler.assume_constant_result
+def _shared_ranks(uname: str, rname: str) -> int:
+    """How many ranks the two groups share (-1: groups torch cannot list); a
+    constant of any compiled region, like _degree."""
+    try:
+        c10d = torch.distributed.distributed_c10d
+        ur, rr = (c10d.get_process_group_ranks(c10d._resolve_process_group(name))
+                  for name in (uname, rname))
+    except Exception:  # the ops check what they can
+        return -1
+    return len(set(ur) & set(rr))
+
+
+def _check_usp_groups(op: str, uname: str, rname: str) -> None:
+    """The Ulysses and ring groups of one rank meet in that rank only (they
+    span the U x R grid); the same group twice would attend each shard twice."""
+    shared = _shared_ranks(uname, rname)
+    if shared == -1 and uname == rname and _degree(uname) > 1:
+        shared = _degree(uname)
+    if shared > 1:
+        raise ValueError(f"cplib.{op}: ulysses_group '{uname}' and ring_group '{rname}' share "
+                         f"{shared} ranks; they must meet in this rank only (the two dimensions "
+                         "of a U x R grid, see cplib.usp_groups)")
 
 
 def usp_sdpa(
@@ -324,34 +350,52 @@ def usp_sdpa(
     ring shard may differ by a row (``cplib.usp_load_balancer``); they travel
     padded to one length and the padding never reaches the attention."""
     op = "usp_sdpa"
-    _check_qkv(op, q, k, v)
     uname, rname = group_name_of(ulysses_group), group_name_of(ring_group)
-    degree = _degree(uname)
-    check_heads(op, q.shape[1], k.shape[1], degree)
-    if rotate not in ROTATE_CODES:
-        raise ValueError(f"cplib.{op}: rotate={rotate!r} is not one of {sorted(ROTATE_CODES)}")
-    scale = _check_scale(op, scale)
-    code = _backend_code(op, backend)
-    _check_local(op, q, k, v, is_causal, scale, code)
-    ring_degree = _degree(rname)  # ValueError for an unknown ring group, before any exchange
     masked = dict(cu_seqlens=cu_seqlens, window=window, seq_len=seq_len,
                   per_document=bool(per_document))
-    if cu_seqlens is None and window is None and seq_len is None and not per_document:
-        if load_balanced and (q.shape[2] * degree) % 2:
-            raise ValueError(f"cplib.{op}: load_balanced needs an even ring shard, got "
-                             f"{q.shape[2]} x {degree} rows")
-        lengths = [q.shape[2]] * degree
+    even = cu_seqlens is None and window is None and seq_len is None and not per_document
+
+    def args():
+        _check_qkv(op, q, k, v)
+        degree = _degree(uname)
+        check_heads(op, q.shape[1], k.shape[1], degree)
+        rotate_arg(op, rotate)
+        scale_ = scale_arg(op, scale)
+        code = backend_arg(op, backend)
+        _check_local(op, q, k, v, is_causal, scale_, code)
+        ring_degree = _degree(rname)  # ValueError for an unknown ring group, before any exchange
+        _check_usp_groups(op, uname, rname)
+        if even:
+            if load_balanced and (q.shape[2] * degree) % 2:
+                raise ValueError(f"cplib.{op}: load_balanced needs an even ring shard, got "
+                                 f"{q.shape[2]} x {degree} rows")
+            lengths = [q.shape[2]] * degree
+        else:
+            lengths = _piece_lengths(op, q, k, uname, rname, degree, ring_degree, load_balanced,
+                                     **masked)
+        return degree, scale_, lengths, _local_sinks(op, q, sinks, uname, degree)
+
+    def to_heads():
+        degree, scale_, lengths, local_sinks = agreed(op, uname, (q, k, v), args)
+        keep = _real_rows(lengths, q.device)
+        # Uneven pieces travel padded to one length; the ring sees exactly its shard.
+        padded = (q, k, v) if keep is None else _pad_rows((q, k, v), max(lengths))
+        heads = _to_heads(*padded, uname, degree)
+        if keep is not None:
+            heads = tuple(t.index_select(2, keep) for t in heads)
+        return scale_, degree, lengths, keep, local_sinks, heads
+
+    if torch.compiler.is_compiling():
+        scale, degree, lengths, keep, local_sinks, (qh, kh, vh) = to_heads()
     else:
-        lengths = _piece_lengths(op, q, k, uname, rname, degree, ring_degree, load_balanced,
-                                 **masked)
+        # Errors travel in the Ulysses group's handshake and then in the ring
+        # group's, where the other Ulysses groups' ranks wait for this one.
+        try:
+            scale, degree, lengths, keep, local_sinks, (qh, kh, vh) = to_heads()
+        except Exception as exc:
+            forward_error(op, rname, exc)
+            raise
     mine = q.shape[2]
-    keep = _real_rows(lengths, q.device)
-    if keep is not None:  # uneven pieces travel padded to one length
-        q, k, v = _pad_rows((q, k, v), max(lengths))
-    local_sinks = _local_sinks(op, q, sinks, uname, degree)
-    qh, kh, vh = _to_heads(q, k, v, uname, degree)
-    if keep is not None:  # drop the padding: the ring sees exactly its shard
-        qh, kh, vh = (t.index_select(2, keep) for t in (qh, kh, vh))
     out_h, lse_h = ring_sdpa(qh, kh, vh, rname, is_causal=is_causal, load_balanced=load_balanced,
                              scale=scale, rotate=rotate, backend=backend, sinks=local_sinks,
                              **masked)

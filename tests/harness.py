@@ -40,13 +40,14 @@ def _format_failures(failures: Sequence[tuple[int, str]]) -> str:
     return "\n".join(f"--- rank {r} failed ---\n{tb}" for r, tb in sorted(failures))
 
 
-def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
+def _worker(rank: int, world_size: int, port: int, tasks, results,
+            timeout_s: float = RANK_TIMEOUT_S) -> None:
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group(
         "gloo", rank=rank, world_size=world_size,
-        timeout=datetime.timedelta(seconds=RANK_TIMEOUT_S),
+        timeout=datetime.timedelta(seconds=timeout_s),
     )
     try:
         while True:
@@ -72,7 +73,9 @@ class RankPool:
     of the fixture gets fresh ranks: one failing test cannot change another's
     result."""
 
-    def __init__(self, world_size: int):
+    def __init__(self, world_size: int, timeout_s: float = RANK_TIMEOUT_S):
+        """``timeout_s``: the process groups' timeout (a short one makes a
+        collective that never completes fail fast)."""
         self.world_size = world_size
         ctx = mp.get_context("spawn")
         self._tasks = [ctx.Queue() for _ in range(world_size)]
@@ -81,8 +84,8 @@ class RankPool:
         self._closed = False
         port = _free_port()
         self._procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, self._tasks[r], self._results),
-                        daemon=True)
+            ctx.Process(target=_worker, args=(r, world_size, port, self._tasks[r], self._results,
+                                              timeout_s), daemon=True)
             for r in range(world_size)
         ]
         for p in self._procs:

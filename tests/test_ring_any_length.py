@@ -129,7 +129,9 @@ def _check_bad_lengths() -> int:
         ops.ring_sdpa(q, q, q, g.group_name, False, False, None, -1, 0, None, None, n - 1)
     s = 4 * n + 1  # rank 0 holds 5 rows sequentially, the others 4
     wrong = torch.randn(1, 2, 6, 4)
-    with pytest.raises(ValueError, match=f"seq_len={s} over {n} ranks .* gives rank {rank} "):
+    # Every rank's shard is wrong: every rank raises the same error, the first rank's.
+    with pytest.raises(ValueError, match=f"invalid input on every rank .*seq_len={s} over {n} "
+                                         "ranks .* gives rank 0 "):
         cplib.ring_sdpa(wrong, wrong, wrong, g, seq_len=s)
     t = torch.ones(1)
     dist.all_reduce(t)

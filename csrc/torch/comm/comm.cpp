@@ -27,7 +27,7 @@ PG resolve_group(std::string_view group_name) {
     return c10d::resolve_process_group(name);
   } catch (const c10::Error&) {
     TORCH_CHECK_VALUE(false, "cplib: no process group is registered under the name '", name,
-                      "' (pass group.group_name of an initialised group)");
+                      "' (destroyed, or never initialised: pass group.group_name of a live group)");
   }
 }
 

@@ -7,7 +7,7 @@
 #include <torch/library.h>
 
 #include "comm/comm.h"
-#include "comm/consistency.h"
+#include "comm/handshake.h"
 #include "conv/tp_conv_impl.h"
 #include "conv/tp_conv_plan.h"
 
@@ -21,23 +21,33 @@ struct Resolved {
 
 Resolved resolve(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b,
                  at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
-                 int64_t groups, int64_t shard_dim, c10::string_view group_name) {
-  PG pg = resolve_group(std::string_view(group_name.data(), group_name.size()));
-  CallSignature sig;  // check mode: every rank must make the same call
-  sig.add_meta("x", x);
-  sig.add_meta("weight", w);
-  sig.add_meta("bias", b ? *b : at::Tensor());
-  for (auto [name, values] : {std::pair{"stride", stride}, {"padding", padding},
-                              {"dilation", dilation}}) {
-    sig.add(std::string(name) + " length", static_cast<int64_t>(values.size()));
-    for (size_t i = 0; i < values.size(); ++i)
-      sig.add(std::string(name) + "[" + std::to_string(i) + "]", values[i]);
-  }
-  sig.add("groups", groups);
-  sig.add("shard_dim", shard_dim);
-  maybe_check_consistent(pg, "tp_convolution", sig, x.device());
-  TpConvPlan plan = make_tp_conv_plan(x, w, b, stride, padding, dilation, groups, shard_dim,
-                                      pg->getRank(), pg->getSize());
+                 int64_t groups, int64_t shard_dim, c10::string_view group_name,
+                 const at::Tensor& grad_out = at::Tensor()) {
+  const std::string_view name(group_name.data(), group_name.size());
+  PG pg = resolve_group(name);
+  Handshake hs("tp_convolution");
+  TpConvPlan plan;
+  hs.validate([&] {
+    plan = make_tp_conv_plan(x, w, b, stride, padding, dilation, groups, shard_dim,
+                             pg->getRank(), pg->getSize());
+    // Shards may differ in width along the sharded dim: that width is a
+    // local length, everything else must agree.
+    CallSignature& sig = hs.sig();
+    sig.add_meta("x", x, plan.dim);
+    sig.add_meta("weight", w);
+    sig.add_meta("bias", b ? *b : at::Tensor());
+    for (auto [what, values] : {std::pair{"stride", stride}, {"padding", padding},
+                                {"dilation", dilation}}) {
+      sig.add(std::string(what) + " length", static_cast<int64_t>(values.size()));
+      for (size_t i = 0; i < values.size(); ++i)
+        sig.add(std::string(what) + "[" + std::to_string(i) + "]", values[i]);
+    }
+    sig.add("groups", groups);
+    sig.add("shard_dim", plan.dim);
+    if (grad_out.defined()) sig.add_meta("grad_out", grad_out, plan.dim);
+    hs.set_lengths({x.size(plan.dim)});
+  });
+  hs.exchange(name, pg, x.device());
   return {std::move(pg), std::move(plan)};
 }
 
@@ -67,7 +77,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tp_convolution_backward(
     at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, int64_t shard_dim,
     c10::string_view group_name, std::array<bool, 3> output_mask) {
   Resolved r = resolve(x, w, c10::nullopt, stride, padding, dilation, groups, shard_dim,
-                       group_name);
+                       group_name, grad_out);
   const TpConvPlan& p = r.plan;
   ConvGrads grads;
   if (!p.exchange) {

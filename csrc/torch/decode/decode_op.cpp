@@ -7,10 +7,9 @@
 #include <limits>
 
 #include <ATen/core/LegacyTypeDispatch.h>
-#include <c10/util/bit_cast.h>
 #include <torch/library.h>
 
-#include "comm/consistency.h"
+#include "comm/handshake.h"
 #include "merge/merge_op.h"
 #include "ring/ring_block.h"
 
@@ -58,9 +57,6 @@ void check_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     " differs from k head dim ", k.size(3));
   TORCH_CHECK_VALUE(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "cplib.decode_sdpa: q has ",
                     q.size(1), " heads, which is not a multiple of k/v's ", k.size(1), " heads");
-  TORCH_CHECK_VALUE(q.is_cuda() || v.size(3) == q.size(3),
-                    "cplib.decode_sdpa: the CPU kernel needs v's head dim (", v.size(3),
-                    ") to equal q/k's (", q.size(3), ")");
   TORCH_CHECK_VALUE(q_pos.has_value() == kv_pos.has_value(), "cplib.decode_sdpa: ",
                     q_pos ? "kv_positions" : "q_positions",
                     " is missing: give q_positions and kv_positions together, or neither");
@@ -76,24 +72,21 @@ void check_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     scale ? *scale : 0.0, " must be a finite positive number or None");
 }
 
-// Check mode: every rank must pass the same q (it is replicated by contract).
-void check_same_call(const PG& pg, const at::Tensor& q, const at::Tensor& k,
-                     const std::optional<at::Tensor>& q_pos,
-                     const std::optional<std::vector<int64_t>>& window,
-                     std::optional<double> scale) {
-  if (!consistency_checks_enabled()) return;
-  CallSignature sig;
+// What every rank must agree on: q itself (it is replicated by contract),
+// the cache's heads and head dims, the mask and the scale.
+void describe(CallSignature& sig, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+              const std::optional<at::Tensor>& q_pos,
+              const std::optional<std::vector<int64_t>>& window, std::optional<double> scale) {
   sig.add_meta("q", q);
   sig.add_values_hash("q", q.contiguous().view(-1).view(at::kByte));
-  sig.add("k.size(1)", k.size(1));
-  sig.add("k.size(3)", k.size(3));
-  sig.add("positions given", q_pos.has_value());
+  sig.add_meta("k", k, /*skip_dim=*/2);
+  sig.add_meta("v", v, /*skip_dim=*/2);
+  sig.add_flag("q_positions is not None", q_pos.has_value());
   if (q_pos) sig.add_values_hash("q_positions", *q_pos);
-  sig.add("window given", window.has_value());
+  sig.add_flag("window is not None", window.has_value());
   for (size_t i = 0; window && i < window->size(); ++i)
     sig.add("window[" + std::to_string(i) + "]", (*window)[i]);
-  sig.add("scale (float64 bits)", scale ? c10::bit_cast<int64_t>(*scale) : 0);
-  check_consistent(pg, "decode_sdpa", sig, q.device());
+  sig.add_optional_float("scale", scale);
 }
 
 std::tuple<at::Tensor, at::Tensor> decode_sdpa(const at::Tensor& q, const at::Tensor& k,
@@ -105,9 +98,15 @@ std::tuple<at::Tensor, at::Tensor> decode_sdpa(const at::Tensor& q, const at::Te
   at::AutoDispatchBelowADInplaceOrView guard;
   std::optional<std::vector<int64_t>> window;
   if (window_arg.has_value()) window = window_arg->vec();
-  const PG pg = resolve_group({group_name.data(), group_name.size()});
-  check_same_call(pg, q, k, q_positions, window, scale);
-  check_args(q, k, v, q_positions, kv_positions, window, scale);
+  const std::string_view name{group_name.data(), group_name.size()};
+  const PG pg = resolve_group(name);
+  Handshake hs("decode_sdpa");
+  hs.validate([&] {
+    check_args(q, k, v, q_positions, kv_positions, window, scale);
+    describe(hs.sig(), q, k, v, q_positions, window, scale);
+    hs.set_lengths({k.size(2)});
+  });
+  hs.exchange(name, pg, q.device());
 
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), Dv = v.size(3), L = k.size(2);
   const auto acc_opts = q.options().dtype(acc_dtype(q));

@@ -4,7 +4,7 @@
 
 #include "common/checks.h"
 #include "comm/comm.h"
-#include "comm/consistency.h"
+#include "comm/handshake.h"
 
 namespace cplib {
 namespace {
@@ -16,6 +16,12 @@ void check_pair(const at::Tensor& k, const at::Tensor& v, int64_t dim, const cha
                     "dimensions, got k ", k.sizes(), " and v ", v.sizes());
   TORCH_CHECK_VALUE(k.device() == v.device(), "cplib.", op, ": k is on ", k.device(),
                     " but v is on ", v.device());
+  TORCH_CHECK_VALUE(k.device().is_cpu() || k.device().is_cuda(), "cplib.", op,
+                    ": unsupported device ", k.device());
+  for (const auto& [name, t] : {std::pair{"k", &k}, std::pair{"v", &v}})
+    TORCH_CHECK_VALUE(at::isFloatingType(t->scalar_type()), "cplib.", op, ": ", name,
+                      " has dtype ", t->scalar_type(), "; expected a floating dtype (float32, "
+                      "float64, bfloat16 or float16)");
   for (int64_t d = 0; d < k.dim(); ++d) {
     const bool free_dim = d != dim && k.dim() == 4 && (d == 1 || d == 3);
     TORCH_CHECK_VALUE(free_dim || k.size(d) == v.size(d), "cplib.", op,
@@ -24,24 +30,29 @@ void check_pair(const at::Tensor& k, const at::Tensor& v, int64_t dim, const cha
   }
 }
 
-// [N, ..., S, ...] gathered chunks -> a fresh contiguous [..., N*S, ...].
-// The group and the normalised seq_dim, after every check: in check mode the
-// calls are first compared across ranks, so all of them fail alike.
+// The group and the normalised seq_dim, after the handshake: every rank
+// fails alike or none does. `more_checks` are the backward's own.
+template <class F>
 std::pair<PG, int64_t> checked_call(const char* op, const at::Tensor& k, const at::Tensor& v,
-                                    int64_t seq_dim, c10::string_view group_name) {
-  PG pg = resolve_group(std::string_view(group_name.data(), group_name.size()));
-  if (consistency_checks_enabled()) {
-    CallSignature sig;
-    sig.add_meta("k", k);
-    sig.add_meta("v", v);
-    sig.add("seq_dim", seq_dim);
-    check_consistent(pg, op, sig, k.device());
-  }
-  const int64_t dim = checked_dim(seq_dim, k.dim(), "seq_dim");
-  check_pair(k, v, dim, op);
+                                    int64_t seq_dim, c10::string_view group_name,
+                                    F&& more_checks) {
+  const std::string_view name(group_name.data(), group_name.size());
+  PG pg = resolve_group(name);
+  Handshake hs(op);
+  int64_t dim = 0;
+  hs.validate([&] {
+    dim = checked_dim(seq_dim, k.dim(), "seq_dim");
+    check_pair(k, v, dim, op);
+    more_checks(k, dim, pg->getSize());
+    hs.sig().add_meta("k", k);
+    hs.sig().add_meta("v", v);
+    hs.sig().add("seq_dim", dim);
+  });
+  hs.exchange(name, pg, k.device());
   return {std::move(pg), dim};
 }
 
+// [N, ..., S, ...] gathered chunks -> a fresh contiguous [..., N*S, ...].
 at::Tensor chunks_to_dim(const at::Tensor& chunks, int64_t dim) {
   if (dim == 0) return chunks.flatten(0, 1);
   auto moved = chunks.movedim(0, dim);  // [..., N, S, ...]
@@ -63,7 +74,8 @@ at::Tensor dim_to_chunks(const at::Tensor& full, int64_t dim, int64_t n) {
 std::tuple<at::Tensor, at::Tensor> flex_cp_allgather(const at::Tensor& k, const at::Tensor& v,
                                                      int64_t seq_dim,
                                                      c10::string_view group_name) {
-  const auto [pg, dim] = checked_call("flex_cp_allgather", k, v, seq_dim, group_name);
+  const auto [pg, dim] =
+      checked_call("flex_cp_allgather", k, v, seq_dim, group_name, [](auto&&...) {});
   const int64_t n = pg->getSize();
 
   at::Tensor kin = k.contiguous(), vin = v.contiguous();
@@ -92,11 +104,13 @@ std::tuple<at::Tensor, at::Tensor> flex_cp_allgather_backward(const at::Tensor& 
                                                               const at::Tensor& grad_v,
                                                               int64_t seq_dim,
                                                               c10::string_view group_name) {
-  const auto [pg, dim] =
-      checked_call("flex_cp_allgather_backward", grad_k, grad_v, seq_dim, group_name);
+  const auto [pg, dim] = checked_call(
+      "flex_cp_allgather_backward", grad_k, grad_v, seq_dim, group_name,
+      [](const at::Tensor& gk, int64_t d, int64_t n) {
+        TORCH_CHECK_VALUE(gk.size(d) % n == 0, "cplib.flex_cp_allgather_backward: sequence ",
+                          "length ", gk.size(d), " is not divisible by the group size ", n);
+      });
   const int64_t n = pg->getSize();
-  TORCH_CHECK_VALUE(grad_k.size(dim) % n == 0, "cplib.flex_cp_allgather_backward: sequence ",
-                    "length ", grad_k.size(dim), " is not divisible by the group size ", n);
 
   at::Tensor kin = dim_to_chunks(grad_k, dim, n), vin = dim_to_chunks(grad_v, dim, n);
   at::Tensor kout = at::empty(kin.sizes().slice(1), kin.options());

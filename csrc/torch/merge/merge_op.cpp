@@ -1,6 +1,7 @@
 // cplib_c::merge_partial_: the fused (out, lse) merge as an op, used by the
 // ring and exposed for tests and the bandwidth benchmark.
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <torch/library.h>
 
 #include "cplib/merge.h"
@@ -27,6 +28,16 @@ static cplib_merge_params merge_params(at::Tensor& out, at::Tensor& lse, const a
                     out.scalar_type());
   TORCH_CHECK_VALUE(out.scalar_type() == at::kFloat || blk_out.scalar_type() == at::kDouble,
                     "cplib.merge_partial_: a float64 accumulator needs a float64 block");
+  // Rows that share memory (an expanded `out`) would be merged into each other.
+  for (const auto& [name, t] : {std::pair{"out", &out}, std::pair{"lse", &lse}})
+    TORCH_CHECK_VALUE(at::has_internal_overlap(*t) != at::MemOverlap::Yes,
+                      "cplib.merge_partial_: ", name, " (strides ", t->strides(),
+                      ") has elements that share memory (expanded?); pass a dense tensor");
+  TORCH_CHECK_VALUE(out.device() == lse.device() && out.device() == blk_out.device() &&
+                        out.device() == blk_lse.device(),
+                    "cplib.merge_partial_: out, lse, blk_out and blk_lse must be on one device, "
+                    "got ", out.device(), ", ", lse.device(), ", ", blk_out.device(), ", ",
+                    blk_lse.device());
   const int64_t B = blk_out.size(0), H = blk_out.size(1), R = blk_out.size(2), D = blk_out.size(3);
   TORCH_CHECK_VALUE(out.size(0) == B && out.size(1) == H && out.size(3) == D &&
                         lse.size(0) == B && lse.size(1) == H && blk_lse.size(0) == B &&

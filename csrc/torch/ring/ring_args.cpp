@@ -34,6 +34,7 @@ void check_tensors(const char* op, const at::Tensor& q, const at::Tensor& k, con
                     " (expected float32, float64, bfloat16 or float16)");
   TORCH_CHECK_VALUE(q.size(0) == k.size(0) && q.size(0) == v.size(0), "cplib.", op,
                     ": batch sizes differ: q ", q.size(0), ", k ", k.size(0), ", v ", v.size(0));
+  TORCH_CHECK_VALUE(q.size(0) > 0, "cplib.", op, ": empty batch (q has shape ", q.sizes(), ")");
   TORCH_CHECK_VALUE(k.size(1) == v.size(1) && k.size(2) == v.size(2), "cplib.", op,
                     ": k ", k.sizes(), " and v ", v.sizes(), " must agree in heads and length");
   TORCH_CHECK_VALUE(q.size(3) == k.size(3), "cplib.", op, ": q head dim ", q.size(3),

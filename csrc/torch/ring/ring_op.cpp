@@ -4,10 +4,9 @@
 #include <initializer_list>
 
 #include <ATen/core/LegacyTypeDispatch.h>
-#include <c10/util/bit_cast.h>
 #include <torch/library.h>
 
-#include "comm/consistency.h"
+#include "comm/handshake.h"
 #include "ring/ring_forward.h"
 #include "ring/ring_rotate.h"
 
@@ -37,48 +36,54 @@ Extras extras(const std::optional<at::Tensor>& cu_seqlens, at::OptionalIntArrayR
   return e;
 }
 
-// Check mode: every rank must make the same call (before any validation
-// that could raise on one rank only). With seq_len the local lengths may
-// differ by design (uneven shards), so dim 2 is left out.
-void check_same_call(const char* op, std::string_view group_name,
-                     std::initializer_list<std::pair<const char*, const at::Tensor*>> tensors,
-                     bool is_causal, bool load_balanced, std::optional<double> scale,
-                     int64_t backend, int64_t rotate, const Extras& ex) {
-  if (!consistency_checks_enabled()) return;
-  CallSignature sig;
-  for (const auto& [name, t] : tensors) {
-    if ((!ex.seq_len && !ex.per_document && !ex.has_positions()) || !t->defined()) {
-      sig.add_meta(name, *t);
-      continue;
-    }
-    const std::string n(name);
-    sig.add(n + ".dim()", t->dim());
-    for (int64_t d = 0; d < t->dim(); ++d)
-      if (d != 2) sig.add(n + ".size(" + std::to_string(d) + ")", t->size(d));
-    sig.add(n + ".dtype (ScalarType code)", static_cast<int64_t>(t->scalar_type()));
-    sig.add(n + ".device type", static_cast<int64_t>(t->device().type()));
-  }
-  sig.add("seq_len given", ex.seq_len.has_value());
-  sig.add("seq_len", ex.seq_len.value_or(0));
-  sig.add("window given", ex.window.has_value());
+// What every rank of the ring must agree on, one line per argument. With
+// seq_len, per_document or explicit positions the local lengths may differ by
+// design (uneven shards), so dim 2 is left out: the local checks cover it.
+void describe(CallSignature& sig,
+              std::initializer_list<std::pair<const char*, const at::Tensor*>> tensors,
+              bool is_causal, bool load_balanced, std::optional<double> scale, int64_t backend,
+              int64_t rotate, const Extras& ex) {
+  const bool uneven = ex.seq_len || ex.per_document || ex.has_positions();
+  for (const auto& [name, t] : tensors) sig.add_meta(name, *t, uneven ? 2 : -1);
+  sig.add("seq_len", ex.seq_len.value_or(-1));
+  sig.add_flag("window is not None", ex.window.has_value());
   for (size_t i = 0; ex.window && i < ex.window->size(); ++i)
     sig.add("window[" + std::to_string(i) + "]", (*ex.window)[i]);
-  sig.add("per_document", ex.per_document);
-  sig.add("cu_seqlens given", ex.cu_seqlens.has_value());
-  if (ex.cu_seqlens) {
-    sig.add("cu_seqlens.numel()", ex.cu_seqlens->numel());
-    sig.add_values_hash("cu_seqlens", *ex.cu_seqlens);
-  }
-  sig.add("q_positions given", ex.q_positions.has_value());
-  sig.add("kv_positions given", ex.kv_positions.has_value());
+  sig.add_flag("per_document", ex.per_document);
+  sig.add_flag("cu_seqlens is not None", ex.cu_seqlens.has_value());
+  if (ex.cu_seqlens) sig.add_values_hash("cu_seqlens", *ex.cu_seqlens);
+  sig.add_flag("q_positions is not None", ex.q_positions.has_value());
+  sig.add_flag("kv_positions is not None", ex.kv_positions.has_value());
   sig.add("ring_pass", ex.ring_pass);
-  sig.add("is_causal", is_causal);
-  sig.add("load_balanced", load_balanced);
-  sig.add("scale given", scale.has_value());
-  sig.add("scale (float64 bits)", scale ? c10::bit_cast<int64_t>(*scale) : 0);
+  sig.add_flag("is_causal", is_causal);
+  sig.add_flag("load_balanced", load_balanced);
+  sig.add_optional_float("scale", scale);
   sig.add("backend", backend);
   sig.add("rotate", rotate);
-  check_consistent(resolve_group(group_name), op, sig, tensors.begin()->second->device());
+}
+
+// Local validation, then the handshake: every rank raises alike or none does.
+// `more_checks` are the backward's own checks.
+template <class F>
+Config agreed_config(const char* op, std::string_view group_name,
+                     std::initializer_list<std::pair<const char*, const at::Tensor*>> tensors,
+                     bool is_causal, bool load_balanced, std::optional<double> scale,
+                     int64_t backend, int64_t rotate, const Extras& ex, F&& more_checks) {
+  PG pg = resolve_group(group_name);
+  const at::Tensor& q = *tensors.begin()->second;
+  const at::Tensor& k = *(tensors.begin() + 1)->second;
+  const at::Tensor& v = *(tensors.begin() + 2)->second;
+  Handshake hs(op);
+  Config cfg;
+  hs.validate([&] {
+    more_checks();
+    cfg = check_args(op, q, k, v, group_name, is_causal, load_balanced, scale, backend, rotate,
+                     ex);
+    describe(hs.sig(), tensors, is_causal, load_balanced, scale, backend, rotate, ex);
+    hs.set_lengths({q.size(2), k.size(2)});
+  });
+  hs.exchange(group_name, pg, q.device());
+  return cfg;
 }
 
 std::tuple<at::Tensor, at::Tensor> ring_sdpa(const at::Tensor& q, const at::Tensor& k,
@@ -97,34 +102,21 @@ std::tuple<at::Tensor, at::Tensor> ring_sdpa(const at::Tensor& q, const at::Tens
   NoViewTracking guard;
   const Extras ex =
       extras(cu_seqlens, window, seq_len, per_document, q_positions, kv_positions, ring_pass);
-  check_same_call("ring_sdpa", sv(group_name), {{"q", &q}, {"k", &k}, {"v", &v}}, is_causal,
-                  load_balanced, scale, backend, rotate, ex);
-  Config cfg = check_args("ring_sdpa", q, k, v, sv(group_name), is_causal, load_balanced, scale,
-                          backend, rotate, ex);
-  if (sinks) check_sinks("ring_sdpa", q, *sinks);
+  Config cfg = agreed_config("ring_sdpa", sv(group_name), {{"q", &q}, {"k", &k}, {"v", &v}},
+                             is_causal, load_balanced, scale, backend, rotate, ex, [&] {
+                               if (sinks) check_sinks("ring_sdpa", q, *sinks);
+                             });
   finish_config(cfg, ex, q, k, v);
   return ring_forward(cfg, q, k, v, sinks ? *sinks : at::Tensor());
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_sdpa_backward(
-    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse, c10::string_view group_name, bool is_causal,
-    bool load_balanced, std::optional<double> scale, int64_t backend, int64_t rotate,
-    const std::optional<at::Tensor>& cu_seqlens, at::OptionalIntArrayRef window,
-    std::optional<int64_t> seq_len, bool per_document,
-    const std::optional<at::Tensor>& q_positions, const std::optional<at::Tensor>& kv_positions,
-    int64_t ring_pass) {
-  // The backward always runs the pass-KV ring (pass-Q is forward only).
-  (void)ring_pass;
-  const Extras ex = extras(cu_seqlens, window, seq_len, per_document, q_positions, kv_positions);
-  check_same_call("ring_sdpa_backward", sv(group_name),
-                  {{"q", &q}, {"k", &k}, {"v", &v}, {"grad_out", &grad_out}, {"out", &out},
-                   {"lse", &lse}},
-                  is_causal, load_balanced, scale, backend, rotate, ex);
-  const std::vector<int64_t> out_sizes{q.size(0), q.size(1), q.size(2), v.size(3)};
-  const std::vector<int64_t> lse_sizes{q.size(0), q.size(1), q.size(2)};
+// The backward's checks of its extra tensors (the forward's outputs).
+void check_backward_tensors(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& v,
+                            const at::Tensor& out, const at::Tensor& lse) {
   TORCH_CHECK_VALUE(q.dim() == 4 && v.dim() == 4, "cplib.ring_sdpa_backward: expected 4-D q and v",
                     ", got ", q.sizes(), " and ", v.sizes());
+  const std::vector<int64_t> out_sizes{q.size(0), q.size(1), q.size(2), v.size(3)};
+  const std::vector<int64_t> lse_sizes{q.size(0), q.size(1), q.size(2)};
   TORCH_CHECK_VALUE(grad_out.sizes() == out_sizes && out.sizes() == out_sizes, "cplib.",
                     "ring_sdpa_backward: grad_out ", grad_out.sizes(), " and out ", out.sizes(),
                     " must have shape ", out_sizes);
@@ -138,9 +130,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_sdpa_backward(
   TORCH_CHECK_VALUE(grad_out.device() == q.device() && out.device() == q.device() &&
                         lse.device() == q.device(),
                     "cplib.ring_sdpa_backward: grad_out, out and lse must be on ", q.device());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_sdpa_backward(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, c10::string_view group_name, bool is_causal,
+    bool load_balanced, std::optional<double> scale, int64_t backend, int64_t rotate,
+    const std::optional<at::Tensor>& cu_seqlens, at::OptionalIntArrayRef window,
+    std::optional<int64_t> seq_len, bool per_document,
+    const std::optional<at::Tensor>& q_positions, const std::optional<at::Tensor>& kv_positions,
+    int64_t ring_pass) {
+  // The backward always runs the pass-KV ring (pass-Q is forward only).
+  (void)ring_pass;
+  const Extras ex = extras(cu_seqlens, window, seq_len, per_document, q_positions, kv_positions);
   NoViewTracking guard;
-  Config cfg = check_args("ring_sdpa_backward", q, k, v, sv(group_name), is_causal, load_balanced,
-                          scale, backend, rotate, ex);
+  Config cfg = agreed_config(
+      "ring_sdpa_backward", sv(group_name),
+      {{"q", &q}, {"k", &k}, {"v", &v}, {"grad_out", &grad_out}, {"out", &out}, {"lse", &lse}},
+      is_causal, load_balanced, scale, backend, rotate, ex,
+      [&] { check_backward_tensors(grad_out, q, v, out, lse); });
   finish_config(cfg, ex, q, k, v);
   return ring_backward(cfg, grad_out, q, k, v, out, lse);
 }

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "comm/comm.h"
-#include "comm/consistency.h"
+#include "comm/handshake.h"
 
 namespace cplib::ulysses {
 namespace {
@@ -62,13 +62,15 @@ int64_t bytes_sent(bool reset) { return reset ? g_bytes_sent.exchange(0) : g_byt
 at::Tensor reshard(const at::Tensor& x, std::string_view group_name, bool to_heads,
                    int64_t head_repeat) {
   PG pg = resolve_group(group_name);
-  // Check mode: every rank must pass the same shape, direction and repeat.
-  CallSignature sig;
-  sig.add_meta("x", x);
-  sig.add("to_heads", to_heads);
-  sig.add("head_repeat", head_repeat);
-  maybe_check_consistent(pg, "ulysses_reshard", sig, x.device());
-  const Geometry g = check(x, pg->getSize(), to_heads, head_repeat);
+  Handshake hs("ulysses_reshard");
+  Geometry g;
+  hs.validate([&] {
+    g = check(x, pg->getSize(), to_heads, head_repeat);
+    hs.sig().add_meta("x", x);
+    hs.sig().add_flag("to_heads", to_heads);
+    hs.sig().add("head_repeat", head_repeat);
+  });
+  hs.exchange(group_name, pg, x.device());
   const int64_t n = g.n;
 
   const at::Tensor src = send_view(x, g, to_heads);

@@ -1,0 +1,318 @@
+#include "comm/handshake.h"
+
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <c10/util/bit_cast.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <sstream>
+#include <unordered_map>
+
+namespace cplib {
+namespace {
+
+// One record, in int64 slots. Fixed width, so that ranks that disagree on
+// anything still make one matching collective.
+constexpr int64_t kMagic = 0x63706c6962680001;  // "cplibh", wire version 1
+constexpr int64_t kNameBytes = 48;
+constexpr int64_t kMessageBytes = 384;
+constexpr int64_t kFields = 128;  // a longer signature folds its tail into the last slot
+enum Slot : int64_t {
+  kMagicSlot = 0,
+  kStatus,
+  kFieldCount,
+  kLengthCount,
+  kOpName,
+  kGroupName = kOpName + kNameBytes / 8,
+  kLengths = kGroupName + kNameBytes / 8,
+  kFieldSlots = kLengths + Handshake::kMaxLengths,
+  kMessage = kFieldSlots + kFields,
+  kWidth = kMessage + kMessageBytes / 8,
+};
+
+constexpr uint64_t kFnvBasis = 14695981039346656037ull;
+
+uint64_t fnv1a(uint64_t h, int64_t v) {
+  for (int b = 0; b < 8; ++b) {
+    h ^= static_cast<uint64_t>(v >> (8 * b)) & 0xffu;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+void put_string(int64_t* slots, int64_t bytes, std::string_view s) {
+  std::memset(slots, 0, static_cast<size_t>(bytes));
+  std::memcpy(slots, s.data(), std::min<size_t>(s.size(), static_cast<size_t>(bytes)));
+}
+
+std::string get_string(const int64_t* slots, int64_t bytes) {
+  const char* p = reinterpret_cast<const char*>(slots);
+  return std::string(p, strnlen(p, static_cast<size_t>(bytes)));
+}
+
+std::mutex g_via_mutex;
+std::unordered_map<std::string, std::string> g_via;
+
+std::string via_of(std::string_view group_name) {
+  std::lock_guard<std::mutex> lock(g_via_mutex);
+  auto it = g_via.find(std::string(group_name));
+  return it == g_via.end() ? std::string(group_name) : it->second;
+}
+
+// NCCL groups gather device buffers; every other backend host memory.
+at::Device record_device(const PG& pg, const at::Device& hint) {
+  if (hint.is_cuda()) return hint;
+  if (pg->getBackendType() == c10d::ProcessGroup::BackendType::NCCL)
+    return at::Device(at::kCUDA, at::detail::getCUDAHooks().current_device());
+  return at::Device(at::kCPU);
+}
+
+std::string format_value(int64_t v, FieldKind kind) {
+  switch (kind) {
+    case FieldKind::boolean:
+      return v == 0 ? "False" : v == 1 ? "True" : std::to_string(v);
+    case FieldKind::dtype:
+      if (v >= 0 && v < static_cast<int64_t>(at::ScalarType::NumOptions))
+        return c10::toString(static_cast<at::ScalarType>(v));
+      break;
+    case FieldKind::device:
+      if (v >= 0 && v < static_cast<int64_t>(c10::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES))
+        return c10::DeviceTypeName(static_cast<c10::DeviceType>(v), /*lower_case=*/true);
+      break;
+    case FieldKind::float64: {
+      if (v == INT64_MIN) return "None";
+      std::ostringstream os;
+      os << c10::bit_cast<double>(v);
+      return os.str();
+    }
+    case FieldKind::hash: {
+      std::ostringstream os;
+      os << "hash " << std::hex << static_cast<uint64_t>(v);
+      return os.str();
+    }
+    case FieldKind::integer:
+      break;
+  }
+  return std::to_string(v);
+}
+
+template <class F>
+std::string per_rank(int64_t n, F&& value_of) {
+  std::ostringstream os;
+  for (int64_t r = 0; r < n; ++r) os << (r ? ", " : "") << "rank " << r << ": " << value_of(r);
+  return os.str();
+}
+
+[[noreturn]] void raise(ErrorKind kind, const std::string& msg) {
+  switch (kind) {
+    case ErrorKind::not_implemented:
+      TORCH_CHECK_NOT_IMPLEMENTED(false, msg);
+    case ErrorKind::type:
+      TORCH_CHECK_TYPE(false, msg);
+    case ErrorKind::index:
+      TORCH_CHECK_INDEX(false, msg);
+    case ErrorKind::runtime:
+      TORCH_CHECK(false, msg);
+    default:
+      TORCH_CHECK_VALUE(false, msg);
+  }
+}
+
+}  // namespace
+
+bool handshake_enabled() {
+  const char* v = std::getenv("CPLIB_CHECK_CONSISTENCY");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
+void register_handshake_group(const std::string& group_name, const std::string& via) {
+  std::lock_guard<std::mutex> lock(g_via_mutex);
+  g_via[group_name] = via;
+}
+
+void CallSignature::add(std::string name, int64_t value, FieldKind kind) {
+  fields_.push_back({std::move(name), value, kind});
+}
+
+void CallSignature::add_optional_float(std::string name, std::optional<double> value) {
+  // INT64_MIN is the bits of -NaN with a full payload: no float a caller passes.
+  add(std::move(name), value ? c10::bit_cast<int64_t>(*value) : INT64_MIN, FieldKind::float64);
+}
+
+void CallSignature::add_meta(const std::string& name, const at::Tensor& t, int64_t skip_dim) {
+  if (!t.defined()) {
+    add(name + " is not None", 0, FieldKind::boolean);
+    return;
+  }
+  add(name + ".dim()", t.dim());
+  for (int64_t d = 0; d < t.dim(); ++d)
+    if (d != skip_dim) add(name + ".size(" + std::to_string(d) + ")", t.size(d));
+  add(name + ".dtype", static_cast<int64_t>(t.scalar_type()), FieldKind::dtype);
+  add(name + ".device type", static_cast<int64_t>(t.device().type()), FieldKind::device);
+}
+
+void CallSignature::add_values_hash(const std::string& name, const at::Tensor& t) {
+  if (!t.defined()) return add_values_hash(name, c10::ArrayRef<int64_t>{});
+  const at::Tensor host = t.to(at::kCPU, at::kLong).contiguous();
+  add_values_hash(name, c10::ArrayRef<int64_t>(host.const_data_ptr<int64_t>(), host.numel()));
+}
+
+void CallSignature::add_values_hash(const std::string& name, c10::ArrayRef<int64_t> values) {
+  uint64_t h = fnv1a(kFnvBasis, static_cast<int64_t>(values.size()));
+  for (int64_t v : values) h = fnv1a(h, v);
+  add(name + " (hash of its values)", static_cast<int64_t>(h), FieldKind::hash);
+}
+
+void Handshake::set_lengths(std::vector<int64_t> lengths) {
+  TORCH_INTERNAL_ASSERT(static_cast<int64_t>(lengths.size()) <= kMaxLengths);
+  lengths_ = std::move(lengths);
+}
+
+void Handshake::fail(ErrorKind kind, std::string message) {
+  if (failed()) return;
+  kind_ = kind == ErrorKind::none ? ErrorKind::runtime : kind;
+  message_ = std::move(message);
+}
+
+void Handshake::record(std::exception_ptr e) {
+  error_ = e;
+  try {
+    std::rethrow_exception(e);
+  } catch (const c10::ValueError& x) {
+    fail(ErrorKind::value, x.msg());
+  } catch (const c10::NotImplementedError& x) {
+    fail(ErrorKind::not_implemented, x.msg());
+  } catch (const c10::TypeError& x) {
+    fail(ErrorKind::type, x.msg());
+  } catch (const c10::IndexError& x) {
+    fail(ErrorKind::index, x.msg());
+  } catch (const c10::Error& x) {
+    fail(ErrorKind::runtime, x.msg());
+  } catch (const std::exception& x) {
+    fail(ErrorKind::runtime, x.what());
+  } catch (...) {
+    fail(ErrorKind::runtime, "unknown error");
+  }
+}
+
+void Handshake::rethrow_local() const {
+  if (error_) std::rethrow_exception(error_);
+  raise(kind_, message_);
+}
+
+std::vector<int64_t> Handshake::lengths(int64_t rank) const {
+  if (table_.empty()) return lengths_;
+  const int64_t* rec = table_.data() + rank * kWidth;
+  return std::vector<int64_t>(rec + kLengths, rec + kLengths + rec[kLengthCount]);
+}
+
+void Handshake::exchange(std::string_view group_name, const PG& pg, const at::Device& hint) {
+  ranks_ = pg->getSize();
+  if (!handshake_enabled() || ranks_ == 1) {
+    if (failed()) rethrow_local();
+    return;
+  }
+  // The record.
+  std::vector<int64_t> mine(kWidth, 0);
+  mine[kMagicSlot] = kMagic;
+  mine[kStatus] = static_cast<int64_t>(kind_);
+  put_string(&mine[kOpName], kNameBytes, op_);
+  put_string(&mine[kGroupName], kNameBytes, group_name);
+  mine[kLengthCount] = static_cast<int64_t>(lengths_.size());
+  std::copy(lengths_.begin(), lengths_.end(), mine.begin() + kLengths);
+  const auto& f = sig_.fields();
+  const int64_t nf = failed() ? 0 : static_cast<int64_t>(f.size());
+  mine[kFieldCount] = nf;
+  uint64_t tail = kFnvBasis;
+  for (int64_t i = 0; i < nf; ++i) {
+    if (i < kFields - 1)
+      mine[kFieldSlots + i] = f[i].value;
+    else
+      tail = fnv1a(tail, f[i].value);
+  }
+  if (nf >= kFields) mine[kFieldSlots + kFields - 1] = static_cast<int64_t>(tail);
+  if (failed()) put_string(&mine[kMessage], kMessageBytes, message_);
+
+  // The all-gather, over the group registered for this one's handshakes.
+  PG via = pg;
+  const std::string via_name = via_of(group_name);
+  if (via_name != group_name) {
+    try {
+      via = resolve_group(via_name);
+    } catch (const c10::Error&) {
+      via = pg;  // destroyed since: the group itself
+    }
+  }
+  const at::Device device = record_device(via, hint);
+  at::Tensor in = at::tensor(mine, at::TensorOptions().dtype(at::kLong)).to(device);
+  at::Tensor all = at::empty({ranks_ * kWidth}, in.options());
+  wait(all_gather_dim0(via, all, in));
+  const at::Tensor host = all.cpu();
+  table_.assign(host.const_data_ptr<int64_t>(), host.const_data_ptr<int64_t>() + ranks_ * kWidth);
+
+  // The verdict, from the table alone: the same on every rank.
+  const int64_t n = ranks_;
+  auto value = [&](int64_t r, int64_t slot) { return table_[r * kWidth + slot]; };
+  auto op_of = [&](int64_t r) { return get_string(&table_[r * kWidth + kOpName], kNameBytes); };
+  for (int64_t r = 0; r < n; ++r)
+    TORCH_CHECK(value(r, kMagicSlot) == kMagic, "cplib.", op_, ": rank ", r, " sent no handshake "
+                "(another collective, another cplib version, or CPLIB_CHECK_CONSISTENCY=0 on "
+                "that rank only)");
+  std::vector<int64_t> failing;
+  for (int64_t r = 0; r < n; ++r)
+    if (value(r, kStatus) != 0) failing.push_back(r);
+  if (!failing.empty()) {
+    const int64_t r0 = failing.front();
+    std::ostringstream os;
+    os << "cplib." << op_of(r0) << ": invalid input on ";
+    if (static_cast<int64_t>(failing.size()) == n) {
+      os << "every rank (rank " << r0 << "'s error)";
+    } else {
+      os << "rank " << r0;
+      if (failing.size() > 1) {
+        os << " (and rank";
+        for (size_t i = 1; i < failing.size(); ++i) os << (i > 1 ? ", " : " ") << failing[i];
+        os << ")";
+      }
+    }
+    os << ": " << get_string(&table_[r0 * kWidth + kMessage], kMessageBytes);
+    raise(static_cast<ErrorKind>(value(r0, kStatus)), os.str());
+  }
+  for (int64_t r = 1; r < n; ++r)
+    TORCH_CHECK_VALUE(op_of(r) == op_of(0), "cplib: ranks are in different ops on one group (",
+                      per_rank(n, [&](int64_t q) { return "cplib." + op_of(q); }),
+                      "); every rank must make the same calls in the same order");
+  auto group_of = [&](int64_t r) {
+    return "'" + get_string(&table_[r * kWidth + kGroupName], kNameBytes) + "'";
+  };
+  for (int64_t r = 1; r < n; ++r)
+    TORCH_CHECK_VALUE(group_of(r) == group_of(0), "cplib.", op_, ": ranks passed different "
+                      "process groups over the same ranks (", per_rank(n, group_of),
+                      "); every rank must pass the same group");
+  // The fields in order, then their count: fields before the first
+  // difference line up, so that difference has a name on every rank.
+  for (int64_t k = 0; k <= kFields; ++k) {
+    const int64_t slot = k < kFields ? kFieldSlots + k : kFieldCount;
+    bool same = true;
+    for (int64_t r = 1; r < n && same; ++r) same = value(r, slot) == value(0, slot);
+    if (same) continue;
+    std::string name = "the number of described arguments";
+    FieldKind kind = FieldKind::integer;
+    if (k < kFields - 1 && k < static_cast<int64_t>(f.size())) {
+      name = f[k].name;
+      kind = f[k].kind;
+    } else if (k == kFields - 1) {
+      name = "one of";
+      for (size_t i = kFields - 1; i < f.size(); ++i)
+        name += (i == static_cast<size_t>(kFields - 1) ? " " : ", ") + f[i].name;
+      kind = FieldKind::hash;
+    }
+    TORCH_CHECK_VALUE(false, "cplib.", op_, ": ranks disagree on ", name, " (",
+                      per_rank(n, [&](int64_t r) { return format_value(value(r, slot), kind); }),
+                      "); every rank must make the same call");
+  }
+}
+
+}  // namespace cplib

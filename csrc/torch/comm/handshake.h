@@ -1,0 +1,119 @@
+// The handshake: before a communicating op's first collective, every rank
+// all-gathers one fixed-width record: its own validation result (ok, or the
+// error's class and message), the op's name, the group's name, a description
+// of the call (named integers that must be equal on every rank) and its local
+// lengths. Every rank then raises the same error when any rank's input is
+// invalid or the ranks disagree, instead of one rank raising while the others
+// wait in (or crash inside) a collective. The gathered local lengths stay
+// available to the op.
+//
+// On by default; CPLIB_CHECK_CONSISTENCY=0 turns it off: no all-gather, and a
+// rank's invalid input then raises on that rank only.
+#pragma once
+
+#include <cstdint>
+#include <exception>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include "comm/comm.h"
+
+namespace cplib {
+
+bool handshake_enabled();
+
+// How a field's value reads in an error message.
+enum class FieldKind : int64_t { integer, boolean, dtype, device, float64, hash };
+
+// Named integers that must be equal on every rank of the group. Adding an
+// argument of an op to its handshake is one add() line.
+class CallSignature {
+ public:
+  struct Field {
+    std::string name;
+    int64_t value;
+    FieldKind kind;
+  };
+
+  void add(std::string name, int64_t value, FieldKind kind = FieldKind::integer);
+  void add_flag(std::string name, bool value) { add(std::move(name), value, FieldKind::boolean); }
+  // `name` (None or the float's bits): one field.
+  void add_optional_float(std::string name, std::optional<double> value);
+  // Rank, sizes (all but `skip_dim`), dtype and device type of `t`, or that it is None.
+  void add_meta(const std::string& name, const at::Tensor& t, int64_t skip_dim = -1);
+  // A 64-bit hash of the values of an integer tensor (cu_seqlens, say): its
+  // values are read, so call it after `t` was validated.
+  void add_values_hash(const std::string& name, const at::Tensor& t);
+  void add_values_hash(const std::string& name, c10::ArrayRef<int64_t> values);
+
+  const std::vector<Field>& fields() const { return fields_; }
+
+ private:
+  std::vector<Field> fields_;
+};
+
+// Error classes carried on the wire (and raised as the same Python class).
+enum class ErrorKind : int64_t { none = 0, value, not_implemented, type, index, runtime };
+
+class Handshake {
+ public:
+  explicit Handshake(std::string op) : op_(std::move(op)) {}
+
+  CallSignature& sig() { return sig_; }
+  // This rank's local lengths (at most kMaxLengths), gathered for the op.
+  void set_lengths(std::vector<int64_t> lengths);
+
+  // Runs `check` (validation and sig() building), keeping what it throws as
+  // this rank's error instead of raising it now. Later calls are skipped once
+  // one failed.
+  template <class F>
+  void validate(F&& check) {
+    if (failed()) return;
+    try {
+      check();
+    } catch (...) {
+      record(std::current_exception());
+    }
+  }
+  // An error found elsewhere (the Python wrappers' checks).
+  void fail(ErrorKind kind, std::string message);
+  bool failed() const { return kind_ != ErrorKind::none; }
+
+  // The all-gather over the group (for the handshake, the first group
+  // registered with the same ranks; see register_handshake_group), then the
+  // verdict: the same exception on every rank, or a normal return. Off, or in
+  // a world of one, this rank's own error is rethrown as it was.
+  void exchange(std::string_view group_name, const PG& pg, const at::Device& hint);
+
+  // After exchange: rank r's local lengths (only this rank's, as rank 0's,
+  // when nothing was exchanged).
+  std::vector<int64_t> lengths(int64_t rank) const;
+  bool exchanged() const { return !table_.empty(); }
+
+  static constexpr int64_t kMaxLengths = 8;
+
+ private:
+  void record(std::exception_ptr e);
+  [[noreturn]] void rethrow_local() const;
+
+  std::string op_;
+  CallSignature sig_;
+  std::vector<int64_t> lengths_;
+  ErrorKind kind_ = ErrorKind::none;
+  std::string message_;
+  std::exception_ptr error_;
+  int64_t ranks_ = 1;
+  std::vector<int64_t> table_;  // ranks_ x record width, after exchange
+};
+
+// The group that carries handshakes of `group_name`: so that ranks passing
+// different group objects over the same ranks meet in one collective (and
+// are told so) instead of waiting in two. Set by the Python side.
+void register_handshake_group(const std::string& group_name, const std::string& via);
+
+}  // namespace cplib
