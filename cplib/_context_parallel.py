@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from ._diffusers import applied_cp_plans
 from ._documents import cu_seqlens_from_position_ids
 from ._load_balancer import (
     AnyLengthHeadTailLoadBalancer,
@@ -87,15 +88,84 @@ def _validate(buffers: list, seq_dims: list, no_restore: list, world_size: int,
                 f"cplib.context_parallel: load_balance=True with ulysses_degree > 1 needs every "
                 f"buffer's sequence length divisible by 2 * ring_degree (world_size / "
                 f"ulysses_degree) = {2 * ring_degree}; got lengths {lengths}")
-        if any(length % world_size for length in lengths):
-            raise ValueError(
-                f"cplib.context_parallel: ulysses_degree > 1 needs every buffer's sequence "
-                f"length divisible by the world size {world_size}; got lengths {lengths}")
+        # Otherwise any length: sequential shards, whose uneven rows the
+        # (non-causal) Ulysses exchange and the ring learn per call.
         return bool(wanted and divisible and same)
     if load_balance:
         return True  # head-tail for any length (chunks within one token of each other)
     # Without an explicit request, fall back to sequential sharding as torch does.
     return bool(wanted and divisible and same)
+
+
+# Fixed width of one rank's shape record, so that one all-gather of equal
+# sizes compares every rank's buffers: the count, then per buffer its rank
+# (number of dims), sequence dim and sizes; what does not fit is hashed.
+_MAX_RECORDED_BUFFERS, _MAX_RECORDED_DIMS = 16, 8
+_BUFFER_FIELDS = 2 + _MAX_RECORDED_DIMS
+
+
+def _shape_record(buffers: list, seq_dims: list) -> list[int]:
+    record = [len(buffers)]
+    for b, d in list(zip(buffers, seq_dims))[:_MAX_RECORDED_BUFFERS]:
+        if not isinstance(b, torch.Tensor) or not isinstance(d, int):
+            record += [-2] * _BUFFER_FIELDS  # left to _validate, alike on every rank
+            continue
+        shape = list(b.shape)
+        sizes = shape[:_MAX_RECORDED_DIMS]
+        if len(shape) > _MAX_RECORDED_DIMS:
+            sizes[-1] = hash(tuple(shape[_MAX_RECORDED_DIMS - 1:])) & (2 ** 62 - 1)
+        record += [b.ndim, d % max(b.ndim, 1)] + sizes + [-1] * (_MAX_RECORDED_DIMS - len(sizes))
+    record += [-1] * (_BUFFER_FIELDS * _MAX_RECORDED_BUFFERS + 1 - len(record))
+    rest = [(tuple(b.shape), d if isinstance(d, int) else -3) if isinstance(b, torch.Tensor)
+            else (-2,)
+            for b, d in list(zip(buffers, seq_dims))[_MAX_RECORDED_BUFFERS:]]
+    return record + [hash(tuple(rest)) & (2 ** 62 - 1)]
+
+
+def check_buffers_agree(group: dist.ProcessGroup, device_type: str, buffers: list,
+                        seq_dims: list) -> None:
+    """One all-gather of every rank's buffer shapes; buffers that differ
+    between ranks raise the same ValueError on every rank, naming the buffer,
+    its shapes and the ranks that hold each, before anything is sharded (a
+    mismatch would otherwise reach a collective with sizes that disagree)."""
+    n = dist.get_world_size(group)
+    if n == 1:
+        return
+    device = torch.device(device_type, torch.cuda.current_device()) \
+        if device_type == "cuda" else torch.device(device_type)
+    mine = torch.tensor(_shape_record(buffers, seq_dims), dtype=torch.long, device=device)
+    table = torch.empty(n * mine.numel(), dtype=torch.long, device=device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(table, mine, group=group)
+    rows = [tuple(r) for r in table.view(n, -1).cpu().tolist()]
+    if len(set(rows)) == 1:
+        return
+
+    def ranks_by(key) -> str:
+        seen: dict = {}
+        for r, row in enumerate(rows):
+            seen.setdefault(key(row), []).append(r)
+        return "; ".join(f"{describe(k)} on ranks {rs}" for k, rs in seen.items())
+
+    counts = {row[0] for row in rows}
+    if len(counts) > 1:
+        describe = str
+        raise ValueError(f"cplib.context_parallel: the ranks pass different numbers of buffers: "
+                         f"{ranks_by(lambda row: row[0])}; every rank must pass the same "
+                         "buffers (full, unsharded)")
+    for i in range(min(rows[0][0], _MAX_RECORDED_BUFFERS)):
+        lo = 1 + i * _BUFFER_FIELDS
+        fields = {row[lo:lo + _BUFFER_FIELDS] for row in rows}
+        if len(fields) > 1:
+            def describe(f):
+                return f"shape {tuple(f[2:2 + f[0]])} (seq dim {f[1]})"
+            raise ValueError(f"cplib.context_parallel: buffer {i} differs between ranks: "
+                             f"{ranks_by(lambda row: row[lo:lo + _BUFFER_FIELDS])}; every rank "
+                             "must pass the same full (unsharded) buffers")
+    describe = str
+    raise ValueError(f"cplib.context_parallel: buffers {_MAX_RECORDED_BUFFERS} and later differ "
+                     f"between ranks (shapes hashed: {ranks_by(lambda row: row[-1])}); every rank "
+                     "must pass the same full (unsharded) buffers")
 
 
 def _documents(cu_seqlens: torch.Tensor | None, position_ids: torch.Tensor | None,
@@ -120,6 +190,25 @@ def _documents(cu_seqlens: torch.Tensor | None, position_ids: torch.Tensor | Non
     return cu_seqlens.to("cpu", torch.long)
 
 
+def _keep_shards_for_backward(shards: list[torch.Tensor]):
+    """Autograd saves the buffers themselves (an embedding's ids, a linear
+    layer's input), and restoring them in place on exit would make a
+    backward() after the block see the full tensors (autograd's "modified by
+    an inplace operation"). A tensor saved while this is active that lives in
+    a shard's storage is saved as a fresh alias of that storage instead, which
+    the restore leaves alone: backward after exit gets the right gradients."""
+    storages = {s.untyped_storage().data_ptr() for s in shards if s.numel()}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not storages or t.untyped_storage().data_ptr() not in storages:
+            return t
+        return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+
+    if not storages:
+        return contextlib.nullcontext()
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+
 @contextlib.contextmanager
 def context_parallel(
     mesh: DeviceMesh,
@@ -133,6 +222,7 @@ def context_parallel(
     cu_seqlens: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
     window: int | tuple[int | None, int | None] | None = None,
+    modules: Sequence[torch.nn.Module] | None = None,
 ) -> Generator[ContextParallelHandle, None, None]:
     """Context parallelism for the code inside the ``with`` block.
 
@@ -175,6 +265,18 @@ def context_parallel(
     ``load_balance="per_document"`` cuts every document head-tail across
     the ranks (``AnyLengthPerDocumentLoadBalancer``), so each rank holds a
     share of every document.
+
+    Buffers may have different lengths (a diffusion transformer's text and
+    image tokens): each is cut on its own, and non-causal attention accepts
+    ranks whose joint shards differ in length (33 text tokens and 256 image
+    tokens over 2 ranks: 145 and 144 rows). Entering compares the buffers'
+    shapes across ranks (one small all-gather): buffers that differ raise
+    the same ValueError on every rank. ``modules`` (diffusers models, or any
+    module with a ``_cp_plan``) get their plan applied through diffusers'
+    hooks for the duration of the context (cplib/_diffusers.py): the model
+    splits and gathers the sequence inside its own forward, in sequential
+    any-length shards, and the hooks are gone on exit. A backward() after
+    the block exits gets the right gradients.
     """
     group = check_mesh(mesh)
     buffers = [] if buffers is None else list(buffers)
@@ -194,9 +296,19 @@ def context_parallel(
             f"cplib.context_parallel: ulysses_degree={ulysses_degree} does not combine with "
             "documents (cu_seqlens, position_ids, load_balance='per_document') or windows; "
             "use ulysses_degree=1 (the ring) for those")
+    modules = [] if modules is None else list(modules)
+    if modules and (load_balance or per_document):
+        raise ValueError(f"cplib.context_parallel: modules= shards sequentially (the model's "
+                         f"_cp_plan cuts each input in rank order); load_balance={load_balance!r} "
+                         "does not apply; leave it None or False")
+    check_buffers_agree(group, mesh.device_type, buffers, seq_dims)
     balanced = _validate(buffers, seq_dims, no_restore, world_size,
-                         True if per_document else load_balance, ring_degree)
+                         True if per_document else (False if modules else load_balance),
+                         ring_degree)
     seq_len = buffers[0].shape[seq_dims[0]] if buffers else None
+    # Buffers of different lengths (text and image tokens) have no one global
+    # length: the attention ops then learn every rank's rows themselves.
+    one_length = len({b.shape[d] for b, d in zip(buffers, seq_dims)}) <= 1
     documents = _documents(cu_seqlens, position_ids, seq_len)
     if per_document and documents is None:
         raise ValueError("cplib.context_parallel: load_balance='per_document' needs the "
@@ -228,7 +340,8 @@ def context_parallel(
     uneven = seq_len is not None and shard_lengths(seq_len, world_size, balancer) is not None
     config = RingConfig(groups.ring_group or group.group_name, world_size, balanced,
                         rotate_method_name(rotate), ulysses_degree, groups.ulysses_group,
-                        seq_len=seq_len if uneven or documents is not None else None,
+                        seq_len=seq_len if one_length and (uneven or documents is not None)
+                        else None,
                         cu_seqlens=documents, window=window, per_document=per_document)
     old_balance = _cp_options.enable_load_balance
     swapped = 0
@@ -238,7 +351,8 @@ def context_parallel(
                 b.set_(s)
                 swapped += 1
         _cp_options.enable_load_balance = balanced  # as torch does, for code that reads it
-        with CPDispatchMode(config), ulysses_layout(ulysses_degree):
+        with CPDispatchMode(config), ulysses_layout(ulysses_degree), \
+                _keep_shards_for_backward(shards), applied_cp_plans(mesh, modules):
             yield ContextParallelHandle(mesh, config, balancer)
     finally:
         _cp_options.enable_load_balance = old_balance

@@ -241,6 +241,7 @@ def ring_sdpa(
     window: int | tuple[int | None, int | None] | None = None,
     seq_len: int | None = None,
     per_document: bool = False,
+    attn_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring attention of the local shards ``q`` (B, Hq, S_local, D) and ``k``/``v``
     (B, Hkv, S_local, D) over ``group`` (a ProcessGroup or its name).
@@ -264,8 +265,19 @@ def ring_sdpa(
     local length times the world size. Blocks nobody can see are neither
     computed nor sent (p2p and alltoall). ``per_document``: the shards are
     cut head-tail inside every document (``cplib._seq_layout`` with
-    ``documents``; needs ``cu_seqlens`` and ``seq_len``).
+    ``documents``; needs ``cu_seqlens`` and ``seq_len``). ``attn_mask``: a
+    key-padding mask (boolean, True = attend, or additive) of this rank's
+    keys, broadcastable to (B, 1, 1, S_local); it travels with its K/V block
+    (cplib/_key_padding.py). Other shapes raise NotImplementedError.
     """
+    if attn_mask is not None:
+        from ._key_padding import key_padding_inputs
+
+        q, k, v, scale, dv = key_padding_inputs("ring_sdpa", attn_mask, q, k, v, scale)
+        out, lse = ring_sdpa(q, k, v, group, is_causal=is_causal, load_balanced=load_balanced,
+                             scale=scale, rotate=rotate, backend=backend, cu_seqlens=cu_seqlens,
+                             window=window, seq_len=seq_len, per_document=per_document)
+        return out[..., :dv], lse
     if rotate not in ROTATE_CODES:
         raise ValueError(f"cplib.ring_sdpa: rotate={rotate!r} is not one of "
                          f"{sorted(ROTATE_CODES)}")

@@ -4,7 +4,9 @@
 // head-tail sharding chunks r and 2N-1-r of 2N, and per-document head-tail
 // sharding does that inside every document (chunks r and 2N-1-r of each). Every rank can compute every
 // rank's pieces from (S, N, layout) alone, so uneven shards need no padding
-// and no exchange of lengths.
+// and no exchange of lengths. Where no layout derives them (non-causal
+// attention over joint text+image shards), a layout carries every rank's
+// length explicitly: rank r then holds the r-th run of a sequential cut.
 #pragma once
 
 #include <cstdint>
@@ -32,6 +34,7 @@ struct Layout {
   int64_t seq_len = 0, size = 1;
   bool head_tail = false;
   std::vector<int64_t> documents;  // per-document head-tail: cu_seqlens; else empty
+  std::vector<int64_t> lengths;    // explicit per-rank lengths (rank order); else empty
 
   // The non-empty pieces of `rank`'s shard in local order (one or two; two
   // per document with a per-document layout).

@@ -9,6 +9,7 @@
 
 #include "comm/consistency.h"
 #include "ring/ring_forward.h"
+#include "ring/ring_lengths.h"
 #include "ring/ring_rotate.h"
 
 namespace cplib::ring {
@@ -32,8 +33,9 @@ Extras extras(const std::optional<at::Tensor>& cu_seqlens, at::OptionalIntArrayR
 }
 
 // Check mode: every rank must make the same call (before any validation
-// that could raise on one rank only). With seq_len the local lengths may
-// differ by design (uneven shards), so dim 2 is left out.
+// that could raise on one rank only). With seq_len, or without a causal
+// mask, the local lengths may differ by design (uneven shards, joint
+// streams), so dim 2 is left out.
 void check_same_call(const char* op, std::string_view group_name,
                      std::initializer_list<std::pair<const char*, const at::Tensor*>> tensors,
                      bool is_causal, bool load_balanced, std::optional<double> scale,
@@ -41,7 +43,7 @@ void check_same_call(const char* op, std::string_view group_name,
   if (!consistency_checks_enabled()) return;
   CallSignature sig;
   for (const auto& [name, t] : tensors) {
-    if ((!ex.seq_len && !ex.per_document) || !t->defined()) {
+    if ((!ex.seq_len && !ex.per_document && is_causal) || !t->defined()) {
       sig.add_meta(name, *t);
       continue;
     }
@@ -87,6 +89,7 @@ std::tuple<at::Tensor, at::Tensor> ring_sdpa(const at::Tensor& q, const at::Tens
                   load_balanced, scale, backend, rotate, ex);
   Config cfg = check_args("ring_sdpa", q, k, v, sv(group_name), is_causal, load_balanced, scale,
                           backend, rotate, ex);
+  learn_local_lengths("ring_sdpa", cfg, q, k, ex);
   return ring_forward(cfg, q, k, v);
 }
 
@@ -121,6 +124,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_sdpa_backward(
   NoViewTracking guard;
   Config cfg = check_args("ring_sdpa_backward", q, k, v, sv(group_name), is_causal, load_balanced,
                           scale, backend, rotate, ex);
+  learn_local_lengths("ring_sdpa_backward", cfg, q, k, ex);
   return ring_backward(cfg, grad_out, q, k, v, out, lse);
 }
 
