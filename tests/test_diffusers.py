@@ -152,8 +152,9 @@ def _check_qwen_image(padded_cases: tuple) -> int:
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_qwen_image_through_modules(ranks, world_size):
-    # text 12 over 4 ranks is even; 13 gives joint shards of different lengths
-    cases = ((12, None), (13, None))
+    # text 12 over 4 ranks is even; 13 gives joint shards of different lengths;
+    # with a text padding mask (its last 4 tokens), a key-padding mask per shard
+    cases = ((12, None), (13, None), (13, 4))
     assert ranks(world_size).run(_check_qwen_image, cases) == [2 * len(cases)] * world_size
 
 
