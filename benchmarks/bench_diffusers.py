@@ -90,7 +90,7 @@ def _bench(n: int) -> dict:
 
     def diffusers_ulysses():
         with torch.no_grad():
-            return theirs(**inputs).sample  # its plan gathers the output
+            return theirs(**inputs, return_dict=False)[0]  # its plan gathers the output
 
     def cplib_run(u: int):
         def run():
