@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from ._diffusers import applied_cp_plans
 from ._documents import cu_seqlens_from_position_ids
 from ._handshake import agreed, handshake, values_hash
 from ._load_balancer import (
@@ -82,9 +83,9 @@ def _validate(buffers: list, seq_dims: list, no_restore: list, world_size: int,
             f"be the same; got lengths {lengths}"
         )
     if ring_degree != world_size and not same:
-        raise ValueError(
-            f"cplib.context_parallel: ulysses_degree > 1 needs every buffer's sequence length "
-            f"to be the same; got lengths {lengths}")
+        # Joint streams of different lengths: sequential shards, whose uneven
+        # rows the (non-causal) Ulysses exchange and the ring learn per call.
+        return False
     if load_balance:
         return True  # head-tail for any length (chunks within one token of each other)
     # Without an explicit request, fall back to sequential sharding as torch does.
@@ -134,6 +135,25 @@ def _agree_on_call(group_name: str, buffers: list, seq_dims: list, no_restore: l
               fields)
 
 
+def _keep_shards_for_backward(shards: list[torch.Tensor]):
+    """Autograd saves the buffers themselves (an embedding's ids, a linear
+    layer's input), and restoring them in place on exit would make a
+    backward() after the block see the full tensors (autograd's "modified by
+    an inplace operation"). A tensor saved while this is active that lives in
+    a shard's storage is saved as a fresh alias of that storage instead, which
+    the restore leaves alone: backward after exit gets the right gradients."""
+    storages = {s.untyped_storage().data_ptr() for s in shards if s.numel()}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not storages or t.untyped_storage().data_ptr() not in storages:
+            return t
+        return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+
+    if not storages:
+        return contextlib.nullcontext()
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+
 @contextlib.contextmanager
 def context_parallel(
     mesh: DeviceMesh,
@@ -147,6 +167,7 @@ def context_parallel(
     cu_seqlens: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
     window: int | tuple[int | None, int | None] | None = None,
+    modules: Sequence[torch.nn.Module] | None = None,
 ) -> Generator[ContextParallelHandle, None, None]:
     """Context parallelism for the code inside the ``with`` block.
 
@@ -191,6 +212,18 @@ def context_parallel(
     ``load_balance="per_document"`` cuts every document head-tail across
     the ranks (``AnyLengthPerDocumentLoadBalancer``), so each rank holds a
     share of every document.
+
+    Buffers may have different lengths (a diffusion transformer's text and
+    image tokens): each is cut on its own, and non-causal attention accepts
+    ranks whose joint shards differ in length (33 text tokens and 256 image
+    tokens over 2 ranks: 145 and 144 rows). Entering compares the buffers'
+    shapes across ranks (one small all-gather): buffers that differ raise
+    the same ValueError on every rank. ``modules`` (diffusers models, or any
+    module with a ``_cp_plan``) get their plan applied through diffusers'
+    hooks for the duration of the context (cplib/_diffusers.py): the model
+    splits and gathers the sequence inside its own forward, in sequential
+    any-length shards, and the hooks are gone on exit. A backward() after
+    the block exits gets the right gradients.
     """
     group = check_mesh(mesh)
     buffers = [] if buffers is None else list(buffers)
@@ -208,9 +241,18 @@ def context_parallel(
         if not (load_balance is None or isinstance(load_balance, bool) or per_document):
             raise ValueError(f"cplib.context_parallel: load_balance={load_balance!r} is not "
                              "True, False, None or 'per_document'")
+        if modules and (load_balance or per_document):
+            raise ValueError(f"cplib.context_parallel: modules= shards sequentially (the "
+                             f"model's _cp_plan cuts each input in rank order); "
+                             f"load_balance={load_balance!r} does not apply; leave it None or "
+                             "False")
         balanced = _validate(buffers, seq_dims, no_restore, world_size,
-                             True if per_document else load_balance, ring_degree)
+                             True if per_document else (False if modules else load_balance),
+                             ring_degree)
         seq_len = buffers[0].shape[seq_dims[0]] if buffers else None
+        # Buffers of different lengths (text and image tokens) have no one
+        # global length: the attention ops then learn every rank's rows.
+        one_length = len({b.shape[d] for b, d in zip(buffers, seq_dims)}) <= 1
         documents = _documents(cu_seqlens, position_ids, seq_len)
         if per_document and documents is None:
             raise ValueError("cplib.context_parallel: load_balance='per_document' needs the "
@@ -220,7 +262,9 @@ def context_parallel(
             from ._ring import window_arg
             sides = window_arg(window)  # ValueError naming a bad window, before any sharding
         balancer = None
-        if ulysses_degree != 1 and buffers and (balanced or seq_len % world_size):
+        if not one_length:
+            pass  # sequential shards of every buffer, each cut on its own
+        elif ulysses_degree != 1 and buffers and (balanced or seq_len % world_size):
             # USP: the ring layout over N/U positions, each ring shard cut in U pieces.
             balancer = UspLoadBalancer(seq_len, world_size, ulysses_degree, buffers[0].device,
                                        head_tail=balanced,
@@ -232,10 +276,12 @@ def context_parallel(
             balancer = AnyLengthHeadTailLoadBalancer(seq_len, world_size, buffers[0].device)
         indices = balancer._generate_indices() if balancer is not None else None
         return (seq_dims, no_restore, rotate, ring_degree, per_document, balanced, seq_len,
-                documents, sides, balancer, indices)
+                one_length, documents, sides, balancer, indices)
 
-    (seq_dims, no_restore, rotate, ring_degree, per_document, balanced, seq_len, documents,
-     sides, balancer, indices) = agreed("context_parallel", group.group_name, buffers, check)
+    modules = [] if modules is None else list(modules)
+    (seq_dims, no_restore, rotate, ring_degree, per_document, balanced, seq_len, one_length,
+     documents, sides, balancer, indices) = agreed("context_parallel", group.group_name,
+                                                   buffers, check)
     _agree_on_call(group.group_name, buffers, seq_dims, no_restore, rotate, ulysses_degree,
                    load_balance, balanced, documents, sides)
 
@@ -256,7 +302,8 @@ def context_parallel(
                         and seq_len % (2 * ring_degree) != 0)
     config = RingConfig(groups.ring_group or group.group_name, world_size, balanced,
                         rotate_method_name(rotate), ulysses_degree, groups.ulysses_group,
-                        seq_len=seq_len if uneven or documents is not None else None,
+                        seq_len=seq_len if one_length and (uneven or documents is not None)
+                        else None,
                         cu_seqlens=documents, window=window, per_document=per_document)
     old_balance = _cp_options.enable_load_balance
     swapped = 0
@@ -266,7 +313,8 @@ def context_parallel(
                 b.set_(s)
                 swapped += 1
         _cp_options.enable_load_balance = balanced  # as torch does, for code that reads it
-        with CPDispatchMode(config), ulysses_layout(ulysses_degree):
+        with CPDispatchMode(config), ulysses_layout(ulysses_degree), \
+                _keep_shards_for_backward(shards), applied_cp_plans(mesh, modules):
             yield ContextParallelHandle(mesh, config, balancer)
     finally:
         _cp_options.enable_load_balance = old_balance

@@ -339,6 +339,7 @@ def ring_sdpa(
     q_positions: torch.Tensor | None = None,
     kv_positions: torch.Tensor | None = None,
     ring_pass: Literal["kv", "q", "auto"] = "kv",
+    attn_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring attention of the local shards ``q`` (B, Hq, S_local, D) and ``k``/``v``
     (B, Hkv, S_local, D; v's head dim may differ from q/k's, as in MLA) over
@@ -383,7 +384,21 @@ def ring_sdpa(
     when few new queries meet a long cache); "auto" picks the one that moves
     fewer bytes (:func:`ring_pass_auto`), and "kv" whenever a gradient is
     needed. The choice is logged at debug level on the "cplib" logger.
+
+    ``attn_mask``: a key-padding mask (boolean, True = attend, or additive)
+    of this rank's keys, broadcastable to (B, 1, 1, S_local); it travels with
+    its K/V block (cplib/_key_padding.py). Other shapes raise
+    NotImplementedError.
     """
+    if attn_mask is not None:
+        from ._key_padding import key_padding_inputs
+
+        q, k, v, scale, _ = key_padding_inputs("ring_sdpa", attn_mask, q, k, v, scale)
+        return ring_sdpa(q, k, v, group, is_causal=is_causal, load_balanced=load_balanced,
+                         scale=scale, rotate=rotate, backend=backend, cu_seqlens=cu_seqlens,
+                         window=window, seq_len=seq_len, per_document=per_document,
+                         sinks=sinks, q_positions=q_positions, kv_positions=kv_positions,
+                         ring_pass=ring_pass)
     name = group_name_of(group)
     wants_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))

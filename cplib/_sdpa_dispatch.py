@@ -74,12 +74,6 @@ def sdpa_backend_hint(device: torch.device) -> str | None:
 
 
 def _check_sdpa_args(q, k, v, attn_mask, dropout_p, enable_gqa) -> None:
-    if attn_mask is not None:
-        shape = tuple(attn_mask.shape) if isinstance(attn_mask, torch.Tensor) else attn_mask
-        raise NotImplementedError(
-            f"cplib: context-parallel SDPA does not support attn_mask (got {shape}); use "
-            "is_causal=True for causal attention, or run this call outside the context"
-        )
     if dropout_p != 0.0:
         raise NotImplementedError(
             f"cplib: context-parallel SDPA does not support dropout (dropout_p={dropout_p}); "
@@ -107,6 +101,9 @@ def _check_sdpa_args(q, k, v, attn_mask, dropout_p, enable_gqa) -> None:
         raise ValueError(
             f"cplib: query heads ({hq}) must be a multiple of key/value heads ({hkv})"
         )
+    if attn_mask is not None:  # key-padding masks only (NotImplementedError naming others)
+        from ._key_padding import check_key_padding
+        check_key_padding("scaled_dot_product_attention", attn_mask, k)
 
 
 def routed_sdpa(config: RingConfig, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -115,7 +112,7 @@ def routed_sdpa(config: RingConfig, *args: Any, **kwargs: Any) -> torch.Tensor:
     q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa = _sdpa_signature(*args, **kwargs)
     _check_sdpa_args(q, k, v, attn_mask, dropout_p, enable_gqa)
     if config.ulysses_degree > 1:
-        return _routed_ulysses(config, q, k, v, bool(is_causal), scale)
+        return _routed_ulysses(config, q, k, v, bool(is_causal), scale, attn_mask)
     from ._ring import ring_sdpa  # lives beside this module; imported when first needed
 
     extras = {}  # cplib's additions; absent for plain contexts (and the test stand-in)
@@ -128,6 +125,8 @@ def routed_sdpa(config: RingConfig, *args: Any, **kwargs: Any) -> torch.Tensor:
     window = current_window(config.window)
     if window is not None:
         extras["window"] = window
+    if attn_mask is not None:
+        extras["attn_mask"] = attn_mask
     out, _ = ring_sdpa(
         q, k, v, config.group_name, is_causal=bool(is_causal),
         load_balanced=config.load_balanced, scale=scale, rotate=config.rotate,
@@ -136,20 +135,22 @@ def routed_sdpa(config: RingConfig, *args: Any, **kwargs: Any) -> torch.Tensor:
     return out
 
 
-def _routed_ulysses(config: RingConfig, q, k, v, is_causal: bool, scale) -> torch.Tensor:
+def _routed_ulysses(config: RingConfig, q, k, v, is_causal: bool, scale,
+                    attn_mask=None) -> torch.Tensor:
     # Ulysses over the Ulysses group; the ring over the ring group unless it is one rank.
-    from ._ulysses import ulysses_sdpa, usp_sdpa
+    # The lse is discarded here, so it is not exchanged back.
+    from ._ulysses import ulysses_attention, usp_attention
 
     backend = sdpa_backend_hint(q.device)
     extras = dict(cu_seqlens=config.cu_seqlens, window=current_window(config.window),
                   seq_len=config.seq_len)
     if config.ulysses_degree == config.world_size:  # the layout is sequential: no per_document
-        out, _ = ulysses_sdpa(q, k, v, config.ulysses_group, is_causal=is_causal, scale=scale,
-                              backend=backend, **extras)
+        out, _ = ulysses_attention(q, k, v, config.ulysses_group, is_causal, scale, backend,
+                                   attn_mask, False, **extras)
     else:
-        out, _ = usp_sdpa(q, k, v, config.ulysses_group, config.group_name, is_causal=is_causal,
-                          load_balanced=config.load_balanced, scale=scale, rotate=config.rotate,
-                          backend=backend, per_document=config.per_document, **extras)
+        out, _ = usp_attention(q, k, v, config.ulysses_group, config.group_name, is_causal,
+                               config.load_balanced, scale, config.rotate, backend, attn_mask,
+                               False, per_document=config.per_document, **extras)
     return out
 
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from ._handshake import agreed, forward_error
+from ._handshake import agreed, can_handshake, forward_error, handshake
 from ._native import GroupLike, group_name_of, group_size, ops, reject_real_in_fake
 from ._ring import (_acc_dtype, _check, _group_rank, attention_autograd, backend_arg,
                     check_inputs, check_sinks, ring_sdpa, rotate_arg, scale_arg)
 
-__all__ = ["ulysses_reshard", "ulysses_sdpa", "usp_sdpa", "kv_head_repeat", "check_heads"]
+__all__ = ["ulysses_reshard", "ulysses_sdpa", "usp_sdpa", "kv_head_repeat", "check_heads",
+           "ulysses_attention", "usp_attention"]
 
 
 # ---------------------------------------------------------------- layout rules
@@ -73,7 +74,8 @@ _BSHD = (0, 2, 1, 3)        # (B, S, H, D)
 # ---------------------------------------------------------------- reshard op
 
 
-def _reshard_shape(op: str, x: torch.Tensor, n: int, to_heads: bool, repeat: int) -> tuple:
+def _reshard_shape(op: str, x: torch.Tensor, n: int, to_heads: bool, repeat: int,
+                   lengths=None, rank: int | None = None) -> tuple:
     # Mirrors check() in csrc/torch/ulysses/ulysses_reshard.cpp.
     direction = "seq -> heads" if to_heads else "heads -> seq"
     if x.dim() != 4:
@@ -84,6 +86,17 @@ def _reshard_shape(op: str, x: torch.Tensor, n: int, to_heads: bool, repeat: int
     if repeat < 1:
         raise ValueError(f"cplib.{op} ({direction}): head_repeat={repeat} must be >= 1")
     b, h, s, d = x.shape
+    if lengths is not None:
+        lengths = list(lengths)
+        if len(lengths) != n:
+            raise ValueError(f"cplib.{op} ({direction}): lengths has {len(lengths)} entries for "
+                             f"{n} ranks")
+        if any(length <= 0 for length in lengths):
+            raise ValueError(f"cplib.{op} ({direction}): lengths must be positive, got "
+                             f"{lengths}")
+        if not to_heads and sum(lengths) != s:
+            raise ValueError(f"cplib.{op} ({direction}): lengths sum to {sum(lengths)} but the "
+                             f"sequence has {s} rows")
     if to_heads:
         if (h * repeat) % n:
             rep = f" (repeated {repeat}x)" if repeat > 1 else ""
@@ -92,41 +105,77 @@ def _reshard_shape(op: str, x: torch.Tensor, n: int, to_heads: bool, repeat: int
         if repeat != 1 and h * repeat != n:
             raise ValueError(f"cplib.{op} ({direction}): head_repeat={repeat} must bring the "
                              f"{h} heads to exactly the Ulysses degree {n}")
-        return (b, h * repeat // n, s * n, d), _SEQ_MAJOR
-    if s % n:
+        if lengths is not None and rank is not None and lengths[rank] != s:
+            raise ValueError(f"cplib.{op} ({direction}): lengths[{rank}] = {lengths[rank]} but "
+                             f"this rank holds {s} rows")
+        total = s * n if lengths is None else sum(lengths)
+        return (b, h * repeat // n, total, d), _SEQ_MAJOR
+    if lengths is None and s % n:
         raise ValueError(f"cplib.{op} ({direction}): sequence length {s} cannot be split over "
                          f"the Ulysses degree {n}")
     if repeat != 1 and (h != 1 or n % repeat):
         raise ValueError(f"cplib.{op} ({direction}): head_repeat={repeat} needs one head per "
                          f"rank (got {h}) and to divide the Ulysses degree {n}")
-    return (b, h * n // repeat, s // n, d), _HEAD_MAJOR
+    local = s // n if lengths is None else lengths[rank]
+    return (b, h * n // repeat, local, d), _HEAD_MAJOR
 
 
 @torch.library.register_fake("cplib_c::ulysses_reshard")
-def _reshard_fake(x, group_name, to_heads, head_repeat):
+def _reshard_fake(x, group_name, to_heads, head_repeat, lengths=None):
     reject_real_in_fake("ulysses_reshard", x)
     sizes, order = _reshard_shape("ulysses_reshard", x, group_size(group_name), to_heads,
-                                  head_repeat)
+                                  head_repeat, lengths, _group_rank(group_name))
     return x.new_empty_strided(sizes, _strides(sizes, order))
 
 
 def _reshard_setup(ctx, inputs, output):
-    _, ctx.group_name, ctx.to_heads, ctx.head_repeat = inputs
+    _, ctx.group_name, ctx.to_heads, ctx.head_repeat, *rest = inputs
+    ctx.lengths = rest[0] if rest else None
 
 
 def _reshard_backward(ctx, grad):
     # The adjoint of an exchange is the exchange back; with repeated heads the
     # way back sums the copies of each head.
-    return ops.ulysses_reshard(grad, ctx.group_name, not ctx.to_heads, ctx.head_repeat), None, \
-        None, None
+    return ops.ulysses_reshard(grad, ctx.group_name, not ctx.to_heads, ctx.head_repeat,
+                               ctx.lengths), None, None, None, None
 
 
 torch.library.register_autograd("cplib_c::ulysses_reshard", _reshard_backward,
                                 setup_context=_reshard_setup)
 
 
+@torch.library.register_fake("cplib_c::ulysses_reshard_qkv")
+def _reshard_qkv_fake(q, k, v, group_name, to_heads, kv_head_repeat, lengths=None):
+    n, rank = group_size(group_name), _group_rank(group_name)
+    out = []
+    for x, repeat in ((q, 1), (k, kv_head_repeat), (v, kv_head_repeat)):
+        sizes, order = _reshard_shape("ulysses_reshard_qkv", x, n, to_heads, repeat, lengths,
+                                      rank)
+        out.append(x.new_empty_strided(sizes, _strides(sizes, order)))
+    return tuple(out)
+
+
+def _reshard_qkv_setup(ctx, inputs, output):
+    _, _, _, ctx.group_name, ctx.to_heads, ctx.repeat, *rest = inputs
+    ctx.lengths = rest[0] if rest else None
+    ctx.outputs = [(o.shape, o.dtype, o.device) for o in output]
+
+
+def _reshard_qkv_backward(ctx, gq, gk, gv):
+    # An output without a gradient still takes part in the exchange back.
+    grads = [torch.zeros(shape, dtype=dtype, device=device) if g is None else g
+             for g, (shape, dtype, device) in zip((gq, gk, gv), ctx.outputs)]
+    dq, dk, dv = ops.ulysses_reshard_qkv(*grads, ctx.group_name, not ctx.to_heads, ctx.repeat,
+                                         ctx.lengths)
+    return dq, dk, dv, None, None, None, None
+
+
+torch.library.register_autograd("cplib_c::ulysses_reshard_qkv", _reshard_qkv_backward,
+                                setup_context=_reshard_qkv_setup)
+
+
 def ulysses_reshard(x: torch.Tensor, group: GroupLike, *, to_heads: bool,
-                    head_repeat: int = 1) -> torch.Tensor:
+                    head_repeat: int = 1, lengths: list[int] | None = None) -> torch.Tensor:
     """Re-shards ``x`` over ``group`` (N ranks), differentiably.
 
     ``to_heads=True``: ``x`` (B, H, S/N, D) is this rank's sequence shard (rank
@@ -136,6 +185,8 @@ def ulysses_reshard(x: torch.Tensor, group: GroupLike, *, to_heads: bool,
     fewer heads than ranks to one head per rank (H*head_repeat == N).
     The result is a fresh tensor in the order the exchange delivers it:
     sequence-major strides for ``to_heads``, head-major otherwise.
+    ``lengths`` (every rank's sequence length, rank order) lets the ranks
+    hold different lengths; S is then their sum.
     """
     name = group_name_of(group)
 
@@ -144,9 +195,10 @@ def ulysses_reshard(x: torch.Tensor, group: GroupLike, *, to_heads: bool,
         if isinstance(head_repeat, bool) or not isinstance(head_repeat, int):
             raise ValueError(f"cplib.ulysses_reshard: head_repeat must be an int, got "
                              f"{head_repeat!r}")
+        return None if lengths is None else [int(n) for n in lengths]
 
-    agreed("ulysses_reshard", name, (x,), check)
-    return ops.ulysses_reshard(x, name, bool(to_heads), head_repeat)
+    sizes = agreed("ulysses_reshard", name, (x,), check)
+    return ops.ulysses_reshard(x, name, bool(to_heads), head_repeat, sizes)
 
 
 # ---------------------------------------------------------------- local attention op
@@ -209,11 +261,32 @@ def _self_group() -> str:
     return _self[me]
 
 
-def _to_heads(q, k, v, group_name: str, degree: int):
-    repeat = kv_head_repeat(k.shape[1], degree)
-    return (ops.ulysses_reshard(q, group_name, True, 1),
-            ops.ulysses_reshard(k, group_name, True, repeat),
-            ops.ulysses_reshard(v, group_name, True, repeat))
+def uneven_lengths(op: str, q: torch.Tensor, name: str, degree: int,
+                   is_causal: bool) -> list[int] | None:
+    """Every rank's local length when they differ (non-causal joint text+image
+    shards), else None. Learned in a handshake, so that a rank whose own
+    checks failed meets the others there; causal calls skip it (a causal mask
+    needs global positions: their reshard's handshake names differing
+    lengths). While compiling, the lengths are taken to be equal (a traced
+    graph cannot depend on exchanged values)."""
+    if degree == 1 or is_causal or torch.compiler.is_compiling():
+        return None
+    from torch._subclasses.fake_tensor import is_fake
+    if q.device.type == "meta" or is_fake(q):
+        return None
+    if can_handshake(name):
+        table = handshake(name, op, fields={"local lengths (learned)": 0},
+                          lengths=[q.shape[2]])
+        lengths = [row[0] for row in table]
+    else:
+        lengths = list(ops.gather_local_lengths([q.shape[2]], name, q.device))
+    return None if len(set(lengths)) == 1 else lengths
+
+
+def _to_heads(q, k, v, group_name: str, degree: int, lengths=None):
+    # One op for the three exchanges, all in flight at once.
+    return ops.ulysses_reshard_qkv(q, k, v, group_name, True, kv_head_repeat(k.shape[1], degree),
+                                   lengths)
 
 
 @torch.compiler.assume_constant_result
@@ -232,10 +305,12 @@ def _local_sinks(op: str, q, sinks, group_name: str, degree: int):
     return sinks.narrow(0, _rank_in(group_name) * h, h)
 
 
-def _to_seq(out_h, lse_h, group_name: str):
-    out = ops.ulysses_reshard(out_h, group_name, False, 1)
+def _to_seq(out_h, lse_h, group_name: str, lengths=None, need_lse: bool = True):
+    out = ops.ulysses_reshard(out_h, group_name, False, 1, lengths)
+    if not need_lse:  # SDPA inside a context discards it: one exchange fewer
+        return out, None
     # lse as ring_sdpa returns it: contiguous (B, H, S_local), not differentiable.
-    lse = ops.ulysses_reshard(lse_h.unsqueeze(-1), group_name, False, 1).squeeze(-1)
+    lse = ops.ulysses_reshard(lse_h.unsqueeze(-1), group_name, False, 1, lengths).squeeze(-1)
     return out, lse.contiguous()
 
 
@@ -252,6 +327,7 @@ def ulysses_sdpa(
     cu_seqlens: torch.Tensor | None = None,
     window: int | tuple[int | None, int | None] | None = None,
     seq_len: int | None = None,
+    attn_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ulysses attention of the local sequence shards ``q`` (B, Hq, S/N, D) and
     ``k``/``v`` (B, Hkv, S/N, D), in rank order, over ``group`` (a ProcessGroup
@@ -269,12 +345,28 @@ def ulysses_sdpa(
     ``chunk_range(S, N, r)``) mean what they mean for
     :func:`cplib.ring_sdpa`; the attention over the whole sequence is then
     the ring's masked kernel on a ring of one rank.
+
+    ``attn_mask``: a key-padding mask of this rank's keys (see
+    :func:`cplib.ring_sdpa`), exchanged with the keys. Ranks may hold
+    different lengths when not causal (learned in a handshake).
     """
+    return ulysses_attention(q, k, v, group, is_causal, scale, backend, attn_mask, True, sinks,
+                             cu_seqlens, window, seq_len)
+
+
+def ulysses_attention(q, k, v, group: GroupLike, is_causal: bool, scale: float | None,
+                      backend: str | None, attn_mask, need_lse: bool, sinks=None,
+                      cu_seqlens=None, window=None, seq_len=None):
+    """:func:`ulysses_sdpa`; without ``need_lse`` the lse is not exchanged
+    back (None)."""
     op = "ulysses_sdpa"
+    if attn_mask is not None:
+        from ._key_padding import key_padding_inputs
+
+        q, k, v, scale, _ = key_padding_inputs(op, attn_mask, q, k, v, scale)
     if cu_seqlens is not None or window is not None or seq_len is not None:
-        return usp_sdpa(q, k, v, group, _self_group(), is_causal=is_causal, scale=scale,
-                        backend=backend, sinks=sinks, cu_seqlens=cu_seqlens, window=window,
-                        seq_len=seq_len)
+        return usp_attention(q, k, v, group, _self_group(), is_causal, False, scale, "p2p",
+                             backend, None, need_lse, sinks, cu_seqlens, window, seq_len)
     name = group_name_of(group)
 
     def args():
@@ -287,9 +379,10 @@ def ulysses_sdpa(
         return degree, scale_, code, _local_sinks(op, q, sinks, name, degree)
 
     degree, scale, code, local_sinks = agreed(op, name, (q, k, v), args)
-    qh, kh, vh = _to_heads(q, k, v, name, degree)
+    lengths = uneven_lengths(op, q, name, degree, is_causal)
+    qh, kh, vh = _to_heads(q, k, v, name, degree, lengths)
     out_h, lse_h = ops.ulysses_local_sdpa(qh, kh, vh, bool(is_causal), scale, code, local_sinks)
-    return _to_seq(out_h, lse_h, name)
+    return _to_seq(out_h, lse_h, name, lengths, need_lse)
 
 
 @torch.compiler.assume_constant_result
@@ -334,6 +427,7 @@ def usp_sdpa(
     window: int | tuple[int | None, int | None] | None = None,
     seq_len: int | None = None,
     per_document: bool = False,
+    attn_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """USP: Ulysses over ``ulysses_group`` (U ranks) around ring attention over
     ``ring_group`` (R ranks). The shards are this rank's part of the layout
@@ -348,8 +442,25 @@ def usp_sdpa(
     ring shards the Ulysses exchange assembles, so it skips the same empty
     blocks. With ``seq_len`` (any S >= N) or ``per_document`` the pieces of a
     ring shard may differ by a row (``cplib.usp_load_balancer``); they travel
-    padded to one length and the padding never reaches the attention."""
+    padded to one length and the padding never reaches the attention.
+    ``attn_mask`` as in :func:`ulysses_sdpa`; without a mask, documents or
+    windows the ranks may hold different lengths when not causal."""
+    return usp_attention(q, k, v, ulysses_group, ring_group, is_causal, load_balanced, scale,
+                         rotate, backend, attn_mask, True, sinks, cu_seqlens, window, seq_len,
+                         per_document)
+
+
+def usp_attention(q, k, v, ulysses_group: GroupLike, ring_group: GroupLike, is_causal: bool,
+                  load_balanced: bool, scale: float | None, rotate: str, backend: str | None,
+                  attn_mask, need_lse: bool, sinks=None, cu_seqlens=None, window=None,
+                  seq_len=None, per_document=False):
+    """:func:`usp_sdpa`; without ``need_lse`` the lse is not exchanged back
+    (None)."""
     op = "usp_sdpa"
+    if attn_mask is not None:
+        from ._key_padding import key_padding_inputs
+
+        q, k, v, scale, _ = key_padding_inputs(op, attn_mask, q, k, v, scale)
     uname, rname = group_name_of(ulysses_group), group_name_of(ring_group)
     masked = dict(cu_seqlens=cu_seqlens, window=window, seq_len=seq_len,
                   per_document=bool(per_document))
@@ -377,21 +488,25 @@ def usp_sdpa(
 
     def to_heads():
         degree, scale_, lengths, local_sinks = agreed(op, uname, (q, k, v), args)
+        # Joint streams (no layout): the exchange itself takes ranks of
+        # different lengths, and so does the ring after it.
+        sizes = uneven_lengths(op, q, uname, degree, is_causal) if even else None
         keep = _real_rows(lengths, q.device)
-        # Uneven pieces travel padded to one length; the ring sees exactly its shard.
+        # Uneven pieces of a layout travel padded to one length; the ring sees
+        # exactly its shard.
         padded = (q, k, v) if keep is None else _pad_rows((q, k, v), max(lengths))
-        heads = _to_heads(*padded, uname, degree)
+        heads = _to_heads(*padded, uname, degree, sizes)
         if keep is not None:
             heads = tuple(t.index_select(2, keep) for t in heads)
-        return scale_, degree, lengths, keep, local_sinks, heads
+        return scale_, degree, lengths, sizes, keep, local_sinks, heads
 
     if torch.compiler.is_compiling():
-        scale, degree, lengths, keep, local_sinks, (qh, kh, vh) = to_heads()
+        scale, degree, lengths, sizes, keep, local_sinks, (qh, kh, vh) = to_heads()
     else:
         # Errors travel in the Ulysses group's handshake and then in the ring
         # group's, where the other Ulysses groups' ranks wait for this one.
         try:
-            scale, degree, lengths, keep, local_sinks, (qh, kh, vh) = to_heads()
+            scale, degree, lengths, sizes, keep, local_sinks, (qh, kh, vh) = to_heads()
         except Exception as exc:
             forward_error(op, rname, exc)
             raise
@@ -404,9 +519,10 @@ def usp_sdpa(
         out_h = out_h.new_zeros(out_h.shape[:2] + (rows, out_h.shape[3])).index_copy(
             2, keep, out_h)
         lse_h = lse_h.new_zeros(lse_h.shape[:2] + (rows,)).index_copy(2, keep, lse_h)
-    out, lse = _to_seq(out_h, lse_h, uname)
+    out, lse = _to_seq(out_h, lse_h, uname, sizes, need_lse)
     if out.shape[2] != mine:
-        out, lse = out.narrow(2, 0, mine), lse.narrow(2, 0, mine).contiguous()
+        out = out.narrow(2, 0, mine)
+        lse = None if lse is None else lse.narrow(2, 0, mine).contiguous()
     return out, lse
 
 

@@ -138,7 +138,8 @@ def _check_bad_input() -> int:
     _expect(ValueError, "no process group is registered under the name 'nope'",
             cplib.ring_sdpa, q, k, v, "nope")
     _expect(TypeError, "dropout_p", cplib.ring_sdpa, q, k, v, g, dropout_p=0.1)
-    _expect(TypeError, "attn_mask", cplib.ring_sdpa, q, k, v, g, attn_mask=None)
+    _expect(NotImplementedError, r"key-padding masks.*attn_mask \(got \(6, 6\)\)",
+            cplib.ring_sdpa, q, k, v, g, attn_mask=torch.ones(6, 6, dtype=torch.bool))
     # the raw ops check their integer codes too
     _expect(ValueError, "rotate=7", ops.ring_sdpa, q, k, v, g, False, False, None, -1, 7)
     _expect(ValueError, "backend=5", ops.ring_sdpa, q, k, v, g, False, False, None, 5, 0)

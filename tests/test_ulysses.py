@@ -301,12 +301,17 @@ def test_ulysses_bad_heads_raise_on_every_rank(ranks):
 
 
 def _check_mismatched_lengths() -> str:
-    """Check mode: ranks passing different shard lengths all raise, nothing hangs."""
+    """Ranks passing different shard lengths: non-causal attention accepts
+    them (joint text+image shards); causal attention raises on every rank,
+    check mode or not, and nothing hangs."""
     rank, n, name = _world()
     q = torch.randn(1, 4, 2 + rank, 8)
+    out, _ = cplib.ulysses_sdpa(q, q, q, name)
+    assert out.shape == q.shape
     with cplib.consistency_checks():
-        with pytest.raises(ValueError, match="ulysses_reshard") as info:
-            cplib.ulysses_sdpa(q, q, q, name)
+        with pytest.raises(ValueError, match=r"ulysses_sdpa: the ranks' local lengths differ "
+                                             r"\(\[2, 3\]\)") as info:
+            cplib.ulysses_sdpa(q, q, q, name, is_causal=True)
     return str(info.value)
 
 

@@ -16,7 +16,11 @@ std::vector<Piece> Layout::pieces(int64_t rank) const {
     const int64_t local = out.empty() ? 0 : out.back().local + out.back().global.len;
     out.push_back({g, local});
   };
-  if (!documents.empty()) {
+  if (!lengths.empty()) {
+    int64_t start = 0;
+    for (int64_t r = 0; r < rank; ++r) start += lengths[r];
+    add({start, lengths[rank]});
+  } else if (!documents.empty()) {
     for (size_t d = 0; d + 1 < documents.size(); ++d) {
       const int64_t start = documents[d], len = documents[d + 1] - documents[d];
       for (const int64_t c : {rank, 2 * size - 1 - rank}) {

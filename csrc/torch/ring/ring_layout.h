@@ -5,7 +5,9 @@
 // sharding does that inside every document (chunks r and 2N-1-r of each), and
 // an explicit layout lists every rank's positions. Every rank can compute every
 // rank's pieces from (S, N, layout) alone, so uneven shards need no padding
-// and no exchange of lengths.
+// and no exchange of lengths. Where no layout derives them (non-causal
+// attention over joint text+image shards), a layout carries every rank's
+// length explicitly: rank r then holds the r-th run of a sequential cut.
 #pragma once
 
 #include <cstdint>
@@ -33,6 +35,7 @@ struct Layout {
   int64_t seq_len = 0, size = 1;
   bool head_tail = false;
   std::vector<int64_t> documents;  // per-document head-tail: cu_seqlens; else empty
+  std::vector<int64_t> lengths;    // explicit per-rank lengths (rank order); else empty
   // Explicit layout: every rank's global positions in local order (then
   // seq_len, head_tail and documents are unused). The derived layouts above
   // are the ways of computing these that need no exchange.

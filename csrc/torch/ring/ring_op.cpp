@@ -8,6 +8,7 @@
 
 #include "comm/handshake.h"
 #include "ring/ring_forward.h"
+#include "ring/ring_lengths.h"
 #include "ring/ring_rotate.h"
 
 namespace cplib::ring {
@@ -37,13 +38,14 @@ Extras extras(const std::optional<at::Tensor>& cu_seqlens, at::OptionalIntArrayR
 }
 
 // What every rank of the ring must agree on, one line per argument. With
-// seq_len, per_document or explicit positions the local lengths may differ by
-// design (uneven shards), so dim 2 is left out: the local checks cover it.
+// seq_len, per_document, explicit positions or no causal mask the local
+// lengths may differ by design (uneven shards, joint text+image streams), so
+// dim 2 is left out: the local checks and learn_local_lengths cover it.
 void describe(CallSignature& sig,
               std::initializer_list<std::pair<const char*, const at::Tensor*>> tensors,
               bool is_causal, bool load_balanced, std::optional<double> scale, int64_t backend,
               int64_t rotate, const Extras& ex) {
-  const bool uneven = ex.seq_len || ex.per_document || ex.has_positions();
+  const bool uneven = ex.seq_len || ex.per_document || ex.has_positions() || !is_causal;
   for (const auto& [name, t] : tensors) sig.add_meta(name, *t, uneven ? 2 : -1);
   sig.add("seq_len", ex.seq_len.value_or(-1));
   sig.add_flag("window is not None", ex.window.has_value());
@@ -83,6 +85,7 @@ Config agreed_config(const char* op, std::string_view group_name,
     hs.set_lengths({q.size(2), k.size(2)});
   });
   hs.exchange(group_name, pg, q.device());
+  if (!ex.has_positions()) learn_local_lengths(op, cfg, q, k, ex, hs);
   return cfg;
 }
 

@@ -17,13 +17,23 @@
 #include <optional>
 #include <string_view>
 #include <tuple>
+#include <vector>
 
 #include <ATen/ATen.h>
 
 namespace cplib::ulysses {
 
+// `lengths` (empty: S/N each): every rank's sequence length, for ranks of
+// different lengths (non-causal attention only).
 at::Tensor reshard(const at::Tensor& x, std::string_view group_name, bool to_heads,
-                   int64_t head_repeat);
+                   int64_t head_repeat, const std::vector<int64_t>& lengths = {});
+
+// Several re-shards in one direction (q, k, v; or their gradients), all in
+// flight at once, every input checked before any exchange starts.
+std::vector<at::Tensor> reshard_many(const std::vector<at::Tensor>& xs,
+                                     std::string_view group_name, bool to_heads,
+                                     const std::vector<int64_t>& head_repeats,
+                                     const std::vector<int64_t>& lengths = {});
 
 // Full-sequence attention of head-sharded q, k, v (k/v may have fewer heads:
 // GQA; v's head dim may differ: MLA). out is sequence-major (strides of

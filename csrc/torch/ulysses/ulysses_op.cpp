@@ -15,9 +15,10 @@ namespace {
 using NoViewTracking = at::AutoDispatchBelowADInplaceOrView;
 
 at::Tensor reshard_op(const at::Tensor& x, c10::string_view group_name, bool to_heads,
-                      int64_t head_repeat) {
+                      int64_t head_repeat, at::OptionalIntArrayRef lengths) {
   NoViewTracking guard;
-  return reshard(x, {group_name.data(), group_name.size()}, to_heads, head_repeat);
+  return reshard(x, {group_name.data(), group_name.size()}, to_heads, head_repeat,
+                 lengths.has_value() ? lengths->vec() : std::vector<int64_t>{});
 }
 
 std::tuple<at::Tensor, at::Tensor> local_sdpa_op(const at::Tensor& q, const at::Tensor& k,
@@ -41,7 +42,9 @@ int64_t debug_bytes_sent(bool reset) { return bytes_sent(reset); }
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
-  m.def("ulysses_reshard(Tensor x, str group_name, bool to_heads, int head_repeat) -> Tensor");
+  m.def(
+      "ulysses_reshard(Tensor x, str group_name, bool to_heads, int head_repeat, "
+      "int[]? lengths=None) -> Tensor");
   m.def(
       "ulysses_local_sdpa(Tensor q, Tensor k, Tensor v, bool is_causal, float? scale, "
       "int backend, Tensor? sinks=None) -> (Tensor out, Tensor lse)");

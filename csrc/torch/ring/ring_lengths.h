@@ -1,0 +1,31 @@
+// Every rank's local lengths, for ops whose ranks may hold blocks of
+// different sizes (non-causal attention over joint streams: 33 text tokens
+// over 2 ranks give joint shards of 145 and 144 rows).
+#pragma once
+
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "comm/comm.h"
+#include "comm/handshake.h"
+#include "ring/ring.h"
+
+namespace cplib::ring {
+
+// One small all-gather: `local` (the same count of values on every rank) from
+// every rank, rank-major. Collective over `pg`; on `device` (NCCL needs CUDA).
+std::vector<int64_t> gather_local_lengths(const PG& pg, const std::vector<int64_t>& local,
+                                          const at::Device& device);
+
+// Without seq_len or documents the ring derives every rank's rows from equal
+// shards; this reads the actual q and k/v lengths of every rank from the
+// handshake `hs` (its own all-gather when no handshake ran) and, where
+// they differ, gives the layouts explicit per-rank lengths (non-causal
+// attention only: causal masks, windows, documents and load balancing need
+// global positions, so they raise ValueError naming the lengths and seq_len,
+// alike on every rank).
+void learn_local_lengths(const char* op, Config& cfg, const at::Tensor& q, const at::Tensor& k,
+                         const Extras& ex, const Handshake& hs);
+
+}  // namespace cplib::ring
