@@ -53,9 +53,7 @@ void add_returned_halo_grads(const PG& pg, const TpConvPlan& p, at::Tensor& grad
                              const at::Tensor& grad_halo_left, const at::Tensor& grad_halo_right) {
   auto back = return_halo_grads(pg, p, grad_x, grad_halo_left, grad_halo_right);
   back->wait();
-  if (p.send_left) grad_x.narrow(p.dim, 0, p.send_left).add_(back->from_left);
-  if (p.send_right)
-    grad_x.narrow(p.dim, p.width - p.send_right, p.send_right).add_(back->from_right);
+  add_halo_grads(p, grad_x, *back);
 }
 
 }  // namespace cplib

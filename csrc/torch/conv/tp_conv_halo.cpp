@@ -160,4 +160,10 @@ std::unique_ptr<NeighbourExchange> return_halo_grads(const PG& pg, const TpConvP
                                              p.rh);
 }
 
+void add_halo_grads(const TpConvPlan& p, at::Tensor& grad_x, const NeighbourExchange& back) {
+  if (p.send_left) grad_x.narrow(p.dim, 0, p.send_left).add_(back.from_left);
+  if (p.send_right)
+    grad_x.narrow(p.dim, p.width - p.send_right, p.send_right).add_(back.from_right);
+}
+
 }  // namespace cplib

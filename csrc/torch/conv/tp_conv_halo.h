@@ -59,4 +59,8 @@ std::unique_ptr<NeighbourExchange> return_halo_grads(const PG& pg, const TpConvP
                                                      const at::Tensor& grad_halo_left,
                                                      const at::Tensor& grad_halo_right);
 
+// Adds what a completed return_halo_grads exchange brought into grad_x's
+// border columns (the ones this rank sent to its neighbours).
+void add_halo_grads(const TpConvPlan& p, at::Tensor& grad_x, const NeighbourExchange& back);
+
 }  // namespace cplib

@@ -2,7 +2,8 @@
 // padding `left` (== right) along the shard dim, which is exact except for
 // the `left` / `right` border output columns whose windows reach into a
 // neighbour; those are recomputed from small [halo | edge] slabs. The main
-// convolution overlaps the halo exchange.
+// convolution (forward) and the main convolution_backward overlap the halo
+// exchanges.
 #include "conv/tp_conv_halo.h"
 #include "conv/tp_conv_impl.h"
 
@@ -46,41 +47,56 @@ at::Tensor tp_conv_patched(const PG& pg, const TpConvPlan& p, const at::Tensor& 
 ConvGrads tp_conv_patched_backward(const PG& pg, const TpConvPlan& p, const at::Tensor& grad_out,
                                    const at::Tensor& x, const at::Tensor& w, int64_t groups,
                                    std::array<bool, 3> mask) {
-  // grad_weight needs the halo values; every rank joins when it does, even
-  // one that only sends.
-  std::unique_ptr<NeighbourExchange> ex;
-  if (mask[1]) ex = exchange_input_halos(pg, p, x);
+  // The main convolution_backward below sees zeros where the halos are. Its
+  // grad_input of x is already right (padding does not change it); what it
+  // misses is grad_weight's halo term and the gradient of the halo columns
+  // themselves. Both are linear in a slab holding only the halo. The halo
+  // columns' gradient needs grad_out and w alone, so it is computed and sent
+  // back first; both exchanges then run behind the main backward, as the
+  // forward's runs behind its main convolution.
   const auto no_out_pad = zeros_like_params(p);
+  auto slab_backward = [&](const at::Tensor& halo, bool left, std::array<bool, 3> m) {
+    const int64_t width = left ? p.left : p.right;
+    const at::Tensor g = grad_out.narrow(p.dim, left ? 0 : grad_out.size(p.dim) - width, width);
+    auto shape = x.sizes().vec();
+    shape[p.dim] = width + p.halo;
+    at::Tensor slab = at::zeros(shape, x.options());
+    if (halo.defined()) unpack_slab(slab, p.dim, left ? 0 : p.halo, halo);
+    auto grads = at::convolution_backward(g, slab, w, c10::nullopt, p.stride, p.conv_padding,
+                                          p.dilation, false, no_out_pad, groups, m);
+    // The halo columns' part of the slab gradient.
+    if (m[0]) std::get<0>(grads) = pack_slab(std::get<0>(grads), p.dim, left ? 0 : p.halo, width);
+    return grads;
+  };
+
+  // Every rank joins an exchange when its gradient is wanted, even one that only sends.
+  std::unique_ptr<NeighbourExchange> halos_in, grads_back;
+  if (mask[1]) halos_in = exchange_input_halos(pg, p, x);
+  if (mask[0]) {
+    at::Tensor grad_halo_left, grad_halo_right;
+    if (p.halo_left) grad_halo_left = std::get<0>(slab_backward({}, true, {true, false, false}));
+    if (p.halo_right)
+      grad_halo_right = std::get<0>(slab_backward({}, false, {true, false, false}));
+    grads_back = return_halo_grads(pg, p, x, grad_halo_left, grad_halo_right);
+  }
+
   const std::vector<int64_t> bias_sizes{w.size(0)};
   auto [gi, gw, gb] = at::convolution_backward(
       grad_out, x, w, mask[2] ? c10::optional<at::IntArrayRef>(bias_sizes) : c10::nullopt,
       p.stride, main_padding(p), p.dilation, false, no_out_pad, groups, mask);
-  if (ex) ex->wait();
 
-  // The border columns' windows saw zeros where the halo is. grad_input of x
-  // is already right (padding does not change it); what is missing is
-  // grad_weight's halo term and the gradient of the halo columns themselves.
-  // Both are linear in the slab, so a slab holding only the halo gives them.
-  auto border = [&](const at::Tensor& halo, bool left) -> at::Tensor {
-    const int64_t width = left ? p.left : p.right;
-    const int64_t out_w = grad_out.size(p.dim);
-    const at::Tensor g = grad_out.narrow(p.dim, left ? 0 : out_w - width, width);
-    auto shape = x.sizes().vec();
-    shape[p.dim] = width + p.halo;
-    at::Tensor slab = at::zeros(shape, x.options());
-    if (mask[1]) unpack_slab(slab, p.dim, left ? 0 : p.halo, halo);
-    auto [gs, gws, unused] = at::convolution_backward(
-        g, slab, w, c10::nullopt, p.stride, p.conv_padding, p.dilation, false, no_out_pad, groups,
-        {mask[0], mask[1], false});
-    if (mask[1]) gw.add_(gws);
-    return mask[0] ? pack_slab(gs, p.dim, left ? 0 : p.halo, width) : at::Tensor();
-  };
-  at::Tensor grad_halo_left, grad_halo_right;
-  if (p.halo_left) grad_halo_left = border(ex ? ex->from_left : at::Tensor(), true);
-  if (p.halo_right) grad_halo_right = border(ex ? ex->from_right : at::Tensor(), false);
-  if (gi.defined()) {
+  if (halos_in) {
+    halos_in->wait();
+    auto add_halo_term = [&](const at::Tensor& halo, bool left) {
+      gw.add_(std::get<1>(slab_backward(halo, left, {false, true, false})));
+    };
+    if (p.halo_left) add_halo_term(halos_in->from_left, true);
+    if (p.halo_right) add_halo_term(halos_in->from_right, false);
+  }
+  if (grads_back) {
     gi = gi.contiguous();
-    add_returned_halo_grads(pg, p, gi, grad_halo_left, grad_halo_right);
+    grads_back->wait();
+    add_halo_grads(p, gi, *grads_back);
   }
   return {gi, gw, gb};
 }

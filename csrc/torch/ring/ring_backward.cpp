@@ -24,6 +24,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
       expand_v(cfg.groups, v, cfg.kv_layout.max_local_len());
   for (int64_t s = 0; s < plan.steps(); ++s) {
     const KV blk = ring.fetch(s);
+    grads.settle();
     if (blk[0].defined()) {
       for (const Call& c : plan.calls(s)) {
         auto rows = [&c](const at::Tensor& t) { return t.narrow(2, c.q_local, c.q_len); };

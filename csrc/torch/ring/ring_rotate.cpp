@@ -32,7 +32,9 @@ void exchange(const Config& c, const at::Tensor& send, int64_t dst, const at::Te
     std::vector<int64_t> in_splits(c.size, 0), out_splits(c.size, 0);
     in_splits[dst] = in.numel();
     out_splits[src] = out.numel();
-    recvs.push_back(all_to_all_split(c.pg, out, in, out_splits, in_splits));
+    WorkPtr w = all_to_all_split(c.pg, out, in, out_splits, in_splits);
+    recvs.push_back(w);
+    if (&sends != &recvs) sends.push_back(w);  // it reads the send buffer too
     return;
   }
   // Receive first: on transports that match eagerly it saves a copy.
@@ -55,6 +57,14 @@ std::vector<int64_t> with_len(std::vector<int64_t> sizes, int64_t len) {
 // The first numel(sizes) elements of a flat buffer, viewed as `sizes`.
 at::Tensor head_view(const at::Tensor& flat, const std::vector<int64_t>& sizes) {
   return flat.narrow(0, 0, c10::multiply_integers(sizes)).view(sizes);
+}
+
+// The first numel(sizes) elements of `buf`, which is allocated on first use
+// (flat, `longest` rows).
+at::Tensor grow_view(at::Tensor& buf, const std::vector<int64_t>& sizes, int64_t longest,
+                     const at::TensorOptions& opts) {
+  if (!buf.defined()) buf = at::empty({c10::multiply_integers(with_len(sizes, longest))}, opts);
+  return head_view(buf, sizes);
 }
 
 // Block `rank`'s slot of a rank-major padded buffer, trimmed to its length.
@@ -84,14 +94,9 @@ void BlockRing::post(int64_t s) {
   KV& buf = buf_[s % 2];
   for (int p = 0; p < 2; ++p) {
     at::Tensor into;
-    if (recv) {
-      if (!buf[p].defined()) {
-        buf[p] = at::empty({c10::multiply_integers(with_len(local_[p].sizes().vec(),
-                                                            cfg_.kv_layout.max_local_len()))},
-                           local_[p].options());
-      }
-      into = head_view(buf[p], with_len(local_[p].sizes().vec(), len));
-    }
+    if (recv)
+      into = grow_view(buf[p], with_len(local_[p].sizes().vec(), len),
+                       cfg_.kv_layout.max_local_len(), local_[p].options());
     exchange(cfg_, send ? local_[p] : at::Tensor(), dst, into, src, kBlockTag + p,
              local_[p].options(), recv_[s % 2], sends_);
   }
@@ -132,6 +137,7 @@ KV BlockRing::fetch(int64_t s) {
   }
   wait_all(recv_[s % 2]);
   post(s + 1);
+  if (s + 1 == plan_.steps()) buf_[(s + 1) % 2] = {};  // step s-1's block: done with
   if (!plan_.receives(s)) return {};
   const int64_t len = plan_.kv_len(plan_.source(s));
   return {head_view(buf_[s % 2][0], with_len(local_[0].sizes().vec(), len)),
@@ -141,54 +147,50 @@ KV BlockRing::fetch(int64_t s) {
 void BlockRing::finish() {
   for (auto& r : recv_) wait_all(r);
   wait_all(sends_);
+  buf_ = {};
 }
 
 // --------------------------------------------------------------- gradients
 
 GradRing::GradRing(const Config& cfg, const RingPlan& plan, const at::Tensor& k,
                    const at::Tensor& v, at::ScalarType acc)
-    : cfg_(cfg), plan_(plan), sizes_{k.sizes().vec(), v.sizes().vec()} {
-  const auto opts = k.options().dtype(acc).memory_format(at::MemoryFormat::Contiguous);
+    : cfg_(cfg),
+      plan_(plan),
+      sizes_{k.sizes().vec(), v.sizes().vec()},
+      opts_(k.options().dtype(acc).memory_format(at::MemoryFormat::Contiguous)) {
   const int64_t longest = cfg.kv_layout.max_local_len();
   if (cfg.rotate == Rotate::allgather && cfg.size > 1) {
     for (int p = 0; p < 2; ++p)
-      all_[p] = at::zeros(cfg.size * c10::multiply_integers(with_len(sizes_[p], longest)), opts);
+      all_[p] = at::zeros(cfg.size * c10::multiply_integers(with_len(sizes_[p], longest)), opts_);
     own_fresh_ = false;
     return;
   }
-  own_ = {at::empty(sizes_[0], opts), at::empty(sizes_[1], opts)};
-  if (plan.steps() > 1) {
-    for (int slot = 0; slot < 2; ++slot)
-      for (int p = 0; p < 2; ++p) {
-        const int64_t numel = c10::multiply_integers(with_len(sizes_[p], longest));
-        send_[slot][p] = at::empty({numel}, opts);
-        recv_[slot][p] = at::empty({numel}, opts);
-      }
-  }
+  own_ = {at::empty(sizes_[0], opts_), at::empty(sizes_[1], opts_)};
 }
 
 KV& GradRing::slot(int64_t s) {
   const int64_t src = plan_.source(s), len = plan_.kv_len(src);
+  const int64_t longest = cfg_.kv_layout.max_local_len();
   if (all_[0].defined()) {
-    const int64_t longest = cfg_.kv_layout.max_local_len();
     for (int p = 0; p < 2; ++p)
       view_[p] = padded_slot(all_[p], cfg_.size, src, with_len(sizes_[p], longest), len);
     return view_;
   }
   if (s == 0) return own_;
-  if (slot_step_[s % 2] != s) {
-    wait_all(pending_[s % 2]);  // step s-2's messages used these buffers
-    slot_step_[s % 2] = s;
-    fresh_[s % 2] = true;
+  if (send_step_ != s) {
+    wait_all(sending_);  // the previous step's gradient has left the buffer
+    send_step_ = s;
+    send_fresh_ = true;
   }
-  for (int p = 0; p < 2; ++p) view_[p] = head_view(send_[s % 2][p], with_len(sizes_[p], len));
+  for (int p = 0; p < 2; ++p)
+    view_[p] = grow_view(send_[p], with_len(sizes_[p], len), longest, opts_);
   return view_;
 }
 
 void GradRing::add(int64_t s, const at::Tensor& gk, const at::Tensor& gv, int64_t start,
                    int64_t len) {
   KV& acc = slot(s);
-  bool& fresh = s == 0 ? own_fresh_ : fresh_[s % 2];
+  bool& fresh = s == 0 ? own_fresh_ : send_fresh_;
   const bool overwrite = fresh && start == 0 && len == acc[0].size(2);
   if (fresh && !overwrite) {
     for (auto& t : acc) t.zero_();
@@ -198,14 +200,16 @@ void GradRing::add(int64_t s, const at::Tensor& gk, const at::Tensor& gv, int64_
     reduce_heads_into(acc[p].narrow(2, start, len), p == 0 ? gk : gv, cfg_.groups, !overwrite);
 }
 
-void GradRing::absorb(int64_t s) {
-  if (s <= 0 || !plan_.sends(s)) return;
-  wait_all(pending_[s % 2]);
+void GradRing::settle() {
+  if (!recv_full_) return;
+  wait_all(receiving_);
   for (int p = 0; p < 2; ++p) {
     if (own_fresh_) own_[p].zero_();
-    own_[p].add_(head_view(recv_[s % 2][p], sizes_[p]));
+    own_[p].add_(head_view(recv_[p], sizes_[p]));
   }
   own_fresh_ = false;
+  recv_full_ = false;
+  recv_ = {};  // not held through the next step's kernels
 }
 
 void GradRing::pass(int64_t s) {
@@ -213,20 +217,20 @@ void GradRing::pass(int64_t s) {
   const bool send = plan_.receives(s), recv = plan_.sends(s);
   const int64_t owner = plan_.source(s), attender = plan_.target(s);
   const bool collective = cfg_.rotate == Rotate::alltoall || python_group(cfg_.pg);
-  if (send && (slot_step_[s % 2] != s || fresh_[s % 2])) {  // attended, yet nothing added
+  if (send && (send_step_ != s || send_fresh_)) {  // attended, yet nothing added
     for (auto& t : slot(s)) t.zero_();
-    fresh_[s % 2] = false;
+    send_fresh_ = false;
   }
+  if (recv) settle();  // the receive buffer is free for this step's
   if (send || recv || collective) {
-    const int64_t len = plan_.kv_len(owner);
+    const int64_t len = plan_.kv_len(owner), longest = cfg_.kv_layout.max_local_len();
     for (int p = 0; p < 2; ++p) {
-      at::Tensor out = send ? head_view(send_[s % 2][p], with_len(sizes_[p], len)) : at::Tensor();
-      at::Tensor in = recv ? head_view(recv_[s % 2][p], sizes_[p]) : at::Tensor();
-      exchange(cfg_, out, owner, in, attender, kGradTag + p, own_[p].options(), pending_[s % 2],
-               pending_[s % 2]);
+      at::Tensor out = send ? head_view(send_[p], with_len(sizes_[p], len)) : at::Tensor();
+      at::Tensor in = recv ? grow_view(recv_[p], sizes_[p], longest, opts_) : at::Tensor();
+      exchange(cfg_, out, owner, in, attender, kGradTag + p, opts_, receiving_, sending_);
     }
   }
-  absorb(s - 1);  // last step's gradient has had this step's compute to arrive
+  recv_full_ = recv_full_ || recv;
 }
 
 KV GradRing::result() {
@@ -242,11 +246,13 @@ KV GradRing::result() {
     }
     return own;
   }
+  settle();
   if (own_fresh_) {
     for (auto& t : own_) t.zero_();
   }
-  absorb(plan_.steps() - 1);
-  for (auto& w : pending_) wait_all(w);
+  wait_all(sending_);
+  wait_all(receiving_);
+  send_ = recv_ = {};
   return own_;
 }
 

@@ -32,7 +32,7 @@ class BlockRing {
   // posts the exchange of step s+1 first, so it is in flight while step s
   // computes. Call with s = 0, 1, ... in order.
   KV fetch(int64_t s);
-  // Waits for whatever is still in flight.
+  // Waits for whatever is still in flight and releases the p2p buffers.
   void finish();
 
  private:
@@ -41,7 +41,9 @@ class BlockRing {
   const Config& cfg_;
   const RingPlan& plan_;
   KV local_;
-  std::array<KV, 2> buf_;  // p2p / alltoall: flat receive buffers, longest block
+  // p2p / alltoall: flat receive buffers, longest block: step s's block and
+  // step s+1's, in flight; never more.
+  std::array<KV, 2> buf_;
   KV gathered_;            // allgather: [N * longest block] per part, rank-major
   std::array<std::vector<WorkPtr>, 2> recv_;
   std::vector<WorkPtr> sends_;
@@ -49,7 +51,12 @@ class BlockRing {
 
 // Gradient accumulators (accumulator dtype). Step s's block gradient goes
 // back to its owner after step s; a rank's own accumulator starts as its
-// step-0 gradient and adds what the others send back.
+// step-0 gradient and adds what the others send back. Besides it, one
+// buffer each way: a step's gradient is written into the send buffer once
+// the previous step's has left it (it had the next step's compute to go),
+// and the gradient returned at step s is added to ours, and its buffer
+// released, before step s+1 computes: during a block's kernels this rank
+// holds its own accumulator and at most one gradient in flight.
 class GradRing {
  public:
   GradRing(const Config& cfg, const RingPlan& plan, const at::Tensor& k, const at::Tensor& v,
@@ -59,24 +66,28 @@ class GradRing {
   void add(int64_t s, const at::Tensor& gk, const at::Tensor& gv, int64_t start, int64_t len);
   // Sends step s's gradient to its owner, after step s's contributions.
   void pass(int64_t s);
+  // Adds the gradient of our block that the last pass brought back and
+  // releases its buffer; called before each step's compute.
+  void settle();
   // This rank's own block's (dk, dv), once every step has passed.
   KV result();
 
  private:
   KV& slot(int64_t s);
-  void absorb(int64_t s);  // adds the gradient of our block that step s brought back
 
   const Config& cfg_;
   const RingPlan& plan_;
   std::array<std::vector<int64_t>, 2> sizes_;  // of our k and v
+  at::TensorOptions opts_;
   KV own_;
-  std::array<KV, 2> send_, recv_;  // flat, longest block
-  std::array<bool, 2> fresh_{false, false};       // slot allocated for its step, not yet written
-  std::array<int64_t, 2> slot_step_{-1, -1};      // the step each send slot holds
+  KV send_, recv_;            // flat, longest block; allocated on first use
+  int64_t send_step_ = -1;    // the step whose gradient send_ holds
+  bool send_fresh_ = false;   // send_ belongs to send_step_ but nothing is written yet
+  bool recv_full_ = false;    // recv_ holds (or is receiving) a gradient not yet absorbed
   bool own_fresh_ = true;
   KV view_;
   KV all_;  // allgather: every block's partial gradient, padded, reduce-scattered at the end
-  std::array<std::vector<WorkPtr>, 2> pending_;
+  std::vector<WorkPtr> sending_, receiving_;
 };
 
 // Bytes this process has sent around rings since the last reset (a debug
