@@ -57,7 +57,12 @@ def use_ring(impl: str) -> None:
     if current is not None and getattr(current, "ring_sdpa", None) is not reference_ring_sdpa:
         _saved_native[:] = [current]  # never import the native module twice
     if impl == "reference":
+        # The native module's argument helpers stay (other modules import
+        # them from it); only the ring op is replaced.
+        import cplib._ring as native  # noqa: F401
+        native = _saved_native[0] if _saved_native else sys.modules["cplib._ring"]
         mod = types.ModuleType("cplib._ring")
+        mod.__dict__.update({k: v for k, v in vars(native).items() if not k.startswith("__")})
         mod.ring_sdpa = reference_ring_sdpa
         sys.modules["cplib._ring"] = mod
     elif impl == "native":

@@ -81,10 +81,10 @@ def _ring_vs_ulysses(rank, g):
         cplib.ulysses_sdpa(q, k, v, g)
 
 
-def _ulysses_on(bad_rank, **bad):
+def _ulysses_on(bad_rank, is_causal=False, **bad):
     def case(rank, g):
         shape = bad if bad_rank in (None, rank) else {}
-        cplib.ulysses_sdpa(*_qkv(rank, **shape), g)
+        cplib.ulysses_sdpa(*_qkv(rank, **shape), g, is_causal=is_causal)
     return case
 
 
@@ -183,7 +183,9 @@ CASES = [
      "disagree on is_causal (rank 0: False, rank 1: True)"),
     ("ring/disagree/load-balanced", 2, _ring_on(1, load_balanced=True), ValueError,
      "disagree on load_balanced"),
-    ("ring/disagree/length", 2, _ring_on(1, length=6), ValueError,
+    # Non-causal ranks may hold different lengths (joint streams); causal ones may not.
+    ("ring/disagree/length", 2, _ring_by_rank({"is_causal": True}, {"is_causal": True,
+                                                                     "length": 6}), ValueError,
      "disagree on q.size(2) (rank 0: 8, rank 1: 6)"),
     ("ring/disagree/heads", 2, _ring_on(1, h=4, hkv=4), ValueError, "disagree on q.size(1)"),
     ("ring/disagree/kv-heads", 2, _ring_on(1, hkv=1), ValueError, "disagree on k.size(1)"),
@@ -211,8 +213,8 @@ CASES = [
     ("ulysses/same/heads", 2, _ulysses_on(None, h=3, hkv=3), ValueError,
      "cannot be split over the Ulysses degree 2"),
     ("ulysses/one/heads", 2, _ulysses_on(1, h=3, hkv=3), ValueError, "invalid input on rank 1"),
-    ("ulysses/disagree/length", 2, _ulysses_on(1, length=6), ValueError,
-     "disagree on x.size(2) (rank 0: 8, rank 1: 6)"),
+    ("ulysses/disagree/length", 2, _ulysses_on(1, is_causal=True, length=6), ValueError,
+     "disagree on q.size(2) (rank 0: 8, rank 1: 6)"),
     ("usp/same/one-group-twice", 2, _usp_same_group, ValueError, "share 2 ranks"),
     ("usp/one/scale", 4, _usp_one_bad_scale, ValueError, "scale=nan"),
     # flex_cp_allgather

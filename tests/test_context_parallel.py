@@ -37,11 +37,12 @@ from cplib import (
 )
 from harness import assert_close
 
-# Upstream's matrix: rand(8, 8, 1024 * ws, 32) (about 3 min for ws 2 and 4 on a
-# 2-core box). CPLIB_QUICK_TESTS=1 runs it at (4, 4, 512 * ws, 32) for quick
-# local iterations.
+# Upstream's matrix of cases (dtypes, causal, rotations, load balancing) at a
+# smaller shape than its rand(8, 8, 1024 * ws, 32): exactness does not depend
+# on the size, and the full shape cost 3 minutes of CI on 2 cores.
+# CPLIB_QUICK_TESTS=1 shrinks it further for the other torch releases.
 QUICK = os.environ.get("CPLIB_QUICK_TESTS") == "1"
-MATRIX_SHAPE = (4, 4, 512, 32) if QUICK else (8, 8, 1024, 32)
+MATRIX_SHAPE = (2, 4, 128, 16) if QUICK else (4, 4, 256, 32)
 ROTATIONS = ("p2p", "alltoall", "allgather")
 
 

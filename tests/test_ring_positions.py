@@ -163,10 +163,12 @@ def _check_bad_positions() -> int:
     _expect_value_error(call(ring_pass="x"), "ring_pass")
     # the same checks inside the op (what a traced call or another binding reaches)
     _expect_value_error(lambda: ops.ring_sdpa(q, kv, kv, g.group_name, True, False, None, -1, 0,
-                                              None, None, None, False, qpos.float(), kvpos, 0),
+                                              None, None, None, False, None, qpos.float(), kvpos,
+                                              0),
                         "q_positions", "integer")
     _expect_value_error(lambda: ops.ring_sdpa(q, kv, kv, g.group_name, True, False, None, -1, 0,
-                                              None, None, None, False, qpos, kvpos[1:], 0),
+                                              None, None, None, False, None, qpos, kvpos[1:],
+                                              0),
                         "kv_positions", "rows")
     qg, kg = q.clone().requires_grad_(True), kv.clone().requires_grad_(True)
     _expect_value_error(lambda: cplib.ring_sdpa(qg, kg, kg, g, q_positions=qpos,
@@ -188,7 +190,7 @@ def _check_compile() -> int:
     name = dist.group.WORLD.group_name
     torch.library.opcheck(ops.ring_sdpa.default,
                           (q, kv, kv, name, True, False, None, -1, 0, None, None, None, False,
-                           qpos, kvpos, 1))
+                           None, qpos, kvpos, 1))
 
     def f(q, k, v):
         return cplib.ring_sdpa(q, k, v, name, is_causal=True, q_positions=qpos,

@@ -147,8 +147,10 @@ void CallSignature::add_meta(const std::string& name, const at::Tensor& t, int64
     return;
   }
   add(name + ".dim()", t.dim());
+  // A skipped dim keeps its slot (value -1), so that the fields of ranks
+  // that skip it and ranks that do not still line up.
   for (int64_t d = 0; d < t.dim(); ++d)
-    if (d != skip_dim) add(name + ".size(" + std::to_string(d) + ")", t.size(d));
+    add(name + ".size(" + std::to_string(d) + ")", d == skip_dim ? -1 : t.size(d));
   add(name + ".dtype", static_cast<int64_t>(t.scalar_type()), FieldKind::dtype);
   add(name + ".device type", static_cast<int64_t>(t.device().type()), FieldKind::device);
 }

@@ -44,7 +44,7 @@ class CallSignature {
   void add_flag(std::string name, bool value) { add(std::move(name), value, FieldKind::boolean); }
   // `name` (None or the float's bits): one field.
   void add_optional_float(std::string name, std::optional<double> value);
-  // Rank, sizes (all but `skip_dim`), dtype and device type of `t`, or that it is None.
+  // Rank, sizes (`skip_dim` as -1), dtype and device type of `t`, or that it is None.
   void add_meta(const std::string& name, const at::Tensor& t, int64_t skip_dim = -1);
   // A 64-bit hash of the values of an integer tensor (cu_seqlens, say): its
   // values are read, so call it after `t` was validated.

@@ -151,8 +151,8 @@ void check_extras(const char* op, Config& cfg, const at::Tensor& q, const at::Te
                     "seq_len");
   Mask& m = cfg.mask;
   if (ex.cu_seqlens) m.bounds = document_bounds(op, *ex.cu_seqlens, sq);
-  cfg.q_layout = {sq, n, cfg.load_balanced, {}, {}};
-  cfg.kv_layout = {sk, n, cfg.load_balanced, {}, {}};
+  cfg.q_layout = {sq, n, cfg.load_balanced, {}, {}, {}};
+  cfg.kv_layout = {sk, n, cfg.load_balanced, {}, {}, {}};
   if (ex.per_document) cfg.q_layout.documents = cfg.kv_layout.documents = m.bounds;
   if (ex.seq_len || ex.per_document) {
     const int64_t want = cfg.q_layout.local_len(cfg.rank);

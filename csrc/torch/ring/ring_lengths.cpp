@@ -56,8 +56,8 @@ void learn_local_lengths(const char* op, Config& cfg, const at::Tensor& q, const
   TORCH_CHECK_VALUE(!positional, "cplib.", op, ": the ranks' local lengths differ (q ", list(lq),
                     ", k/v ", list(lk), "), which only non-causal attention without documents, "
                     "windows or load balancing accepts; pass seq_len for a layout cplib derives");
-  cfg.q_layout = {0, n, false, {}, lq};
-  cfg.kv_layout = {0, n, false, {}, lk};
+  cfg.q_layout = {0, n, false, {}, lq, {}};
+  cfg.kv_layout = {0, n, false, {}, lk, {}};
   for (int64_t r = 0; r < n; ++r) cfg.q_layout.seq_len += lq[r], cfg.kv_layout.seq_len += lk[r];
   Mask& m = cfg.mask;
   m.seq_len = std::max(cfg.q_layout.seq_len, cfg.kv_layout.seq_len);

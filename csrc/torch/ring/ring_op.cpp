@@ -45,8 +45,6 @@ void describe(CallSignature& sig,
               std::initializer_list<std::pair<const char*, const at::Tensor*>> tensors,
               bool is_causal, bool load_balanced, std::optional<double> scale, int64_t backend,
               int64_t rotate, const Extras& ex) {
-  const bool uneven = ex.seq_len || ex.per_document || ex.has_positions() || !is_causal;
-  for (const auto& [name, t] : tensors) sig.add_meta(name, *t, uneven ? 2 : -1);
   sig.add("seq_len", ex.seq_len.value_or(-1));
   sig.add_flag("window is not None", ex.window.has_value());
   for (size_t i = 0; ex.window && i < ex.window->size(); ++i)
@@ -62,6 +60,9 @@ void describe(CallSignature& sig,
   sig.add_optional_float("scale", scale);
   sig.add("backend", backend);
   sig.add("rotate", rotate);
+  // The tensors last: a flag that differs is named before the shapes it implies.
+  const bool uneven = ex.seq_len || ex.per_document || ex.has_positions() || !is_causal;
+  for (const auto& [name, t] : tensors) sig.add_meta(name, *t, uneven ? 2 : -1);
 }
 
 // Local validation, then the handshake: every rank raises alike or none does.

@@ -161,7 +161,8 @@ std::vector<Geometry> checked(const PG& pg, std::string_view group_name, const c
       gs.push_back(check(xs[i], pg->getSize(), to_heads, head_repeats[i], lengths,
                          pg->getRank()));
       // With lengths the ranks' rows differ by design: compare the lengths instead.
-      sig.add_meta("x" + std::to_string(i), xs[i], lengths.empty() ? -1 : 2);
+      const char* name = xs.size() == 1 ? "x" : i == 0 ? "q" : i == 1 ? "k" : "v";
+      sig.add_meta(name, xs[i], lengths.empty() ? -1 : 2);
       sig.add("head_repeat[" + std::to_string(i) + "]", head_repeats[i]);
     }
     for (size_t r = 0; r < lengths.size(); ++r)
