@@ -33,7 +33,7 @@ TORCH_PIN := $(shell sed -n 's/^\(torch==[^ ]*\).*/\1/p' requirements/torch-$(TO
 TVENV     := .venv-$(subst ==,-,$(TORCH_PIN))
 # No pip config files there: a machine-wide cap on torch releases (seen on dev
 # machines) must not veto the release the project pins.
-TPIP      := PIP_CONFIG_FILE=/dev/null $(TVENV)/bin/python -m pip
+TPIP      := env PIP_CONFIG_FILE=/dev/null $(TVENV)/bin/python -m pip
 
 .PHONY: all build demo test test-torch torch-venv bench cuda-check cuda-build clean
 

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 
-_PROGRESS = re.compile(rb"^\[(\d+)/(\d+)\] ")
+_PROGRESS = re.compile(rb"^\s*\[(\d+)/(\d+)\] ")
 _ERROR = re.compile(rb"error|Error|ERROR|FAILED")
 
 
