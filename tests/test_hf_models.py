@@ -256,5 +256,14 @@ def test_import_cplib_does_not_import_transformers():
     import subprocess
     import sys
 
+    import os
+    import tempfile
+
+    from harness import cplib_import_root
+
     code = "import sys, cplib; assert 'transformers' not in sys.modules, 'imported'"
-    subprocess.run([sys.executable, "-c", code], check=True)
+    # From an empty folder, with the cplib under test first on the path (not
+    # the source tree that the current folder may hold).
+    env = dict(os.environ, PYTHONPATH=cplib_import_root())
+    with tempfile.TemporaryDirectory() as cwd:
+        subprocess.run([sys.executable, "-c", code], check=True, cwd=cwd, env=env)
