@@ -11,23 +11,14 @@ import torch
 from ._handshake import agreed
 from ._native import GroupLike, group_name_of, group_size, ops, reject_real_in_fake
 from ._ring import _DTYPES, _acc_dtype, check_inputs, scale_arg, window_arg
+from ._ring import _check_positions as ring_positions
 
 __all__ = ["decode_sdpa"]
 
 
 def _check_positions(name: str, pos, rows: int, rows_of: str) -> None:
-    if pos is None:
-        return
-    if not isinstance(pos, torch.Tensor) or pos.dtype.is_floating_point or \
-            pos.dtype.is_complex or pos.dtype == torch.bool:
-        what = pos.dtype if isinstance(pos, torch.Tensor) else type(pos).__name__
-        raise ValueError(f"cplib.decode_sdpa: {name} must be an integer tensor, got dtype {what}")
-    if pos.dim() != 1:
-        raise ValueError(f"cplib.decode_sdpa: {name} must be 1-D (one global position per "
-                         f"row), got shape {list(pos.shape)}")
-    if pos.shape[0] != rows:
-        raise ValueError(f"cplib.decode_sdpa: {name} has {pos.shape[0]} positions but {rows_of} "
-                         f"has {rows} rows")
+    if pos is not None:  # the pairing of the two is checked by the caller
+        ring_positions("decode_sdpa", name, pos, rows, rows_of)
 
 
 def _check(q, k, v, group_name, q_positions, kv_positions, window, scale) -> None:

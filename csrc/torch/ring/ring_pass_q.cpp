@@ -19,34 +19,6 @@ constexpr int kQTag = 0x70;
 constexpr int kOutTag = 0x71;
 constexpr int kLseTag = 0x72;
 
-void wait_all(std::vector<WorkPtr>& works) {
-  for (auto& w : works) wait(w);
-  works.clear();
-}
-
-// `send` (if defined) to `dst` and `recv` (if defined) from `src`; one split
-// all-to-all that every rank joins for "alltoall" and for Python groups.
-void exchange(const Config& c, const at::Tensor& send, int64_t dst, const at::Tensor& recv,
-              int64_t src, int tag, const at::TensorOptions& opts, std::vector<WorkPtr>& works) {
-  if (send.defined()) count_bytes_sent(static_cast<int64_t>(send.nbytes()));
-  if (c.rotate == Rotate::alltoall || python_group(c.pg)) {
-    at::Tensor in = send.defined() ? send.view(-1) : at::empty({0}, opts);
-    at::Tensor out = recv.defined() ? recv.view(-1) : at::empty({0}, opts);
-    std::vector<int64_t> in_splits(c.size, 0), out_splits(c.size, 0);
-    in_splits[dst] = in.numel();
-    out_splits[src] = out.numel();
-    works.push_back(all_to_all_split(c.pg, out, in, out_splits, in_splits));
-    return;
-  }
-  if (recv.defined()) {
-    at::Tensor out = recv.view(-1);
-    works.push_back(cplib::recv(c.pg, out, static_cast<int>(src), tag));
-  }
-  if (send.defined()) {
-    at::Tensor in = send.view(-1);
-    works.push_back(cplib::send(c.pg, in, static_cast<int>(dst), tag));
-  }
-}
 
 }  // namespace
 
@@ -83,7 +55,8 @@ std::tuple<at::Tensor, at::Tensor> ring_forward_pass_q(const Config& cfg, const 
     const int64_t lx = cfg.q_layout.local_len(visitor);
     std::vector<WorkPtr> works;
     at::Tensor qx = recv_q ? at::empty({B, H, lx, q.size(3)}, q.options()) : at::Tensor();
-    exchange(cfg, send_q ? qc : at::Tensor(), owner_k, qx, visitor, kQTag, q.options(), works);
+    exchange(cfg, send_q ? qc : at::Tensor(), owner_k, qx, visitor, kQTag, q.options(), works,
+             works);
     wait_all(works);
     at::Tensor ox, lx_lse;
     if (recv_q) {
@@ -93,8 +66,8 @@ std::tuple<at::Tensor, at::Tensor> ring_forward_pass_q(const Config& cfg, const 
     }
     at::Tensor mine_o = send_q ? at::empty({B, H, Lq, Dv}, acc_opts) : at::Tensor();
     at::Tensor mine_l = send_q ? at::empty({B, H, Lq}, acc_opts) : at::Tensor();
-    exchange(cfg, ox, visitor, mine_o, owner_k, kOutTag, acc_opts, works);
-    exchange(cfg, lx_lse, visitor, mine_l, owner_k, kLseTag, acc_opts, works);
+    exchange(cfg, ox, visitor, mine_o, owner_k, kOutTag, acc_opts, works, works);
+    exchange(cfg, lx_lse, visitor, mine_l, owner_k, kLseTag, acc_opts, works, works);
     wait_all(works);
     if (send_q) merge_partial(out, lse, mine_o, mine_l, 0);
   }

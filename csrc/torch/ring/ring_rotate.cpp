@@ -14,39 +14,6 @@ std::atomic<int64_t> g_bytes_sent{0};
 constexpr int kBlockTag = 0x50;  // + part index
 constexpr int kGradTag = 0x60;
 
-void wait_all(std::vector<WorkPtr>& works) {
-  for (auto& w : works) wait(w);
-  works.clear();
-}
-
-// One message exchange: `send` (if defined) to rank `dst`, `recv` (if
-// defined) filled by rank `src`. "alltoall" (and Python groups, which have
-// no send/recv) make it one split all-to-all that every rank joins.
-void exchange(const Config& c, const at::Tensor& send, int64_t dst, const at::Tensor& recv,
-              int64_t src, int tag, const at::TensorOptions& opts, std::vector<WorkPtr>& recvs,
-              std::vector<WorkPtr>& sends) {
-  if (send.defined()) g_bytes_sent += static_cast<int64_t>(send.nbytes());
-  if (c.rotate == Rotate::alltoall || python_group(c.pg)) {
-    at::Tensor in = send.defined() ? send.view(-1) : at::empty({0}, opts);
-    at::Tensor out = recv.defined() ? recv.view(-1) : at::empty({0}, opts);
-    std::vector<int64_t> in_splits(c.size, 0), out_splits(c.size, 0);
-    in_splits[dst] = in.numel();
-    out_splits[src] = out.numel();
-    WorkPtr w = all_to_all_split(c.pg, out, in, out_splits, in_splits);
-    recvs.push_back(w);
-    if (&sends != &recvs) sends.push_back(w);  // it reads the send buffer too
-    return;
-  }
-  // Receive first: on transports that match eagerly it saves a copy.
-  if (recv.defined()) {
-    at::Tensor out = recv.view(-1);
-    recvs.push_back(cplib::recv(c.pg, out, static_cast<int>(src), tag));
-  }
-  if (send.defined()) {
-    at::Tensor in = send.view(-1);
-    sends.push_back(cplib::send(c.pg, in, static_cast<int>(dst), tag));
-  }
-}
 
 // `sizes` with the sequence dim (2) set to `len`.
 std::vector<int64_t> with_len(std::vector<int64_t> sizes, int64_t len) {
@@ -75,6 +42,37 @@ at::Tensor padded_slot(const at::Tensor& all, int64_t size, int64_t rank,
 }
 
 }  // namespace
+
+void wait_all(std::vector<WorkPtr>& works) {
+  for (auto& w : works) wait(w);
+  works.clear();
+}
+
+void exchange(const Config& c, const at::Tensor& send, int64_t dst, const at::Tensor& recv,
+              int64_t src, int tag, const at::TensorOptions& opts, std::vector<WorkPtr>& recvs,
+              std::vector<WorkPtr>& sends) {
+  if (send.defined()) g_bytes_sent += static_cast<int64_t>(send.nbytes());
+  if (c.rotate == Rotate::alltoall || python_group(c.pg)) {
+    at::Tensor in = send.defined() ? send.view(-1) : at::empty({0}, opts);
+    at::Tensor out = recv.defined() ? recv.view(-1) : at::empty({0}, opts);
+    std::vector<int64_t> in_splits(c.size, 0), out_splits(c.size, 0);
+    in_splits[dst] = in.numel();
+    out_splits[src] = out.numel();
+    WorkPtr w = all_to_all_split(c.pg, out, in, out_splits, in_splits);
+    recvs.push_back(w);
+    if (&sends != &recvs) sends.push_back(w);  // it reads the send buffer too
+    return;
+  }
+  // Receive first: on transports that match eagerly it saves a copy.
+  if (recv.defined()) {
+    at::Tensor out = recv.view(-1);
+    recvs.push_back(cplib::recv(c.pg, out, static_cast<int>(src), tag));
+  }
+  if (send.defined()) {
+    at::Tensor in = send.view(-1);
+    sends.push_back(cplib::send(c.pg, in, static_cast<int>(dst), tag));
+  }
+}
 
 int64_t bytes_sent(bool reset) { return reset ? g_bytes_sent.exchange(0) : g_bytes_sent.load(); }
 void count_bytes_sent(int64_t bytes) { g_bytes_sent += bytes; }

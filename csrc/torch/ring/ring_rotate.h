@@ -96,4 +96,15 @@ int64_t bytes_sent(bool reset);
 // Adds to that counter (the pass-Q ring's messages).
 void count_bytes_sent(int64_t bytes);
 
+// Waits for every work in `works` and clears it.
+void wait_all(std::vector<WorkPtr>& works);
+
+// One message exchange: `send` (if defined) to rank `dst`, `recv` (if
+// defined) filled by rank `src`. "alltoall" (and Python groups, which have
+// no send/recv) make it one split all-to-all that every rank joins. The
+// works go to `recvs` and `sends` (which may be one vector).
+void exchange(const Config& c, const at::Tensor& send, int64_t dst, const at::Tensor& recv,
+              int64_t src, int tag, const at::TensorOptions& opts, std::vector<WorkPtr>& recvs,
+              std::vector<WorkPtr>& sends);
+
 }  // namespace cplib::ring
