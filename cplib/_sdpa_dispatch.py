@@ -106,6 +106,21 @@ def _check_sdpa_args(q, k, v, attn_mask, dropout_p, enable_gqa) -> None:
         check_key_padding("scaled_dot_product_attention", attn_mask, k)
 
 
+def context_extras(config: RingConfig, window=None) -> dict:
+    """ring_sdpa's keywords for the context's layout, documents and ``window``,
+    only where set: plain contexts (and the tests' stand-in ring) take none."""
+    extras = {}
+    if config.seq_len is not None:
+        extras["seq_len"] = config.seq_len
+    if config.cu_seqlens is not None:
+        extras["cu_seqlens"] = config.cu_seqlens
+    if config.per_document:
+        extras["per_document"] = True
+    if window is not None:
+        extras["window"] = window
+    return extras
+
+
 def routed_sdpa(config: RingConfig, *args: Any, **kwargs: Any) -> torch.Tensor:
     """``scaled_dot_product_attention(*args, **kwargs)`` on this rank's
     sequence shards, computed over the whole sequence by the ring op."""
@@ -115,16 +130,7 @@ def routed_sdpa(config: RingConfig, *args: Any, **kwargs: Any) -> torch.Tensor:
         return _routed_ulysses(config, q, k, v, bool(is_causal), scale, attn_mask)
     from ._ring import ring_sdpa  # lives beside this module; imported when first needed
 
-    extras = {}  # cplib's additions; absent for plain contexts (and the test stand-in)
-    if config.seq_len is not None:
-        extras["seq_len"] = config.seq_len
-    if config.cu_seqlens is not None:
-        extras["cu_seqlens"] = config.cu_seqlens
-    if config.per_document:
-        extras["per_document"] = True
-    window = current_window(config.window)
-    if window is not None:
-        extras["window"] = window
+    extras = context_extras(config, current_window(config.window))
     if attn_mask is not None:
         extras["attn_mask"] = attn_mask
     out, _ = ring_sdpa(

@@ -20,7 +20,7 @@ from torch.overrides import _get_current_function_mode_stack
 
 from .._options import RingConfig
 from .._ring import ring_sdpa
-from .._sdpa_dispatch import CPDispatchMode, sdpa_backend_hint
+from .._sdpa_dispatch import CPDispatchMode, context_extras, sdpa_backend_hint
 from .._ulysses import ulysses_sdpa, usp_sdpa
 
 __all__ = ["cplib_attention_forward", "cplib_mask"]
@@ -103,17 +103,9 @@ def _context_parallel(config: RingConfig, q, k, v, attention_mask, scale, causal
             "the context")
     kw: dict[str, Any] = {"is_causal": causal, "scale": scale,
                           "backend": sdpa_backend_hint(q.device)}
-    # The same keywords as ring_sdpa's, only where set (plain contexts need none).
+    kw.update(context_extras(config, window))
     if sinks is not None:
         kw["sinks"] = sinks
-    if window is not None:
-        kw["window"] = window
-    if config.cu_seqlens is not None:
-        kw["cu_seqlens"] = config.cu_seqlens
-    if config.seq_len is not None:
-        kw["seq_len"] = config.seq_len
-    if config.per_document:
-        kw["per_document"] = True
     if config.ulysses_degree == 1:
         out, _ = ring_sdpa(q, k, v, config.group_name, load_balanced=config.load_balanced,
                            rotate=config.rotate, **kw)
