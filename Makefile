@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   := .venv
 VPY    := $(VENV)/bin/python
 DEPS   := $(VENV)/.deps-installed
-EDIT   := $(VENV)/.cplib-editable
+INSTALLED := $(VENV)/.cplib-installed
 NPROC  ?= 2
 # Each setup stage prints one line; its full output goes to build/logs/
 # (CPLIB_VERBOSE=1 shows everything).
@@ -35,7 +35,7 @@ TVENV     := .venv-$(subst ==,-,$(TORCH_PIN))
 # machines) must not veto the release the project pins.
 TPIP      := env PIP_CONFIG_FILE=/dev/null $(TVENV)/bin/python -m pip
 
-.PHONY: all build demo test test-torch torch-venv bench cuda-check cuda-build clean
+.PHONY: all build wheel develop demo test test-torch torch-venv bench cuda-check cuda-build cuda-wheel clean
 
 all: build
 
@@ -48,27 +48,47 @@ $(DEPS): requirements-dev.txt requirements/torch-default.txt | $(VPY)
 	  $(VPY) -m pip install -r requirements/torch-default.txt -r requirements-dev.txt
 	@touch $@
 
-# A .pth entry is what an editable install amounts to, without pip building
-# the extension a second time; `pip install --no-build-isolation -e .` works too.
-$(EDIT): $(DEPS)
-	@$(VPY) -c "import site, sys; open(site.getsitepackages()[0] + '/cplib-src.pth', 'w').write(sys.argv[1] + '\\n')" "$(CURDIR)"
+# The wheel: one file (abi3, LibTorch's stable ABI) for every torch from 2.11
+# and every CPython from 3.11, built once against the default torch and
+# installed everywhere else as it is. Rebuilt when a source changes (ccache
+# and ninja keep that incremental).
+SOURCES     := $(shell find csrc cplib -name '*.c' -o -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.py') setup.py pyproject.toml
+WHEEL_STAMP := dist/.cpu-wheel
+WHEEL        = $(firstword $(wildcard dist/cplib-*-abi3-*.whl))
+$(WHEEL_STAMP): $(DEPS) $(SOURCES)
+	@mkdir -p dist && rm -rf dist/cplib-*.whl build/lib.*  # objects stay in build/temp.*
+	@$(QUIET) $(LOGS)/wheel.log "building the cplib wheel (abi3, CPU, torch >= 2.11)" -- \
+	  env CPLIB_CUDA=0 MAX_JOBS=$(NPROC) $(VPY) -m pip wheel --no-build-isolation --no-deps -w dist .
 	@touch $@
+wheel: $(WHEEL_STAMP)
+	@ls dist/cplib-*-abi3-*.whl
 
-# Incremental native build (ninja) into cplib/_C*.so.
-build: $(EDIT)
-	@$(QUIET) $(LOGS)/build.log "building cplib._C" -- $(VPY) setup.py build_ext --inplace
+# `make build`: that wheel installed into .venv (pip, no compiler). The
+# tests, the demo and the benchmarks run against the installed package.
+$(INSTALLED): $(WHEEL_STAMP)
+	@rm -f $$($(VPY) -c "import site; print(site.getsitepackages()[0])")/cplib-src.pth
+	@$(QUIET) $(LOGS)/install-wheel.log "installing $(notdir $(WHEEL)) into $(VENV)" -- \
+	  $(VPY) -m pip install --no-deps --force-reinstall $(WHEEL)
+	@touch $@
+build: $(INSTALLED)
+
+# `make develop`: the extension built in place (cplib/_C.abi3.so) and the
+# source tree on .venv's path, for `python -m pytest` from the checkout.
+develop: $(DEPS)
+	@$(VPY) -c "import site, sys; open(site.getsitepackages()[0] + '/cplib-src.pth', 'w').write(sys.argv[1] + '\\n')" "$(CURDIR)"
+	@$(QUIET) $(LOGS)/build.log "building cplib._C in place" -- $(VPY) setup.py build_ext --inplace
 
 demo: build
 	@echo "running the CP training demo on $(NPROC) CPU ranks"
-	@$(VPY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) examples/demo.py
-
-test: build
-	$(VPY) -m pytest -q tests
+	@cd examples && $(CURDIR)/$(VPY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) demo.py
 
 # pytest's own script, not `python -m pytest`: the source tree must not
 # shadow the installed package.
 # TESTS picks the test files (CI gives the version-sensitive ones).
 TESTS ?= tests
+test: build
+	$(VENV)/bin/pytest -q $(TESTS)
+
 # The venv and pinned dependencies alone (CI prepares them while other
 # stages run).
 torch-venv:
@@ -76,10 +96,12 @@ torch-venv:
 	@$(QUIET) $(LOGS)/install-$(TORCH).log "installing $(TORCH_PIN) and the pinned dependencies into $(TVENV)" -- \
 	  $(TPIP) install -r requirements/torch-$(TORCH).txt -r requirements-dev.txt
 
-test-torch: torch-venv
-	@$(QUIET) $(LOGS)/build-$(TORCH).log "building and installing cplib beside $(TORCH_PIN)" -- \
-	  env CPLIB_CUDA=0 MAX_JOBS=$(NPROC) $(TPIP) install -v --no-build-isolation --no-deps .
-	@cd / && $(CURDIR)/$(TVENV)/bin/python -c "import torch, cplib; print('cplib', cplib.__version__, 'from', cplib.__file__, 'on torch', torch.__version__)"
+# The same wheel installed beside another torch; build_support/check_wheel.py
+# fails unless the installed extension is byte for byte the wheel's.
+test-torch: torch-venv $(WHEEL_STAMP)
+	@$(QUIET) $(LOGS)/install-wheel-$(TORCH).log "installing $(notdir $(WHEEL)) beside $(TORCH_PIN)" -- \
+	  $(TPIP) install --no-deps --force-reinstall $(WHEEL)
+	@cd / && $(CURDIR)/$(TVENV)/bin/python $(CURDIR)/build_support/check_wheel.py $(CURDIR)/$(WHEEL)
 	$(TVENV)/bin/pytest -q $(TESTS)
 
 bench: build
@@ -99,18 +121,23 @@ cuda-check:
 # nvidia-* packages.
 CUDA_VENV  := .venv-cuda
 CUDA_TORCH ?= torch==2.14.1
-cuda-build:
+# The CUDA wheel: the same kind of file (abi3, stable ABI, torch >= 2.11),
+# with the CUDA kernels, for torch builds with CUDA 13. Built against torch
+# 2.14.1's CUDA build in its own venv and build folder, into dist/cuda/.
+cuda-wheel:
 	@test -x $(CUDA_VENV)/bin/python || $(PYTHON) -m venv $(CUDA_VENV)
 	@$(QUIET) $(LOGS)/install-cuda.log "installing $(CUDA_TORCH) into $(CUDA_VENV)" -- \
 	  $(CUDA_VENV)/bin/pip install $(CUDA_TORCH) numpy==2.4.6 setuptools==84.2.1 ninja==1.13.2 wheel==0.45.1
+	@mkdir -p dist/cuda && rm -rf dist/cuda/cplib-*.whl build/cuda/lib.*
 	@NVINC=$$($(CUDA_VENV)/bin/python -c "import glob, os, sysconfig; print(':'.join(glob.glob(os.path.join(sysconfig.get_paths()['purelib'], 'nvidia', '*', 'include'))))"); \
 	CPATH="$$NVINC$${CPATH:+:$$CPATH}" CUDA_HOME=$${CUDA_HOME:-/usr/local/cuda} CPLIB_CUDA=1 MAX_JOBS=$(NPROC) \
-	  $(QUIET) $(LOGS)/build-cuda.log "building cplib._C with CUDA" -- \
-	  $(CUDA_VENV)/bin/python setup.py build_ext --build-lib build/cuda/lib --build-temp build/cuda/tmp
-	@ls -l build/cuda/lib/cplib/_C*.so
+	  CPLIB_BUILD_BASE=build/cuda $(QUIET) $(LOGS)/build-cuda.log "building the CUDA wheel" -- \
+	  $(CUDA_VENV)/bin/python -m pip wheel --no-build-isolation --no-deps -w dist/cuda .
+	@ls -l dist/cuda/cplib-*.whl
+cuda-build: cuda-wheel
 
 clean:
-	rm -rf build cplib/_C*.so *.egg-info
+	rm -rf build dist cplib/_C*.so *.egg-info
 
 # The GPU check on a GPU machine: build with the system compiler,
 # the whole suite, the CUDA demo, the GPU benchmark and compute-sanitizer, in

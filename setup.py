@@ -1,9 +1,13 @@
 """Build cplib: the C11 core is compiled by the C compiler, CUDA sources by
 nvcc (through torch's builder), and the thin C++ glue into the cplib._C module.
 
+The native layer is on LibTorch's stable ABI and Python's limited API: one
+binary (an abi3 wheel) serves every torch from 2.11 and every CPython from 3.11.
+
 Environment:
   CPLIB_CUDA=1/0      force the CUDA build on/off (default: on when torch is a
                       CUDA build and nvcc is found)
+  CPLIB_BUILD_BASE    setuptools' build folder (default: build)
   TORCH_CUDA_ARCH_LIST  defaults to 9.0 when no GPU is visible
   CPLIB_DEBUG=1       -O0 -g
 """
@@ -30,6 +34,8 @@ OPT = ["-O0", "-g"] if DEBUG else ["-O3"]
 # Host compilers: Python's own CFLAGS add -g, which makes _C.so several times
 # larger and every compile slower; -g0 (last wins) drops it.
 HOST_OPT = OPT if DEBUG else [*OPT, "-g0"]
+# The oldest torch the one binary serves (2.11.0).
+TORCH_TARGET_VERSION = "0x020b000000000000"
 
 
 def _rel(paths):
@@ -83,9 +89,14 @@ def _extension():
     sources = _rel(glob.glob(os.path.join(ROOT, "csrc", "torch", "**", "*.cpp"), recursive=True))
     # torch picks the C++ standard its headers need (C++17 or C++20).
     cxx = [*HOST_OPT, "-fopenmp", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+    # The stable ABI: the binary runs on every torch from TORCH_TARGET_VERSION on.
+    macros = [("TORCH_TARGET_VERSION", TORCH_TARGET_VERSION)]
     kwargs = dict(
         name="cplib._C",
         include_dirs=[INCLUDE, os.path.join(ROOT, "csrc", "torch")],
+        # torch's builder then defines Py_LIMITED_API and links no
+        # libtorch_python: the module is an abi3 one.
+        py_limited_api=True,
         extra_link_args=["-fopenmp"],
     )
     if _want_cuda():
@@ -94,14 +105,25 @@ def _extension():
         sources += _rel(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
         return cpp_extension.CUDAExtension(
             sources=sources,
-            define_macros=[("CPLIB_WITH_CUDA", "1")],
+            define_macros=[*macros, ("CPLIB_WITH_CUDA", "1")],
             extra_compile_args={"cxx": cxx, "nvcc": [*OPT, "--use_fast_math"]},
             **kwargs,
         )
-    return cpp_extension.CppExtension(sources=sources, extra_compile_args={"cxx": cxx}, **kwargs)
+    return cpp_extension.CppExtension(sources=sources, define_macros=macros,
+                                      extra_compile_args={"cxx": cxx}, **kwargs)
+
+
+def _options():
+    # A wheel tagged abi3 (CPython >= 3.11), and CPLIB_BUILD_BASE for a build
+    # folder of its own (the CUDA wheel is built beside the CPU one).
+    options = {"bdist_wheel": {"py_limited_api": "cp311"}}
+    if os.environ.get("CPLIB_BUILD_BASE"):
+        options["build"] = {"build_base": os.environ["CPLIB_BUILD_BASE"]}
+    return options
 
 
 setup(
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExt.with_options(use_ninja=True)},
+    options=_options(),
 )

@@ -7,9 +7,115 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import _C  # noqa: F401  (importing it runs the TORCH_LIBRARY registrations)
+from . import _C  # noqa: F401  (importing it runs the op registrations)
 
-ops = torch.ops.cplib_c
+_PYTHON_CLASSES = {cls.__name__: cls for cls in
+                   (ValueError, NotImplementedError, TypeError, IndexError, RuntimeError)}
+
+
+def native_error(exc: RuntimeError) -> Exception:
+    """The exception a native op meant: on the stable ABI every kernel error
+    reaches Python as a RuntimeError whose message starts with the class to
+    raise ("ValueError: cplib.ring_sdpa: ..."; csrc/torch/common/errors.h)."""
+    head, sep, message = str(exc).partition(": ")
+    cls = _PYTHON_CLASSES.get(head) if sep else None
+    return exc if cls is None or cls is RuntimeError else cls(message)
+
+
+class _NativeOp:
+    """One ``torch.ops.cplib_c`` op; calling it raises a kernel's error as
+    its Python class (see native_error). Its overloads (``.default``) are
+    torch's own."""
+
+    # No __slots__: torch.compile guards on the op object's __dict__, and a
+    # guard that cannot read it fails on the frame that made it.
+
+    def __init__(self, packet) -> None:
+        self._packet = packet
+
+    def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return self._packet(*args, **kwargs)
+        try:
+            return self._packet(*args, **kwargs)
+        except RuntimeError as exc:
+            err = native_error(exc)
+            if err is exc:
+                raise
+            raise err from None
+
+    def __getattr__(self, name: str):
+        return getattr(self._packet, name)
+
+
+class _NativeOps:
+    """``torch.ops.cplib_c`` with each op wrapped in _NativeOp."""
+
+    def __getattr__(self, name: str) -> _NativeOp:
+        op = _NativeOp(getattr(torch.ops.cplib_c, name))
+        setattr(self, name, op)
+        return op
+
+
+ops = _NativeOps()
+
+# The stable ABI has no process-group API, and torch's functional collectives
+# take their group as `Any` from torch 2.13 on, which the stable dispatcher
+# call cannot pass: the native layer reaches groups through these ops
+# (schemas in csrc/torch/comm/collectives.cpp).
+_comm_lib = torch.library.Library("cplib_c", "IMPL")
+_functional = torch.ops._c10d_functional
+
+
+def _group_info(group_name: str) -> list[int]:
+    """[rank, size, 1 for an NCCL group], or [] for an unknown name (the
+    op then raises ValueError naming it)."""
+    c10d = dist.distributed_c10d
+    try:
+        pg = c10d._resolve_process_group(group_name)
+        nccl = dist.get_backend(pg) == "nccl"
+        return [pg.rank(), pg.size(), int(nccl)]
+    except Exception:  # unknown or destroyed
+        return []
+
+
+def _runs_on_gloo(group_name: str, device: torch.device) -> bool:
+    try:
+        backend = dist.distributed_c10d._resolve_process_group(group_name)._get_backend(device)
+    except Exception:  # no backend for this device: not gloo
+        return False
+    return isinstance(backend, getattr(dist, "ProcessGroupGloo", ()))
+
+
+def _all_gather(input: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    if _runs_on_gloo(group_name, input.device):
+        # gloo's all-gather (allgather_coalesced, behind the functional op)
+        # corrupts the heap when two are in flight at once (two K/V gathers:
+        # "malloc(): unaligned tcache chunk detected" within a few hundred
+        # calls on torch 2.13, reproduced without cplib); its all-to-all does
+        # not. The same exchange as an all-to-all: every rank sends its whole
+        # input to every rank, received rank-major as all_gather would.
+        rows = input.shape[0]
+        splits = [rows] * group_size
+        repeated = input.repeat(group_size, *([1] * (input.dim() - 1)))
+        return _functional.all_to_all_single(repeated, splits, splits, group_name)
+    return _functional.all_gather_into_tensor(input, group_size, group_name)
+
+
+def _reduce_scatter_sum(input: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    return _functional.reduce_scatter_tensor(input, "sum", group_size, group_name)
+
+
+def _all_to_all(input: torch.Tensor, output_split_sizes: list[int],
+                input_split_sizes: list[int], group_name: str) -> torch.Tensor:
+    return _functional.all_to_all_single(input, output_split_sizes, input_split_sizes,
+                                         group_name)
+
+
+for _name, _fn in (("group_info", _group_info), ("c10d_all_gather", _all_gather),
+                   ("c10d_reduce_scatter_sum", _reduce_scatter_sum),
+                   ("c10d_all_to_all", _all_to_all)):
+    _comm_lib.impl(_name, _fn, "CompositeExplicitAutograd")
 
 GroupLike = str | dist.ProcessGroup
 

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import cplib
+from cplib._native import ops
 from harness import assert_close, cplib_import_root
 
 WORLD_SIZES = [1, 2, 4]
@@ -144,7 +145,7 @@ def _check_bad_inputs() -> list[str]:
         _expect_value_error(cplib.flex_cp_allgather, k, k, -5, _group(), match="seq_dim=-5"),
         _expect_value_error(cplib.flex_cp_allgather, k, k, 2, "no-such-group",
                             match="'no-such-group'"),
-        _expect_value_error(torch.ops.cplib_c.flex_cp_allgather_backward, k, k, 7, _group(),
+        _expect_value_error(ops.flex_cp_allgather_backward, k, k, 7, _group(),
                             match="seq_dim=7"),
     ]
     # The group is still healthy: nothing above reached a collective.
@@ -172,6 +173,28 @@ def _check_threaded() -> None:
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_threaded_process_group(threaded, world_size):
     threaded(world_size, _check_threaded)
+
+
+def _check_native_gather_on_gloo() -> int:
+    from cplib import _native
+    rank, n = dist.get_rank(), dist.get_world_size()
+    name = _group()
+    # gloo's own all-gather corrupts the heap with two in flight; on gloo the
+    # native layer's gathers are all-to-alls with all_gather's layout.
+    assert _native._runs_on_gloo(name, torch.device("cpu"))
+    mine = [torch.full((2 + r, 3), float(r)) for r in (rank, rank + 1)]
+    a = torch.ops.cplib_c.c10d_all_gather(mine[0][:2], n, name)
+    b = torch.ops.cplib_c.c10d_all_gather(mine[1][:2], n, name)  # both in flight
+    for out, shift in ((a, 0), (b, 1)):
+        torch.ops._c10d_functional.wait_tensor(out)
+        want = torch.cat([torch.full((2, 3), float(r + shift)) for r in range(n)])
+        assert torch.equal(out, want), (shift, out)
+    return 1
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_native_gather_on_gloo_is_an_all_to_all(ranks, world_size):
+    assert ranks(world_size).run(_check_native_gather_on_gloo) == [1] * world_size
 
 
 @pytest.mark.parametrize("order", ["torch-first", "cplib-first"])

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import cplib
+from cplib._native import ops  # raises a kernel's error as its Python class
 from harness import RankPool
 
 _TIMEOUT_S = 15.0
@@ -53,8 +54,8 @@ def _ring_by_rank(*per_rank):
 def _ring_backward_causal(rank, g):
     q, k, v = _qkv(rank)
     out, lse = cplib.ring_sdpa(q, k, v, g, is_causal=True)
-    torch.ops.cplib_c.ring_sdpa_backward(torch.ones_like(out), q, k, v, out, lse, g.group_name,
-                                         rank == 0, False, None, -1, 0)
+    ops.ring_sdpa_backward(torch.ones_like(out), q, k, v, out, lse, g.group_name, rank == 0,
+                           False, None, -1, 0)
 
 
 def _ring_other_group(rank, g):
@@ -303,7 +304,7 @@ def test_merge_rejects_meta_and_expanded_out():
     with pytest.raises(ValueError, match="blk_out on the meta device"):
         cplib.merge_partial_(out, lse, blk.to("meta"), blk_lse)
     with pytest.raises(ValueError, match="inputs mix the meta device"):
-        torch.ops.cplib_c.merge_partial_(out, lse, blk.to("meta"), blk_lse)
+        ops.merge_partial_(out, lse, blk.to("meta"), blk_lse)
     expanded = torch.zeros(1, 2, 1, 8).expand(1, 2, 4, 8)
     with pytest.raises(ValueError, match="out .*share memory"):
         cplib.merge_partial_(expanded, lse, blk, blk_lse)
@@ -314,7 +315,7 @@ def test_merge_rejects_meta_and_expanded_out():
 def test_fake_kernel_rejects_real_tensors_beside_meta():
     q = torch.randn(1, 2, 8, 4)
     with pytest.raises(ValueError, match="inputs mix the meta device"):
-        torch.ops.cplib_c.ring_sdpa(q, q, q, "0", False, False, None, -1, 0,
+        ops.ring_sdpa(q, q, q, "0", False, False, None, -1, 0,
                                     torch.tensor([0, 16], device="meta"))
 
 

@@ -4,7 +4,8 @@ random Qwen3, Mistral (window smaller than a shard), Gemma 3 (sliding and
 full layers), gpt-oss (sinks, alternating sliding layers, MoE) and
 DeepSeek-V3 (MLA, MoE), under context_parallel at world sizes 2 and 4 with
 and without load balancing, with packed documents against each document
-alone, and outside any context (padding masks included)."""
+alone, and outside any context (padding masks included; padding under the
+context: tests/test_hf_padding.py)."""
 
 from __future__ import annotations
 
@@ -175,10 +176,10 @@ def test_hf_models_under_context_parallel(ranks, world_size):
     assert ranks(world_size).run(_check_models) == [3 * len(MODELS)] * world_size
 
 
-# ------------------------------------------------------------ USP and padding
+# ------------------------------------------------------------ USP
 
 
-def _check_usp_and_padding() -> int:
+def _check_usp() -> int:
     use_ring("native")
     n, rank = dist.get_world_size(), dist.get_rank()
     mesh = DeviceMesh("cpu", list(range(n)))
@@ -197,25 +198,11 @@ def _check_usp_and_padding() -> int:
         total, grads = _summed(loss, model, reduce=True)
         if rank == 0:
             _compare(f"{name} usp u=2", total, grads, refs)
-    # A padding mask under CP: a clear NotImplementedError on every rank.
-    model, _ = _model("qwen3")
-    model.set_attn_implementation("cplib")
-    ids, pos, labels = _batch(s, [0, s])
-    mask = torch.ones(2, s, dtype=torch.long)
-    mask[0, :3] = 0
-    with context_parallel(mesh, buffers=[ids, pos, labels, mask], buffer_seq_dims=[1] * 4,
-                          load_balance=True):
-        # Only rank 0 holds the padding; every rank raises.
-        with pytest.raises(NotImplementedError, match="attention mask"):
-            model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=False)
-        # An all-ones mask is no padding: it runs.
-        model(input_ids=ids, position_ids=pos, attention_mask=torch.ones_like(mask),
-              use_cache=False)
     return 1
 
 
-def test_hf_usp_and_padding_under_context_parallel(ranks):
-    assert ranks(4).run(_check_usp_and_padding) == [1] * 4
+def test_hf_usp_under_context_parallel(ranks):
+    assert ranks(4).run(_check_usp) == [1] * 4
 
 
 # ------------------------------------------------------------ one process

@@ -1,9 +1,9 @@
 """Peak memory of one ring_sdpa forward + backward per rank beyond its inputs,
 measured by the CPU allocator (torch.profiler's memory events: every tensor
 the step allocates and frees, in order): at N = 4, causal and load balanced,
-"p2p" (two K/V blocks in flight, one gradient buffer each way) needs at most
-half of what "allgather" (every block at once) needs, and a fixed number of
-K/V blocks whatever N is. Memory is measured, not timed."""
+"p2p" (two K/V blocks in flight, one gradient buffer each way) needs a fixed
+number of K/V blocks whatever N is (P2P_BLOCKS), and less than "allgather"
+(every block at once). Memory is measured, not timed."""
 
 from __future__ import annotations
 
@@ -21,9 +21,14 @@ L = 256  # rows per rank
 # p2p's peak beyond the inputs, in k blocks of one rank: out, grad_out, dq
 # (three), the block kernel's gradients (up to three) and its work space,
 # two K/V blocks (four), our own dK/dV (two) and one dK/dV in flight (two).
-# Measured 14.2 (30.3 for allgather); holding one more gradient pair through
-# the kernels, as the schedule once did, reads 16.2, and two more 20.2.
-P2P_BLOCKS = 15
+# Measured 14.2 (allgather: 30.3 on the ATen ABI, 26.3 since its gather
+# output is the functional collective's own tensor); holding one more
+# gradient pair through the kernels, as the schedule once did, reads 16.2,
+# and two more 20.2. Through the functional collectives the measured peak
+# is 14.2 or 15.2 from run to run: the backend's work may still hold the last
+# exchange's send buffer (one block) for a moment after its wait. 16 still
+# fails the extra gradient pair (16.2).
+P2P_BLOCKS = 16
 
 
 def _peak_bytes(fn) -> int:
@@ -70,8 +75,8 @@ def _ring_peaks() -> dict[str, float]:
     return peaks
 
 
-def test_p2p_peak_memory_is_at_most_half_of_allgather(ranks):
+def test_p2p_peak_memory_is_fixed_blocks_and_below_allgather(ranks):
     peaks = ranks(4).run(_ring_peaks)
     for rank, p in enumerate(peaks):
-        assert p["p2p"] <= 0.5 * p["allgather"], (rank, p)
         assert p["p2p"] <= P2P_BLOCKS, (rank, p)
+        assert p["p2p"] < p["allgather"], (rank, p)

@@ -281,8 +281,8 @@ def test_bad_input_raises_on_every_rank(ranks, world_size):
 
 
 def _check_threaded() -> int:
-    """torch's threaded test group has no send/recv: the exchange falls back
-    to an all-gather of the border slabs; results and gradients are the same."""
+    """torch's threaded test group (no send/recv): the halo messages go as a
+    split all-to-all there too; results and gradients are the same."""
     dtype = torch.float64
     cases = [c for c in CASES if c[0] in ("2d k3 p1 last", "2d k3 p1 dim2", "2d k4 p2 even overpad",
                                           "1d k4 p1 even", "2d no bias", "batch shard stride2 p1")]

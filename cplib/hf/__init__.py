@@ -9,8 +9,9 @@ computes every layer's attention
 
 * inside ``cplib.context_parallel(...)`` with cplib's ring (or USP with
   ``ulysses_degree``) on the local shards, with the layer's sliding window,
-  sinks (gpt-oss), scaling, GQA and head dims (MLA) and the context's
-  documents (``position_ids=`` / ``cu_seqlens=``);
+  sinks (gpt-oss), scaling, GQA and head dims (MLA), the context's
+  documents (``position_ids=`` / ``cu_seqlens=``) and a 2-D padding
+  ``attention_mask`` listed among the context's buffers (seq dim 1);
 * outside any context as exact single-device attention with the same
   semantics (so one model object works either way), padding masks included.
 

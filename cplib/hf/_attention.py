@@ -35,7 +35,8 @@ def cplib_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0
     attention function derives causal, windows and documents from the layer
     and ``position_ids``, so no (q_length, kv_length) mask is ever built.
     Under context parallelism the ranks agree on it (one flag reduced over
-    the group), so that every rank raises, not only those holding padding."""
+    the group): the ops take the mask as one more q/k coordinate, so every
+    rank must pass it as soon as one rank holds padding."""
     if attention_mask is None or attention_mask.dim() != 2:
         return None
     padded = torch.tensor([0 if bool(attention_mask.all()) else 1],
@@ -93,19 +94,45 @@ def cplib_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
 # ------------------------------------------------------------ context parallel
 
 
+def _key_padding(attention_mask, k: torch.Tensor) -> torch.Tensor | None:
+    """The mask HF passes under the context as the ops' per-key mask of this
+    rank's keys, (B or 1, 1, 1, S_local). ``cplib_mask`` hands on the user's
+    2-D (B, S) padding mask, sharded (and load-balance permuted) like the
+    keys when it is listed among the context's buffers with seq dim 1."""
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, torch.Tensor):
+        raise NotImplementedError(
+            f"cplib attention: attention_mask of type {type(attention_mask).__name__} inside "
+            "cplib.context_parallel is not supported; pass a 2-D (batch, seq) padding mask")
+    shape = tuple(attention_mask.shape)
+    b, lk = k.shape[0], k.shape[2]
+    if attention_mask.dim() == 2:
+        if shape[0] not in (1, b) or shape[1] != lk:
+            raise ValueError(
+                f"cplib attention: the 2-D attention_mask (got shape {shape}) must cover this "
+                f"rank's ({b}, {lk}) keys; list it among cplib.context_parallel's buffers with "
+                "seq dim 1, like input_ids, so that it is sharded like them")
+        return attention_mask[:, None, None, :]
+    if attention_mask.dim() == 4 and shape[1] == shape[2] == 1 and shape[0] in (1, b) \
+            and shape[3] == lk:
+        return attention_mask  # already a key-padding mask of the local keys
+    raise NotImplementedError(
+        f"cplib attention: an attention mask of shape {shape} inside cplib.context_parallel "
+        "is not supported: only padding masks, which depend on the key alone (2-D (batch, "
+        f"seq) or ({b}, 1, 1, {lk}) for these shards); run outside the context")
+
+
 def _context_parallel(config: RingConfig, q, k, v, attention_mask, scale, causal, window,
                       sinks) -> torch.Tensor:
-    if attention_mask is not None:
-        raise NotImplementedError(
-            f"cplib attention: an attention mask (shape {tuple(attention_mask.shape)}: padding "
-            "or a custom mask) inside cplib.context_parallel is not supported; pack the batch "
-            "without padding (documents: context_parallel(position_ids=...)), or run outside "
-            "the context")
+    padding = _key_padding(attention_mask, k)
     kw: dict[str, Any] = {"is_causal": causal, "scale": scale,
                           "backend": sdpa_backend_hint(q.device)}
     kw.update(context_extras(config, window))
     if sinks is not None:
         kw["sinks"] = sinks
+    if padding is not None:
+        kw["attn_mask"] = padding
     if config.ulysses_degree == 1:
         out, _ = ring_sdpa(q, k, v, config.group_name, load_balanced=config.load_balanced,
                            rotate=config.rotate, **kw)

@@ -1,9 +1,11 @@
-// The cplib._C Python module: importing it loads every TORCH_LIBRARY
-// registration in this shared object. Ops are defined in their own files.
+// The cplib._C Python module: importing it loads every op registration in
+// this shared object (ops are defined in their own files). Python's limited
+// API only: one binary serves every Python from the one it targets.
 #include <Python.h>
-#include <torch/library.h>
 
-TORCH_LIBRARY(cplib_c, m) {
+#include "common/stable.h"
+
+STABLE_TORCH_LIBRARY(cplib_c, m) {
   (void)m;
 }
 

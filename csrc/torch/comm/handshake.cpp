@@ -1,7 +1,8 @@
 #include "comm/handshake.h"
 
-#include <ATen/detail/CUDAHooksInterface.h>
-#include <c10/util/bit_cast.h>
+#include "common/format.h"
+
+#include <torch/csrc/stable/accelerator.h>
 
 #include <cmath>
 #include <cstdlib>
@@ -62,11 +63,23 @@ std::string via_of(std::string_view group_name) {
 }
 
 // NCCL groups gather device buffers; every other backend host memory.
-at::Device record_device(const PG& pg, const at::Device& hint) {
-  if (hint.is_cuda()) return hint;
-  if (pg->getBackendType() == c10d::ProcessGroup::BackendType::NCCL)
-    return at::Device(at::kCUDA, at::detail::getCUDAHooks().current_device());
-  return at::Device(at::kCPU);
+Device record_device(const Group& g, const Device& hint) {
+  if (hint.type() == DeviceType::CUDA) return hint;
+  if (g.nccl) return Device(DeviceType::CUDA, torch::stable::accelerator::getCurrentDeviceIndex());
+  return Device(DeviceType::CPU);
+}
+
+Tensor to_host_int64(const Tensor& t) {
+  return torch::stable::contiguous(
+      torch::stable::to(t, ScalarType::Long, std::nullopt, Device(DeviceType::CPU)));
+}
+
+template <class To, class From>
+To bits_of(From v) {
+  static_assert(sizeof(To) == sizeof(From));
+  To out;
+  std::memcpy(&out, &v, sizeof(out));
+  return out;
 }
 
 std::string format_value(int64_t v, FieldKind kind) {
@@ -74,17 +87,17 @@ std::string format_value(int64_t v, FieldKind kind) {
     case FieldKind::boolean:
       return v == 0 ? "False" : v == 1 ? "True" : std::to_string(v);
     case FieldKind::dtype:
-      if (v >= 0 && v < static_cast<int64_t>(at::ScalarType::NumOptions))
-        return c10::toString(static_cast<at::ScalarType>(v));
+      if (v >= 0 && v < static_cast<int64_t>(ScalarType::NumOptions))
+        return torch::headeronly::toString(static_cast<ScalarType>(v));
       break;
     case FieldKind::device:
-      if (v >= 0 && v < static_cast<int64_t>(c10::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES))
-        return c10::DeviceTypeName(static_cast<c10::DeviceType>(v), /*lower_case=*/true);
+      if (v >= 0 && v < static_cast<int64_t>(DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES))
+        return format_device_type(static_cast<DeviceType>(v));
       break;
     case FieldKind::float64: {
       if (v == INT64_MIN) return "None";
       std::ostringstream os;
-      os << c10::bit_cast<double>(v);
+      os << bits_of<double>(v);
       return os.str();
     }
     case FieldKind::hash: {
@@ -105,21 +118,6 @@ std::string per_rank(int64_t n, F&& value_of) {
   return os.str();
 }
 
-[[noreturn]] void raise(ErrorKind kind, const std::string& msg) {
-  switch (kind) {
-    case ErrorKind::not_implemented:
-      TORCH_CHECK_NOT_IMPLEMENTED(false, msg);
-    case ErrorKind::type:
-      TORCH_CHECK_TYPE(false, msg);
-    case ErrorKind::index:
-      TORCH_CHECK_INDEX(false, msg);
-    case ErrorKind::runtime:
-      TORCH_CHECK(false, msg);
-    default:
-      TORCH_CHECK_VALUE(false, msg);
-  }
-}
-
 }  // namespace
 
 bool handshake_enabled() {
@@ -138,10 +136,10 @@ void CallSignature::add(std::string name, int64_t value, FieldKind kind) {
 
 void CallSignature::add_optional_float(std::string name, std::optional<double> value) {
   // INT64_MIN is the bits of -NaN with a full payload: no float a caller passes.
-  add(std::move(name), value ? c10::bit_cast<int64_t>(*value) : INT64_MIN, FieldKind::float64);
+  add(std::move(name), value ? bits_of<int64_t>(*value) : INT64_MIN, FieldKind::float64);
 }
 
-void CallSignature::add_meta(const std::string& name, const at::Tensor& t, int64_t skip_dim) {
+void CallSignature::add_meta(const std::string& name, const Tensor& t, int64_t skip_dim) {
   if (!t.defined()) {
     add(name + " is not None", 0, FieldKind::boolean);
     return;
@@ -155,20 +153,21 @@ void CallSignature::add_meta(const std::string& name, const at::Tensor& t, int64
   add(name + ".device type", static_cast<int64_t>(t.device().type()), FieldKind::device);
 }
 
-void CallSignature::add_values_hash(const std::string& name, const at::Tensor& t) {
-  if (!t.defined()) return add_values_hash(name, c10::ArrayRef<int64_t>{});
-  const at::Tensor host = t.to(at::kCPU, at::kLong).contiguous();
-  add_values_hash(name, c10::ArrayRef<int64_t>(host.const_data_ptr<int64_t>(), host.numel()));
+void CallSignature::add_values_hash(const std::string& name, const Tensor& t) {
+  if (!t.defined()) return add_values_hash(name, std::vector<int64_t>{});
+  const Tensor host = to_host_int64(t);
+  const int64_t* p = host.const_data_ptr<int64_t>();
+  add_values_hash(name, std::vector<int64_t>(p, p + host.numel()));
 }
 
-void CallSignature::add_values_hash(const std::string& name, c10::ArrayRef<int64_t> values) {
+void CallSignature::add_values_hash(const std::string& name, const std::vector<int64_t>& values) {
   uint64_t h = fnv1a(kFnvBasis, static_cast<int64_t>(values.size()));
   for (int64_t v : values) h = fnv1a(h, v);
   add(name + " (hash of its values)", static_cast<int64_t>(h), FieldKind::hash);
 }
 
 void Handshake::set_lengths(std::vector<int64_t> lengths) {
-  TORCH_INTERNAL_ASSERT(static_cast<int64_t>(lengths.size()) <= kMaxLengths);
+  CPLIB_ASSERT(static_cast<int64_t>(lengths.size()) <= kMaxLengths);
   lengths_ = std::move(lengths);
 }
 
@@ -182,16 +181,8 @@ void Handshake::record(std::exception_ptr e) {
   error_ = e;
   try {
     std::rethrow_exception(e);
-  } catch (const c10::ValueError& x) {
-    fail(ErrorKind::value, x.msg());
-  } catch (const c10::NotImplementedError& x) {
-    fail(ErrorKind::not_implemented, x.msg());
-  } catch (const c10::TypeError& x) {
-    fail(ErrorKind::type, x.msg());
-  } catch (const c10::IndexError& x) {
-    fail(ErrorKind::index, x.msg());
-  } catch (const c10::Error& x) {
-    fail(ErrorKind::runtime, x.msg());
+  } catch (const Error& x) {
+    fail(x.kind(), x.message());
   } catch (const std::exception& x) {
     fail(ErrorKind::runtime, x.what());
   } catch (...) {
@@ -210,8 +201,9 @@ std::vector<int64_t> Handshake::lengths(int64_t rank) const {
   return std::vector<int64_t>(rec + kLengths, rec + kLengths + rec[kLengthCount]);
 }
 
-void Handshake::exchange(std::string_view group_name, const PG& pg, const at::Device& hint) {
-  ranks_ = pg->getSize();
+void Handshake::exchange(const Group& group, const Device& hint) {
+  const std::string& group_name = group.name;
+  ranks_ = group.size;
   if (!handshake_enabled() || ranks_ == 1) {
     if (failed()) rethrow_local();
     return;
@@ -238,20 +230,22 @@ void Handshake::exchange(std::string_view group_name, const PG& pg, const at::De
   if (failed()) put_string(&mine[kMessage], kMessageBytes, message_);
 
   // The all-gather, over the group registered for this one's handshakes.
-  PG via = pg;
+  Group via = group;
   const std::string via_name = via_of(group_name);
   if (via_name != group_name) {
     try {
       via = resolve_group(via_name);
-    } catch (const c10::Error&) {
-      via = pg;  // destroyed since: the group itself
+    } catch (const Error&) {
+      via = group;  // destroyed since: the group itself
     }
   }
-  const at::Device device = record_device(via, hint);
-  at::Tensor in = at::tensor(mine, at::TensorOptions().dtype(at::kLong)).to(device);
-  at::Tensor all = at::empty({ranks_ * kWidth}, in.options());
-  wait(all_gather_dim0(via, all, in));
-  const at::Tensor host = all.cpu();
+  const Device device = record_device(via, hint);
+  Tensor in = torch::stable::empty({kWidth}, ScalarType::Long, std::nullopt, Device(DeviceType::CPU));
+  std::memcpy(in.mutable_data_ptr(), mine.data(), mine.size() * sizeof(int64_t));
+  if (device.type() != DeviceType::CPU) in = torch::stable::to(in, device);
+  Tensor all = all_gather_dim0(via, in);
+  wait(all);
+  const Tensor host = torch::stable::to(all, Device(DeviceType::CPU));
   table_.assign(host.const_data_ptr<int64_t>(), host.const_data_ptr<int64_t>() + ranks_ * kWidth);
 
   // The verdict, from the table alone: the same on every rank.
@@ -259,7 +253,7 @@ void Handshake::exchange(std::string_view group_name, const PG& pg, const at::De
   auto value = [&](int64_t r, int64_t slot) { return table_[r * kWidth + slot]; };
   auto op_of = [&](int64_t r) { return get_string(&table_[r * kWidth + kOpName], kNameBytes); };
   for (int64_t r = 0; r < n; ++r)
-    TORCH_CHECK(value(r, kMagicSlot) == kMagic, "cplib.", op_, ": rank ", r, " sent no handshake "
+    CPLIB_CHECK(value(r, kMagicSlot) == kMagic, "cplib.", op_, ": rank ", r, " sent no handshake "
                 "(another collective, another cplib version, or CPLIB_CHECK_CONSISTENCY=0 on "
                 "that rank only)");
   std::vector<int64_t> failing;
@@ -283,14 +277,14 @@ void Handshake::exchange(std::string_view group_name, const PG& pg, const at::De
     raise(static_cast<ErrorKind>(value(r0, kStatus)), os.str());
   }
   for (int64_t r = 1; r < n; ++r)
-    TORCH_CHECK_VALUE(op_of(r) == op_of(0), "cplib: ranks are in different ops on one group (",
+    CPLIB_CHECK_VALUE(op_of(r) == op_of(0), "cplib: ranks are in different ops on one group (",
                       per_rank(n, [&](int64_t q) { return "cplib." + op_of(q); }),
                       "); every rank must make the same calls in the same order");
   auto group_of = [&](int64_t r) {
     return "'" + get_string(&table_[r * kWidth + kGroupName], kNameBytes) + "'";
   };
   for (int64_t r = 1; r < n; ++r)
-    TORCH_CHECK_VALUE(group_of(r) == group_of(0), "cplib.", op_, ": ranks passed different "
+    CPLIB_CHECK_VALUE(group_of(r) == group_of(0), "cplib.", op_, ": ranks passed different "
                       "process groups over the same ranks (", per_rank(n, group_of),
                       "); every rank must pass the same group");
   // The fields in order, then their count: fields before the first
@@ -311,9 +305,9 @@ void Handshake::exchange(std::string_view group_name, const PG& pg, const at::De
         name += (i == static_cast<size_t>(kFields - 1) ? " " : ", ") + f[i].name;
       kind = FieldKind::hash;
     }
-    TORCH_CHECK_VALUE(false, "cplib.", op_, ": ranks disagree on ", name, " (",
+    raise(ErrorKind::value, str("cplib.", op_, ": ranks disagree on ", name, " (",
                       per_rank(n, [&](int64_t r) { return format_value(value(r, slot), kind); }),
-                      "); every rank must make the same call");
+                      "); every rank must make the same call"));
   }
 }
 

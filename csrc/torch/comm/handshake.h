@@ -18,10 +18,8 @@
 #include <string_view>
 #include <vector>
 
-#include <ATen/ATen.h>
-#include <c10/util/Exception.h>
-
-#include "comm/comm.h"
+#include "comm/collectives.h"
+#include "common/stable.h"
 
 namespace cplib {
 
@@ -45,20 +43,17 @@ class CallSignature {
   // `name` (None or the float's bits): one field.
   void add_optional_float(std::string name, std::optional<double> value);
   // Rank, sizes (`skip_dim` as -1), dtype and device type of `t`, or that it is None.
-  void add_meta(const std::string& name, const at::Tensor& t, int64_t skip_dim = -1);
+  void add_meta(const std::string& name, const Tensor& t, int64_t skip_dim = -1);
   // A 64-bit hash of the values of an integer tensor (cu_seqlens, say): its
   // values are read, so call it after `t` was validated.
-  void add_values_hash(const std::string& name, const at::Tensor& t);
-  void add_values_hash(const std::string& name, c10::ArrayRef<int64_t> values);
+  void add_values_hash(const std::string& name, const Tensor& t);
+  void add_values_hash(const std::string& name, const std::vector<int64_t>& values);
 
   const std::vector<Field>& fields() const { return fields_; }
 
  private:
   std::vector<Field> fields_;
 };
-
-// Error classes carried on the wire (and raised as the same Python class).
-enum class ErrorKind : int64_t { none = 0, value, not_implemented, type, index, runtime };
 
 class Handshake {
  public:
@@ -88,7 +83,7 @@ class Handshake {
   // registered with the same ranks; see register_handshake_group), then the
   // verdict: the same exception on every rank, or a normal return. Off, or in
   // a world of one, this rank's own error is rethrown as it was.
-  void exchange(std::string_view group_name, const PG& pg, const at::Device& hint);
+  void exchange(const Group& group, const Device& hint);
 
   // After exchange: rank r's local lengths (only this rank's, as rank 0's,
   // when nothing was exchanged).

@@ -1,17 +1,18 @@
-// Argument checks shared by the ops; all raise ValueError before any communication.
+// Dtype classes and dim normalisation shared by the op files (what ATen's
+// isFloatingType / isIntegralType / maybe_wrap_dim gave on the old ABI).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <cstdint>
+
+#include "common/stable.h"
 
 namespace cplib {
 
-// Normalises a possibly negative dim, or raises ValueError naming it.
-inline int64_t checked_dim(int64_t dim, int64_t ndim, const char* what) {
-  TORCH_CHECK_VALUE(ndim > 0, "cplib: ", what, " needs a tensor with at least one dimension");
-  TORCH_CHECK_VALUE(dim >= -ndim && dim < ndim, "cplib: ", what, "=", dim,
-                    " is out of range for a tensor with ", ndim, " dimensions (expected in [",
-                    -ndim, ", ", ndim - 1, "])");
-  return dim < 0 ? dim + ndim : dim;
-}
+// float64/32, the 16-bit floats and the 8- and 4-bit ones.
+bool is_floating(ScalarType t);
+// Signed and unsigned integers (bool excluded).
+bool is_integer(ScalarType t);
+// `dim` in [-ndim, ndim) made non-negative, or ValueError naming `what`.
+int64_t checked_dim(int64_t dim, int64_t ndim, const char* what);
 
 }  // namespace cplib

@@ -3,101 +3,95 @@
 // borders served by a neighbour halo exchange (see tp_conv_plan.cpp for the
 // layout). grad_weight / grad_bias are this rank's partial sums: the caller
 // all-reduces them over the group to get the full gradients.
-#include <ATen/ATen.h>
-#include <torch/library.h>
+#include <array>
+#include <string>
+#include <utility>
 
-#include "comm/comm.h"
 #include "comm/handshake.h"
 #include "conv/tp_conv_impl.h"
-#include "conv/tp_conv_plan.h"
 
 namespace cplib {
 namespace {
 
 struct Resolved {
-  PG pg;
+  Group group;
   TpConvPlan plan;
 };
 
-Resolved resolve(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b,
-                 at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
-                 int64_t groups, int64_t shard_dim, c10::string_view group_name,
-                 const at::Tensor& grad_out = at::Tensor()) {
-  const std::string_view name(group_name.data(), group_name.size());
-  PG pg = resolve_group(name);
+Resolved resolve(const Tensor& x, const Tensor& w, const std::optional<Tensor>& b,
+                 const std::vector<int64_t>& stride, const std::vector<int64_t>& padding,
+                 const std::vector<int64_t>& dilation, int64_t groups, int64_t shard_dim,
+                 const std::string& group_name, const Tensor& grad_out = Tensor()) {
+  Group group = resolve_group(group_name);
   Handshake hs("tp_convolution");
   TpConvPlan plan;
   hs.validate([&] {
-    plan = make_tp_conv_plan(x, w, b, stride, padding, dilation, groups, shard_dim,
-                             pg->getRank(), pg->getSize());
+    plan = make_tp_conv_plan(x, w, b, stride, padding, dilation, groups, shard_dim, group.rank,
+                             group.size);
     // Shards may differ in width along the sharded dim: that width is a
     // local length, everything else must agree.
     CallSignature& sig = hs.sig();
     sig.add_meta("x", x, plan.dim);
     sig.add_meta("weight", w);
-    sig.add_meta("bias", b ? *b : at::Tensor());
-    for (auto [what, values] : {std::pair{"stride", stride}, {"padding", padding},
-                                {"dilation", dilation}}) {
-      sig.add(std::string(what) + " length", static_cast<int64_t>(values.size()));
-      for (size_t i = 0; i < values.size(); ++i)
-        sig.add(std::string(what) + "[" + std::to_string(i) + "]", values[i]);
+    sig.add_meta("bias", b ? *b : Tensor());
+    for (const auto& [what, values] : {std::pair{"stride", &stride}, {"padding", &padding},
+                                       {"dilation", &dilation}}) {
+      sig.add(std::string(what) + " length", static_cast<int64_t>(values->size()));
+      for (size_t i = 0; i < values->size(); ++i)
+        sig.add(std::string(what) + "[" + std::to_string(i) + "]", (*values)[i]);
     }
     sig.add("groups", groups);
     sig.add("shard_dim", plan.dim);
     if (grad_out.defined()) sig.add_meta("grad_out", grad_out, plan.dim);
     hs.set_lengths({x.size(plan.dim)});
   });
-  hs.exchange(name, pg, x.device());
-  return {std::move(pg), std::move(plan)};
+  hs.exchange(group, x.device());
+  return {std::move(group), std::move(plan)};
 }
 
-at::Tensor fresh_contiguous(const at::Tensor& t) {
-  return t.defined() ? t.contiguous() : t;
+Tensor fresh_contiguous(const Tensor& t) {
+  return t.defined() ? torch::stable::contiguous(t) : t;
 }
 
-at::Tensor tp_convolution(const at::Tensor& x, const at::Tensor& w,
-                          const c10::optional<at::Tensor>& b, at::IntArrayRef stride,
-                          at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
-                          int64_t shard_dim, c10::string_view group_name) {
+Tensor tp_convolution(Tensor x, Tensor w, std::optional<Tensor> b, std::vector<int64_t> stride,
+                      std::vector<int64_t> padding, std::vector<int64_t> dilation,
+                      int64_t groups, int64_t shard_dim, std::string group_name) {
   Resolved r = resolve(x, w, b, stride, padding, dilation, groups, shard_dim, group_name);
   const TpConvPlan& p = r.plan;
-  at::Tensor out;
+  Tensor out;
   if (!p.exchange)
-    out = at::convolution(x, w, b, p.stride, p.padding, p.dilation, /*transposed=*/false,
-                          zeros_like_params(p), groups);
+    out = convolution(x, w, b, p.stride, p.padding, p.dilation, groups);
   else if (p.patched)
-    out = tp_conv_patched(r.pg, p, x, w, b, groups);
+    out = tp_conv_patched(r.group, p, x, w, b, groups);
   else
-    out = tp_conv_extended(r.pg, p, x, w, b, groups);
+    out = tp_conv_extended(r.group, p, x, w, b, groups);
   return fresh_contiguous(out);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> tp_convolution_backward(
-    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w, at::IntArrayRef stride,
-    at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, int64_t shard_dim,
-    c10::string_view group_name, std::array<bool, 3> output_mask) {
-  Resolved r = resolve(x, w, c10::nullopt, stride, padding, dilation, groups, shard_dim,
+std::tuple<Tensor, Tensor, Tensor> tp_convolution_backward(
+    Tensor grad_out, Tensor x, Tensor w, std::vector<int64_t> stride,
+    std::vector<int64_t> padding, std::vector<int64_t> dilation, int64_t groups,
+    int64_t shard_dim, std::string group_name, std::vector<bool> output_mask) {
+  CPLIB_CHECK_VALUE(output_mask.size() == 3, "cplib.tp_conv: output_mask must have 3 entries, got ",
+                    output_mask.size());
+  const std::array<bool, 3> mask{output_mask[0], output_mask[1], output_mask[2]};
+  Resolved r = resolve(x, w, std::nullopt, stride, padding, dilation, groups, shard_dim,
                        group_name, grad_out);
   const TpConvPlan& p = r.plan;
   ConvGrads grads;
-  if (!p.exchange) {
-    const std::vector<int64_t> bias_sizes{w.size(0)};
-    grads = at::convolution_backward(
-        grad_out, x, w,
-        output_mask[2] ? c10::optional<at::IntArrayRef>(bias_sizes) : c10::nullopt, p.stride,
-        p.padding, p.dilation, /*transposed=*/false, zeros_like_params(p), groups, output_mask);
-  } else if (p.patched) {
-    grads = tp_conv_patched_backward(r.pg, p, grad_out, x, w, groups, output_mask);
-  } else {
-    grads = tp_conv_extended_backward(r.pg, p, grad_out, x, w, groups, output_mask);
-  }
+  if (!p.exchange)
+    grads = convolution_backward(grad_out, x, w, p.stride, p.padding, p.dilation, groups, mask);
+  else if (p.patched)
+    grads = tp_conv_patched_backward(r.group, p, grad_out, x, w, groups, mask);
+  else
+    grads = tp_conv_extended_backward(r.group, p, grad_out, x, w, groups, mask);
   auto& [gi, gw, gb] = grads;
   return {fresh_contiguous(gi), fresh_contiguous(gw), fresh_contiguous(gb)};
 }
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
+STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
   m.def(
       "tp_convolution(Tensor x, Tensor w, Tensor? b, int[] stride, int[] padding, int[] dilation, "
       "int groups, int shard_dim, str group_name) -> Tensor");
@@ -107,15 +101,15 @@ TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
       "-> (Tensor, Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(cplib_c, CPU, m) {
-  m.impl("tp_convolution", &tp_convolution);
-  m.impl("tp_convolution_backward", &tp_convolution_backward);
+STABLE_TORCH_LIBRARY_IMPL(cplib_c, CPU, m) {
+  m.impl("tp_convolution", TORCH_BOX(&tp_convolution));
+  m.impl("tp_convolution_backward", TORCH_BOX(&tp_convolution_backward));
 }
 
 #ifdef CPLIB_WITH_CUDA
-TORCH_LIBRARY_IMPL(cplib_c, CUDA, m) {
-  m.impl("tp_convolution", &tp_convolution);
-  m.impl("tp_convolution_backward", &tp_convolution_backward);
+STABLE_TORCH_LIBRARY_IMPL(cplib_c, CUDA, m) {
+  m.impl("tp_convolution", TORCH_BOX(&tp_convolution));
+  m.impl("tp_convolution_backward", TORCH_BOX(&tp_convolution_backward));
 }
 #endif
 

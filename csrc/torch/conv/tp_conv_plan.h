@@ -3,17 +3,19 @@
 // communication, so every bad argument raises here.
 #pragma once
 
+#include <cstdint>
+#include <optional>
 #include <vector>
 
-#include <ATen/ATen.h>
+#include "common/stable.h"
 
 namespace cplib {
 
 struct TpConvPlan {
   int64_t dim = 0;                        // shard dim of x (normalised)
   std::vector<int64_t> stride, padding, dilation;  // one entry per spatial dim
-  std::vector<int64_t> conv_padding;      // padding handed to at::convolution
-  int rank = 0, size = 1;
+  std::vector<int64_t> conv_padding;      // padding handed to aten::convolution
+  int64_t rank = 0, size = 1;
   // exchange == false: the local convolution is already the local output
   // (batch sharding, one rank, non-overlapping windows, 1-wide kernels).
   bool exchange = false;
@@ -28,13 +30,14 @@ struct TpConvPlan {
   // [halo | edge] slabs (no copy of x). Otherwise convolve the extended copy.
   bool patched = false;
 
-  std::vector<int64_t> extended_sizes(const at::Tensor& x) const;
+  std::vector<int64_t> extended_sizes(const Tensor& x) const;
 };
 
 // Raises ValueError / NotImplementedError naming the offending parameter.
-TpConvPlan make_tp_conv_plan(const at::Tensor& x, const at::Tensor& w,
-                             const c10::optional<at::Tensor>& b, at::IntArrayRef stride,
-                             at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
-                             int64_t shard_dim, int rank, int size);
+TpConvPlan make_tp_conv_plan(const Tensor& x, const Tensor& w, const std::optional<Tensor>& b,
+                             const std::vector<int64_t>& stride,
+                             const std::vector<int64_t>& padding,
+                             const std::vector<int64_t>& dilation, int64_t groups,
+                             int64_t shard_dim, int64_t rank, int64_t size);
 
 }  // namespace cplib

@@ -3,82 +3,91 @@
 // rank attends q to its own shard (masked on positions: causal, optionally
 // windowed), then one all-gather of the packed partial (out | lse) and a
 // merge in rank order, so every rank ends with the same exact result.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
-#include <ATen/core/LegacyTypeDispatch.h>
-#include <torch/library.h>
-
+#include "comm/collectives.h"
 #include "comm/handshake.h"
+#include "common/checks.h"
+#include "common/format.h"
 #include "merge/merge_op.h"
+#include "ring/ring_aten.h"
 #include "ring/ring_block.h"
 
 namespace cplib::decode {
 namespace {
 
 using ring::acc_dtype;
+namespace aten = ring::aten;
 
-void check_positions(const std::optional<at::Tensor>& pos, const char* name, int64_t rows,
+void check_positions(const std::optional<Tensor>& pos, const char* name, int64_t rows,
                      const char* rows_of) {
   if (!pos) return;
-  const at::Tensor& p = *pos;
-  TORCH_CHECK_VALUE(!at::isFloatingType(p.scalar_type()) && !at::isComplexType(p.scalar_type()) &&
-                        p.scalar_type() != at::kBool,
+  const Tensor& p = *pos;
+  CPLIB_CHECK_VALUE(is_integer(p.scalar_type()),
                     "cplib.decode_sdpa: ", name, " must be an integer tensor, got dtype ",
                     p.scalar_type());
-  TORCH_CHECK_VALUE(p.dim() == 1, "cplib.decode_sdpa: ", name,
+  CPLIB_CHECK_VALUE(p.dim() == 1, "cplib.decode_sdpa: ", name,
                     " must be 1-D (one global position per row), got shape ", p.sizes());
-  TORCH_CHECK_VALUE(p.numel() == rows, "cplib.decode_sdpa: ", name, " has ", p.numel(),
+  CPLIB_CHECK_VALUE(p.numel() == rows, "cplib.decode_sdpa: ", name, " has ", p.numel(),
                     " positions but ", rows_of, " has ", rows, " rows");
 }
 
-void check_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                const std::optional<at::Tensor>& q_pos, const std::optional<at::Tensor>& kv_pos,
+void check_args(const Tensor& q, const Tensor& k, const Tensor& v,
+                const std::optional<Tensor>& q_pos, const std::optional<Tensor>& kv_pos,
                 const std::optional<std::vector<int64_t>>& window, std::optional<double> scale) {
-  TORCH_CHECK_VALUE(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
+  CPLIB_CHECK_VALUE(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
                     "cplib.decode_sdpa: expected q (B, Hq, T, D) and k, v (B, Hkv, L_local, D), "
                     "got q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
-  TORCH_CHECK_VALUE(q.device() == k.device() && q.device() == v.device(),
+  CPLIB_CHECK_VALUE(q.device() == k.device() && q.device() == v.device(),
                     "cplib.decode_sdpa: q, k, v must be on one device");
-  TORCH_CHECK_VALUE(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+  CPLIB_CHECK_VALUE(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
                     "cplib.decode_sdpa: q, k, v must have one dtype, got ", q.scalar_type(), ", ",
                     k.scalar_type(), ", ", v.scalar_type());
   const auto dt = q.scalar_type();
-  TORCH_CHECK_VALUE(dt == at::kFloat || dt == at::kDouble || dt == at::kBFloat16 || dt == at::kHalf,
+  CPLIB_CHECK_VALUE(dt == ScalarType::Float || dt == ScalarType::Double || dt == ScalarType::BFloat16 ||
+                        dt == ScalarType::Half,
                     "cplib.decode_sdpa: unsupported dtype ", dt);
-  TORCH_CHECK_VALUE(q.size(2) >= 1, "cplib.decode_sdpa: q needs at least one token, got T = ",
+  CPLIB_CHECK_VALUE(q.size(2) >= 1, "cplib.decode_sdpa: q needs at least one token, got T = ",
                     q.size(2));
-  TORCH_CHECK_VALUE(q.size(0) == k.size(0) && q.size(0) == v.size(0),
+  CPLIB_CHECK_VALUE(q.size(0) == k.size(0) && q.size(0) == v.size(0),
                     "cplib.decode_sdpa: batch sizes differ: q ", q.size(0), ", k ", k.size(0),
                     ", v ", v.size(0));
-  TORCH_CHECK_VALUE(k.size(1) == v.size(1) && k.size(2) == v.size(2), "cplib.decode_sdpa: k ",
+  CPLIB_CHECK_VALUE(k.size(1) == v.size(1) && k.size(2) == v.size(2), "cplib.decode_sdpa: k ",
                     k.sizes(), " and v ", v.sizes(), " must agree in heads and length");
-  TORCH_CHECK_VALUE(q.size(3) == k.size(3), "cplib.decode_sdpa: q head dim ", q.size(3),
+  CPLIB_CHECK_VALUE(q.size(3) == k.size(3), "cplib.decode_sdpa: q head dim ", q.size(3),
                     " differs from k head dim ", k.size(3));
-  TORCH_CHECK_VALUE(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "cplib.decode_sdpa: q has ",
+  CPLIB_CHECK_VALUE(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "cplib.decode_sdpa: q has ",
                     q.size(1), " heads, which is not a multiple of k/v's ", k.size(1), " heads");
-  TORCH_CHECK_VALUE(q_pos.has_value() == kv_pos.has_value(), "cplib.decode_sdpa: ",
+  CPLIB_CHECK_VALUE(q_pos.has_value() == kv_pos.has_value(), "cplib.decode_sdpa: ",
                     q_pos ? "kv_positions" : "q_positions",
                     " is missing: give q_positions and kv_positions together, or neither");
   check_positions(q_pos, "q_positions", q.size(2), "q");
   check_positions(kv_pos, "kv_positions", k.size(2), "k/v");
-  TORCH_CHECK_VALUE(!window || q_pos, "cplib.decode_sdpa: window needs q_positions and "
+  CPLIB_CHECK_VALUE(!window || q_pos, "cplib.decode_sdpa: window needs q_positions and "
                     "kv_positions");
   if (window) {
-    TORCH_CHECK_VALUE(window->size() == 2 && (*window)[0] >= 0 && (*window)[1] >= 0,
+    CPLIB_CHECK_VALUE(window->size() == 2 && (*window)[0] >= 0 && (*window)[1] >= 0,
                       "cplib.decode_sdpa: window must be (left, right), non-negative");
   }
-  TORCH_CHECK_VALUE(!scale || (std::isfinite(*scale) && *scale > 0.0), "cplib.decode_sdpa: scale=",
+  CPLIB_CHECK_VALUE(!scale || (std::isfinite(*scale) && *scale > 0.0), "cplib.decode_sdpa: scale=",
                     scale ? *scale : 0.0, " must be a finite positive number or None");
+}
+
+// q's memory as bytes (its values, bit for bit).
+Tensor q_bytes(const Tensor& q) {
+  auto st = call("aten::view", "dtype", aten::flat(aten::contiguous(q)), ScalarType::Byte);
+  return ret<Tensor>(st[0]);
 }
 
 // What every rank must agree on: q itself (it is replicated by contract),
 // the cache's heads and head dims, the mask and the scale.
-void describe(CallSignature& sig, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-              const std::optional<at::Tensor>& q_pos,
+void describe(CallSignature& sig, const Tensor& q, const Tensor& k, const Tensor& v,
+              const std::optional<Tensor>& q_pos,
               const std::optional<std::vector<int64_t>>& window, std::optional<double> scale) {
   sig.add_meta("q", q);
-  sig.add_values_hash("q", q.contiguous().view(-1).view(at::kByte));
+  sig.add_values_hash("q", q_bytes(q));
   sig.add_meta("k", k, /*skip_dim=*/2);
   sig.add_meta("v", v, /*skip_dim=*/2);
   sig.add_flag("q_positions is not None", q_pos.has_value());
@@ -89,96 +98,107 @@ void describe(CallSignature& sig, const at::Tensor& q, const at::Tensor& k, cons
   sig.add_optional_float("scale", scale);
 }
 
-std::tuple<at::Tensor, at::Tensor> decode_sdpa(const at::Tensor& q, const at::Tensor& k,
-                                               const at::Tensor& v, c10::string_view group_name,
-                                               const std::optional<at::Tensor>& q_positions,
-                                               const std::optional<at::Tensor>& kv_positions,
-                                               at::OptionalIntArrayRef window_arg,
-                                               std::optional<double> scale) {
-  at::AutoDispatchBelowADInplaceOrView guard;
-  std::optional<std::vector<int64_t>> window;
-  if (window_arg.has_value()) window = window_arg->vec();
-  const std::string_view name{group_name.data(), group_name.size()};
-  const PG pg = resolve_group(name);
+std::tuple<Tensor, Tensor> decode_sdpa(Tensor q, Tensor k, Tensor v, std::string group_name,
+                                       std::optional<Tensor> q_positions,
+                                       std::optional<Tensor> kv_positions,
+                                       std::optional<std::vector<int64_t>> window,
+                                       std::optional<double> scale) {
+  aten::NoGradGuard no_grad;
+  const Group group = resolve_group(group_name);
   Handshake hs("decode_sdpa");
   hs.validate([&] {
     check_args(q, k, v, q_positions, kv_positions, window, scale);
     describe(hs.sig(), q, k, v, q_positions, window, scale);
     hs.set_lengths({k.size(2)});
   });
-  hs.exchange(name, pg, q.device());
+  hs.exchange(group, q.device());
 
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), Dv = v.size(3), L = k.size(2);
-  const auto acc_opts = q.options().dtype(acc_dtype(q));
+  const aten::Opts acc_opts = aten::opts_of(q).dtype_(acc_dtype(q));
   const double ninf = -std::numeric_limits<double>::infinity();
   // This rank's partial, packed as (B, H, T, Dv + 1): out, then lse.
-  at::Tensor packed = at::empty({B, H, T, Dv + 1}, acc_opts);
-  at::Tensor part_out = packed.narrow(3, 0, Dv), part_lse = packed.select(3, Dv);
-  part_out.zero_();
-  part_lse.fill_(ninf);
+  Tensor packed = aten::empty({B, H, T, Dv + 1}, acc_opts);
+  Tensor part_out = aten::narrow(packed, 3, 0, Dv), part_lse = torch::stable::select(packed, 3, Dv);
+  aten::zero_(part_out);
+  aten::fill_(part_lse, ninf);
   if (L > 0) {
     ring::Config cfg = ring::check_local_args("decode_sdpa", q, k, v, false, scale, -1);
-    at::Tensor mask, no_key;
+    Tensor mask, no_key;
+    bool all_hidden = false;
     if (q_positions) {
       ring::Mask m;
       m.causal = true;
-      const auto idx = q.options().dtype(at::kLong);
-      const at::Tensor qp = q_positions->to(idx), kp = kv_positions->to(idx);
-      const int64_t top = std::max(qp.max().item<int64_t>(), kp.max().item<int64_t>()) + 1;
+      const std::vector<int64_t> qp = aten::to_host(*q_positions), kp = aten::to_host(*kv_positions);
+      const int64_t top = std::max(*std::max_element(qp.begin(), qp.end()),
+                                   *std::max_element(kp.begin(), kp.end())) + 1;
       m.seq_len = top;
       m.left = window ? std::min((*window)[0], top) : top;
       m.right = 0;
-      std::tie(mask, no_key) = m.build_at(qp, kp, q.options());
-      if (!no_key.any().item<bool>() && !mask.ne(0).any().item<bool>()) mask = at::Tensor();
+      // What the mask hides, read on the host: nothing (no mask at all), or
+      // every key from every row (nothing to attend).
+      bool any_hidden = false;
+      all_hidden = true;
+      for (const int64_t i : qp) {
+        bool row_sees = false;
+        for (const int64_t j : kp) {
+          const bool visible = j >= i - m.left && j <= i;
+          row_sees = row_sees || visible;
+          any_hidden = any_hidden || !visible;
+        }
+        all_hidden = all_hidden && !row_sees;
+      }
+      if (any_hidden) std::tie(mask, no_key) = m.build_at(qp, kp, aten::opts_of(q));
     }
-    if (!no_key.defined() || !no_key.all().item<bool>()) {
+    if (!all_hidden) {
       // GQA without expanding k/v: the q heads of one group become rows of
       // their k/v head, (B, Hkv, groups * T, D), rows ordered (group, token).
       const int64_t G = cfg.groups, Hkv = k.size(1);
-      const at::Tensor qg = q.reshape({B, Hkv, G * T, q.size(3)});
-      const at::Tensor mg = mask.defined() && G > 1 ? mask.repeat({G, 1}) : mask;
+      const Tensor qg = aten::reshape(q, {B, Hkv, G * T, q.size(3)});
+      const Tensor mg = mask.defined() && G > 1 ? aten::repeat(mask, {G, 1}) : mask;
       cfg.groups = 1;
       ring::BlockResult r = ring::block_forward(cfg, qg, k, v, /*causal=*/false, mg);
-      at::Tensor o = r.out.reshape({B, H, T, Dv}), l = r.lse.reshape({B, H, T});
+      Tensor o = aten::reshape(r.out, {B, H, T, Dv}), l = aten::reshape(r.lse, {B, H, T});
       if (mask.defined()) {
-        o = o.masked_fill(no_key.view({-1, 1}), 0);
-        l = l.masked_fill(no_key, ninf);
+        o = aten::masked_fill(o, aten::view(no_key, {-1, 1}), 0.0);
+        l = aten::masked_fill(l, no_key, ninf);
       }
-      part_out.copy_(o);
-      part_lse.copy_(l);
+      aten::copy_(part_out, o);
+      aten::copy_(part_lse, l);
     }
   }
-  const int64_t n = pg->getSize();
-  at::Tensor flat = packed.view(-1);
-  at::Tensor all = at::empty({n * flat.numel()}, acc_opts);
+  const int64_t n = group.size;
+  Tensor all;
   if (n > 1) {
-    wait(all_gather_dim0(pg, all, flat));
+    all = all_gather_dim0(group, aten::flat(packed));
+    wait(all);
   } else {
-    all.copy_(flat);
+    all = aten::flat(packed);
   }
   // Merged in rank order on every rank: the same bits everywhere.
-  const at::Tensor parts = all.view({n, B, H, T, Dv + 1});
-  at::Tensor out = parts[0].narrow(3, 0, Dv).contiguous();
-  at::Tensor lse = parts[0].select(3, Dv).contiguous();
+  const Tensor parts = aten::view(all, {n, B, H, T, Dv + 1});
+  auto part = [&parts](int64_t r) { return torch::stable::select(parts, 0, r); };
+  Tensor out = aten::contiguous(aten::narrow(part(0), 3, 0, Dv));
+  Tensor lse = aten::contiguous(torch::stable::select(part(0), 3, Dv));
   for (int64_t r = 1; r < n; ++r)
-    merge_partial(out, lse, parts[r].narrow(3, 0, Dv), parts[r].select(3, Dv), 0);
-  if (out.scalar_type() != q.scalar_type()) out = out.to(q.scalar_type());
+    merge_partial(out, lse, aten::narrow(part(r), 3, 0, Dv), torch::stable::select(part(r), 3, Dv),
+                  0);
+  if (out.scalar_type() != q.scalar_type()) out = aten::to(out, q.scalar_type());
   return {out, lse};
 }
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
+STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
   m.def(
       "decode_sdpa(Tensor q, Tensor k, Tensor v, str group_name, Tensor? q_positions=None, "
       "Tensor? kv_positions=None, int[]? window=None, float? scale=None) "
       "-> (Tensor out, Tensor lse)");
 }
 
-TORCH_LIBRARY_IMPL(cplib_c, CPU, m) { m.impl("decode_sdpa", &decode_sdpa); }
+STABLE_TORCH_LIBRARY_IMPL(cplib_c, CPU, m) { m.impl("decode_sdpa", TORCH_BOX(&decode_sdpa)); }
 
 #ifdef CPLIB_WITH_CUDA
-TORCH_LIBRARY_IMPL(cplib_c, CUDA, m) { m.impl("decode_sdpa", &decode_sdpa); }
+STABLE_TORCH_LIBRARY_IMPL(cplib_c, CUDA, m) { m.impl("decode_sdpa", TORCH_BOX(&decode_sdpa)); }
 #endif
 
 }  // namespace cplib::decode

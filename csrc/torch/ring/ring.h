@@ -1,8 +1,11 @@
 // Ring scaled-dot-product attention: shared types of the ring_*.cpp files.
 //
 // Integer codes (also used by cplib/_ring.py):
-//   rotate:  0 = "p2p" (send/recv, double-buffered), 1 = "alltoall" (one
-//            shift per step), 2 = "allgather" (one gather up front).
+//   rotate:  0 = "p2p", 1 = "alltoall": each step's block comes from its
+//            owner through a split all-to-all with one non-empty peer each
+//            way, double-buffered (both names run that exchange: torch 2.11's
+//            functional collectives have no send/recv); 2 = "allgather" (one
+//            gather up front).
 //   backend: -1 = auto (chosen as scaled_dot_product_attention would, so
 //            torch.nn.attention.sdpa_kernel is honoured), 1 = flash,
 //            2 = efficient, 3 = cuDNN (the values of at::SDPBackend).
@@ -13,11 +16,13 @@
 #include <optional>
 #include <string_view>
 
-#include <ATen/ATen.h>
-
-#include "comm/comm.h"
+#include "comm/collectives.h"
+#include "common/stable.h"
 #include "ring/ring_layout.h"
 #include "ring/ring_mask.h"
+
+// Internal to the extension (torch's stable types are hidden).
+#pragma GCC visibility push(hidden)
 
 namespace cplib::ring {
 
@@ -30,7 +35,7 @@ constexpr int64_t kBackendCudnn = 3;
 
 // Everything a ring pass needs besides the tensors; built by check_args.
 struct Config {
-  PG pg;
+  Group group;
   int64_t rank = 0, size = 1;
   bool causal = false, load_balanced = false;
   std::optional<double> scale;
@@ -50,19 +55,19 @@ constexpr int64_t kPassAuto = 2;
 
 // The optional arguments of the ops (documents, window, global length).
 struct Extras {
-  std::optional<at::Tensor> cu_seqlens;
+  std::optional<Tensor> cu_seqlens;
   std::optional<std::vector<int64_t>> window;
   std::optional<int64_t> seq_len;
   bool per_document = false;  // shards cut head-tail inside every document
   // Explicit global positions of this rank's q rows and k/v rows (both or neither).
-  std::optional<at::Tensor> q_positions, kv_positions;
+  std::optional<Tensor> q_positions, kv_positions;
   int64_t ring_pass = kPassKV;
   bool has_positions() const { return q_positions.has_value() || kv_positions.has_value(); }
 };
 
 // Validates every argument (ValueError naming the value) and resolves the
 // group; nothing is communicated, so every rank fails the same way.
-Config check_args(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+Config check_args(const char* op, const Tensor& q, const Tensor& k, const Tensor& v,
                   std::string_view group_name, bool is_causal, bool load_balanced,
                   std::optional<double> scale, int64_t backend, int64_t rotate,
                   const Extras& extras = {});
@@ -72,8 +77,8 @@ Config check_args(const char* op, const at::Tensor& q, const at::Tensor& k, cons
 // validated the local ones), fills the layouts and completes the mask; then
 // resolves ring_pass ("auto" from the global counts). The choice of the last
 // call is kept for ring_debug_last_pass.
-void finish_config(Config& cfg, const Extras& extras, const at::Tensor& q, const at::Tensor& k,
-                   const at::Tensor& v);
+void finish_config(Config& cfg, const Extras& extras, const Tensor& q, const Tensor& k,
+                   const Tensor& v);
 int64_t last_ring_pass();
 
 // ring_pass="auto": "q" (true) when passing the queries and returning the
@@ -85,22 +90,24 @@ bool pass_q_moves_less(int64_t q_tokens, int64_t kv_tokens, int64_t q_heads, int
 
 // The checks of check_args that concern one block of attention (tensors,
 // backend, scale, causal lengths), for a world of one: no group, size 1.
-Config check_local_args(const char* op, const at::Tensor& q, const at::Tensor& k,
-                        const at::Tensor& v, bool is_causal, std::optional<double> scale,
+Config check_local_args(const char* op, const Tensor& q, const Tensor& k,
+                        const Tensor& v, bool is_causal, std::optional<double> scale,
                         int64_t backend);
 
 // Attention sinks: a 1-D tensor of one logit per q head, on q's device, in
 // q's dtype or float32/float64 (ValueError naming what is wrong).
-void check_sinks(const char* op, const at::Tensor& q, const at::Tensor& sinks);
+void check_sinks(const char* op, const Tensor& q, const Tensor& sinks);
 
 // Joins each row's softmax denominator with its head's sink logit, once:
 // lse' = logaddexp(lse, s), out *= exp(lse - lse'). `out` (B, H, L, Dv) is
 // scaled in place in the accumulator dtype; returns lse' in that dtype.
-at::Tensor apply_sinks(at::Tensor& out, const at::Tensor& lse, const at::Tensor& sinks);
+Tensor apply_sinks(Tensor& out, const Tensor& lse, const Tensor& sinks);
 
 // The accumulator dtype: float64 for float64 inputs, else float32.
-inline at::ScalarType acc_dtype(const at::Tensor& t) {
-  return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+inline ScalarType acc_dtype(const Tensor& t) {
+  return t.scalar_type() == ScalarType::Double ? ScalarType::Double : ScalarType::Float;
 }
 
 }  // namespace cplib::ring
+
+#pragma GCC visibility pop

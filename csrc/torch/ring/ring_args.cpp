@@ -6,7 +6,10 @@
 #include <cmath>
 #include <sstream>
 
+#include "common/checks.h"
+#include "common/format.h"
 #include "ring/ring.h"
+#include "ring/ring_aten.h"
 #include "ring/ring_block.h"
 
 namespace cplib::ring {
@@ -17,35 +20,36 @@ namespace {
 std::atomic<int64_t> g_last_pass{kPassKV};
 
 // With explicit positions a rank may hold no queries or no keys.
-void check_tensors(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+void check_tensors(const char* op, const Tensor& q, const Tensor& k, const Tensor& v,
                    bool allow_empty = false) {
-  TORCH_CHECK_VALUE(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "cplib.", op,
+  CPLIB_CHECK_VALUE(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "cplib.", op,
                     ": expected q, k, v of shape (B, H, S_local, D), got q ", q.sizes(), ", k ",
                     k.sizes(), ", v ", v.sizes());
-  TORCH_CHECK_VALUE(q.device() == k.device() && q.device() == v.device(), "cplib.", op,
+  CPLIB_CHECK_VALUE(q.device() == k.device() && q.device() == v.device(), "cplib.", op,
                     ": q, k, v must be on one device, got ", q.device(), ", ", k.device(), ", ",
                     v.device());
-  TORCH_CHECK_VALUE(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+  CPLIB_CHECK_VALUE(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
                     "cplib.", op, ": q, k, v must have one dtype, got ", q.scalar_type(), ", ",
                     k.scalar_type(), ", ", v.scalar_type());
   const auto dt = q.scalar_type();
-  TORCH_CHECK_VALUE(dt == at::kFloat || dt == at::kDouble || dt == at::kBFloat16 || dt == at::kHalf,
+  CPLIB_CHECK_VALUE(dt == ScalarType::Float || dt == ScalarType::Double || dt == ScalarType::BFloat16 ||
+                        dt == ScalarType::Half,
                     "cplib.", op, ": unsupported dtype ", dt,
                     " (expected float32, float64, bfloat16 or float16)");
-  TORCH_CHECK_VALUE(q.size(0) == k.size(0) && q.size(0) == v.size(0), "cplib.", op,
+  CPLIB_CHECK_VALUE(q.size(0) == k.size(0) && q.size(0) == v.size(0), "cplib.", op,
                     ": batch sizes differ: q ", q.size(0), ", k ", k.size(0), ", v ", v.size(0));
-  TORCH_CHECK_VALUE(q.size(0) > 0, "cplib.", op, ": empty batch (q has shape ", q.sizes(), ")");
-  TORCH_CHECK_VALUE(k.size(1) == v.size(1) && k.size(2) == v.size(2), "cplib.", op,
+  CPLIB_CHECK_VALUE(q.size(0) > 0, "cplib.", op, ": empty batch (q has shape ", q.sizes(), ")");
+  CPLIB_CHECK_VALUE(k.size(1) == v.size(1) && k.size(2) == v.size(2), "cplib.", op,
                     ": k ", k.sizes(), " and v ", v.sizes(), " must agree in heads and length");
-  TORCH_CHECK_VALUE(q.size(3) == k.size(3), "cplib.", op, ": q head dim ", q.size(3),
+  CPLIB_CHECK_VALUE(q.size(3) == k.size(3), "cplib.", op, ": q head dim ", q.size(3),
                     " differs from k head dim ", k.size(3));
-  TORCH_CHECK_VALUE(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "cplib.", op, ": q has ",
+  CPLIB_CHECK_VALUE(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "cplib.", op, ": q has ",
                     q.size(1), " heads, which is not a multiple of k/v's ", k.size(1), " heads");
-  TORCH_CHECK_VALUE(allow_empty || (q.size(2) > 0 && k.size(2) > 0), "cplib.", op,
+  CPLIB_CHECK_VALUE(allow_empty || (q.size(2) > 0 && k.size(2) > 0), "cplib.", op,
                     ": empty local sequence (q length ", q.size(2), ", kv length ", k.size(2), ")");
-  TORCH_CHECK_VALUE(q.size(3) > 0 && v.size(3) > 0, "cplib.", op, ": empty head dim");
+  CPLIB_CHECK_VALUE(q.size(3) > 0 && v.size(3) > 0, "cplib.", op, ": empty head dim");
   if (!q.is_cuda())
-    TORCH_CHECK_VALUE(q.device().is_cpu(), "cplib.", op, ": unsupported device ", q.device());
+    CPLIB_CHECK_VALUE(q.device().type() == DeviceType::CPU, "cplib.", op, ": unsupported device ", q.device());
 }
 
 std::string join(const std::vector<int64_t>& v) {
@@ -63,65 +67,63 @@ std::string join(const std::vector<int64_t>& v) {
 }
 
 // cu_seqlens as host integers, checked: [0, ..., S], strictly increasing.
-std::vector<int64_t> document_bounds(const char* op, const at::Tensor& cu, int64_t seq_len) {
-  TORCH_CHECK_VALUE(!at::isFloatingType(cu.scalar_type()) && !at::isComplexType(cu.scalar_type()) &&
-                        cu.scalar_type() != at::kBool,
+std::vector<int64_t> document_bounds(const char* op, const Tensor& cu, int64_t seq_len) {
+  CPLIB_CHECK_VALUE(is_integer(cu.scalar_type()),
                     "cplib.", op, ": cu_seqlens must be an integer tensor, got dtype ",
                     cu.scalar_type());
-  TORCH_CHECK_VALUE(cu.dim() == 1 && cu.numel() >= 2, "cplib.", op,
+  CPLIB_CHECK_VALUE(cu.dim() == 1 && cu.numel() >= 2, "cplib.", op,
                     ": cu_seqlens must be 1-D with at least 2 entries [0, ..., S], got shape ",
                     cu.sizes());
-  const at::Tensor host = cu.to(at::kCPU, at::kLong).contiguous();
-  const int64_t* p = host.data_ptr<int64_t>();
-  std::vector<int64_t> b(p, p + host.numel());
-  TORCH_CHECK_VALUE(b.front() == 0, "cplib.", op, ": cu_seqlens must start at 0, got ",
+  std::vector<int64_t> b = aten::to_host(cu);
+  CPLIB_CHECK_VALUE(b.front() == 0, "cplib.", op, ": cu_seqlens must start at 0, got ",
                     b.front(), " in ", join(b));
-  TORCH_CHECK_VALUE(b.back() == seq_len, "cplib.", op, ": cu_seqlens must end at the sequence "
+  CPLIB_CHECK_VALUE(b.back() == seq_len, "cplib.", op, ": cu_seqlens must end at the sequence "
                     "length ", seq_len, ", got ", b.back(), " in ", join(b));
   for (size_t i = 1; i < b.size(); ++i)
-    TORCH_CHECK_VALUE(b[i] > b[i - 1], "cplib.", op, ": cu_seqlens must be strictly increasing, "
+    CPLIB_CHECK_VALUE(b[i] > b[i - 1], "cplib.", op, ": cu_seqlens must be strictly increasing, "
                       "got ", b[i - 1], " then ", b[i], " at index ", i, " in ", join(b));
   return b;
 }
 
 // Explicit positions: 1-D integers, one per row, non-negative, inside the
 // documents if any. Reads only this rank's values.
-void check_positions(const char* op, const char* name, const std::optional<at::Tensor>& pos,
+void check_positions(const char* op, const char* name, const std::optional<Tensor>& pos,
                      int64_t rows, const char* rows_of) {
-  TORCH_CHECK_VALUE(pos.has_value(), "cplib.", op, ": ", name,
+  CPLIB_CHECK_VALUE(pos.has_value(), "cplib.", op, ": ", name,
                     " is missing: give q_positions and kv_positions together, or neither");
-  const at::Tensor& p = *pos;
-  TORCH_CHECK_VALUE(!at::isFloatingType(p.scalar_type()) && !at::isComplexType(p.scalar_type()) &&
-                        p.scalar_type() != at::kBool,
+  const Tensor& p = *pos;
+  CPLIB_CHECK_VALUE(is_integer(p.scalar_type()),
                     "cplib.", op, ": ", name, " must be an integer tensor, got dtype ",
                     p.scalar_type());
-  TORCH_CHECK_VALUE(p.dim() == 1, "cplib.", op, ": ", name,
+  CPLIB_CHECK_VALUE(p.dim() == 1, "cplib.", op, ": ", name,
                     " must be 1-D (one global position per row), got shape ", p.sizes());
-  TORCH_CHECK_VALUE(p.numel() == rows, "cplib.", op, ": ", name, " has ", p.numel(),
+  CPLIB_CHECK_VALUE(p.numel() == rows, "cplib.", op, ": ", name, " has ", p.numel(),
                     " positions but ", rows_of, " has ", rows, " rows");
   if (rows > 0) {
-    const int64_t lo = p.min().item<int64_t>();
-    TORCH_CHECK_VALUE(lo >= 0, "cplib.", op, ": ", name, " must be non-negative, got ", lo);
+    const std::vector<int64_t> values = aten::to_host(p);
+    const int64_t lo = *std::min_element(values.begin(), values.end());
+    CPLIB_CHECK_VALUE(lo >= 0, "cplib.", op, ": ", name, " must be non-negative, got ", lo);
   }
 }
 
-void check_explicit(const char* op, const Config& cfg, const at::Tensor& q, const at::Tensor& k,
+void check_explicit(const char* op, const Config& cfg, const Tensor& q, const Tensor& k,
                     const Extras& ex) {
   check_positions(op, "q_positions", ex.q_positions, q.size(2), "q");
   check_positions(op, "kv_positions", ex.kv_positions, k.size(2), "k/v");
-  TORCH_CHECK_VALUE(!cfg.load_balanced && !ex.seq_len && !ex.per_document, "cplib.", op,
+  CPLIB_CHECK_VALUE(!cfg.load_balanced && !ex.seq_len && !ex.per_document, "cplib.", op,
                     ": q_positions/kv_positions describe the layout themselves: they exclude "
                     "load_balanced, seq_len and per_document");
   if (ex.cu_seqlens) {
-    const at::Tensor& cu = *ex.cu_seqlens;
-    TORCH_CHECK_VALUE(cu.dim() == 1 && cu.numel() >= 2, "cplib.", op,
+    const Tensor& cu = *ex.cu_seqlens;
+    CPLIB_CHECK_VALUE(cu.dim() == 1 && cu.numel() >= 2, "cplib.", op,
                       ": cu_seqlens must be 1-D with at least 2 entries [0, ..., S], got shape ",
                       cu.sizes());
-    const int64_t end = cu[-1].item<int64_t>();
+    const int64_t end = aten::to_host(torch::stable::select(cu, 0, -1)).at(0);
     for (const auto* pos : {&*ex.q_positions, &*ex.kv_positions}) {
       if (pos->numel() == 0) continue;
-      const int64_t hi = pos->max().item<int64_t>();
-      TORCH_CHECK_VALUE(hi < end, "cplib.", op, ": ",
+      const std::vector<int64_t> values = aten::to_host(*pos);
+      const int64_t hi = *std::max_element(values.begin(), values.end());
+      CPLIB_CHECK_VALUE(hi < end, "cplib.", op, ": ",
                         pos == &*ex.q_positions ? "q_positions" : "kv_positions", " holds ", hi,
                         ", past the last document (cu_seqlens ends at ", end, ")");
     }
@@ -129,24 +131,24 @@ void check_explicit(const char* op, const Config& cfg, const at::Tensor& q, cons
 }
 
 // Layouts and mask from the optional arguments.
-void check_extras(const char* op, Config& cfg, const at::Tensor& q, const at::Tensor& k,
+void check_extras(const char* op, Config& cfg, const Tensor& q, const Tensor& k,
                   const Extras& ex) {
   const int64_t n = cfg.size, lq = q.size(2), lk = k.size(2);
   int64_t sq = lq * n, sk = lk * n;
   if (ex.seq_len) {
     const int64_t s = *ex.seq_len;
-    TORCH_CHECK_VALUE(s >= n, "cplib.", op, ": seq_len=", s,
+    CPLIB_CHECK_VALUE(s >= n, "cplib.", op, ": seq_len=", s,
                       " is shorter than the world size ", n, " (every rank needs a token)");
     sq = sk = s;
   }
   if (ex.has_positions()) {
     check_explicit(op, cfg, q, k, ex);
-    if (ex.cu_seqlens) sq = sk = (*ex.cu_seqlens)[-1].item<int64_t>();
+    if (ex.cu_seqlens) sq = sk = aten::to_host(torch::stable::select(*ex.cu_seqlens, 0, -1)).at(0);
   }
   const bool masked = ex.cu_seqlens.has_value() || ex.window.has_value();
-  TORCH_CHECK_VALUE(!masked || sq == sk || ex.has_positions(), "cplib.", op, ": cu_seqlens and window need q and k/v "
+  CPLIB_CHECK_VALUE(!masked || sq == sk || ex.has_positions(), "cplib.", op, ": cu_seqlens and window need q and k/v "
                     "of one global length, got q ", sq, " and kv ", sk);
-  TORCH_CHECK_VALUE(!ex.per_document || (ex.cu_seqlens && ex.seq_len), "cplib.", op,
+  CPLIB_CHECK_VALUE(!ex.per_document || (ex.cu_seqlens && ex.seq_len), "cplib.", op,
                     ": per_document=True (head-tail inside every document) needs cu_seqlens and "
                     "seq_len");
   Mask& m = cfg.mask;
@@ -156,7 +158,7 @@ void check_extras(const char* op, Config& cfg, const at::Tensor& q, const at::Te
   if (ex.per_document) cfg.q_layout.documents = cfg.kv_layout.documents = m.bounds;
   if (ex.seq_len || ex.per_document) {
     const int64_t want = cfg.q_layout.local_len(cfg.rank);
-    TORCH_CHECK_VALUE(lq == want && lk == want, "cplib.", op, ": seq_len=", sq, " over ", n,
+    CPLIB_CHECK_VALUE(lq == want && lk == want, "cplib.", op, ": seq_len=", sq, " over ", n,
                       " ranks (", ex.per_document ? "per-document head-tail"
                       : cfg.load_balanced ? "head-tail" : "sequential",
                       " layout) gives rank ", cfg.rank, " ", want, " rows, but q has ", lq,
@@ -167,9 +169,9 @@ void check_extras(const char* op, Config& cfg, const at::Tensor& q, const at::Te
   m.left = m.right = m.seq_len;
   if (ex.window) {
     const auto& w = *ex.window;
-    TORCH_CHECK_VALUE(w.size() == 2, "cplib.", op, ": window must be (left, right), got ",
+    CPLIB_CHECK_VALUE(w.size() == 2, "cplib.", op, ": window must be (left, right), got ",
                       join(w));
-    TORCH_CHECK_VALUE(w[0] >= 0 && w[1] >= 0, "cplib.", op, ": window=", join(w),
+    CPLIB_CHECK_VALUE(w[0] >= 0 && w[1] >= 0, "cplib.", op, ": window=", join(w),
                       " must be non-negative (None for no limit)");
     m.left = std::min(w[0], m.seq_len);
     m.right = std::min(w[1], m.seq_len);
@@ -181,18 +183,18 @@ void check_extras(const char* op, Config& cfg, const at::Tensor& q, const at::Te
 
 namespace {
 
-Config check_local(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+Config check_local(const char* op, const Tensor& q, const Tensor& k, const Tensor& v,
                    bool is_causal, std::optional<double> scale, int64_t backend, bool positions) {
   check_tensors(op, q, k, v, positions);
-  TORCH_CHECK_VALUE(backend == kBackendAuto || backend == kBackendFlash ||
+  CPLIB_CHECK_VALUE(backend == kBackendAuto || backend == kBackendFlash ||
                         backend == kBackendEfficient || backend == kBackendCudnn,
                     "cplib.", op, ": backend=", backend,
                     " is not a backend (-1 = auto, 1 = flash, 2 = efficient, 3 = cudnn)");
-  TORCH_CHECK_VALUE(q.is_cuda() || backend == kBackendAuto || backend == kBackendFlash, "cplib.",
+  CPLIB_CHECK_VALUE(q.is_cuda() || backend == kBackendAuto || backend == kBackendFlash, "cplib.",
                     op, ": backend=", backend, " needs CUDA; CPU tensors always use flash (1)");
-  TORCH_CHECK_VALUE(!scale || (std::isfinite(*scale) && *scale > 0.0), "cplib.", op, ": scale=",
+  CPLIB_CHECK_VALUE(!scale || (std::isfinite(*scale) && *scale > 0.0), "cplib.", op, ": scale=",
                     scale ? *scale : 0.0, " must be a finite positive number or None");
-  TORCH_CHECK_VALUE(!is_causal || positions || q.size(2) == k.size(2), "cplib.", op,
+  CPLIB_CHECK_VALUE(!is_causal || positions || q.size(2) == k.size(2), "cplib.", op,
                     ": is_causal needs equal local q and kv lengths, got q ", q.size(2), " and kv ",
                     k.size(2));
   Config cfg;
@@ -213,33 +215,33 @@ Config check_local(const char* op, const at::Tensor& q, const at::Tensor& k, con
 
 }  // namespace
 
-Config check_local_args(const char* op, const at::Tensor& q, const at::Tensor& k,
-                        const at::Tensor& v, bool is_causal, std::optional<double> scale,
+Config check_local_args(const char* op, const Tensor& q, const Tensor& k,
+                        const Tensor& v, bool is_causal, std::optional<double> scale,
                         int64_t backend) {
   return check_local(op, q, k, v, is_causal, scale, backend, false);
 }
 
-Config check_args(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+Config check_args(const char* op, const Tensor& q, const Tensor& k, const Tensor& v,
                   std::string_view group_name, bool is_causal, bool load_balanced,
                   std::optional<double> scale, int64_t backend, int64_t rotate,
                   const Extras& extras) {
-  TORCH_CHECK_VALUE(rotate >= 0 && rotate <= 2, "cplib.", op, ": rotate=", rotate,
+  CPLIB_CHECK_VALUE(rotate >= 0 && rotate <= 2, "cplib.", op, ": rotate=", rotate,
                     " is not a rotation (0 = p2p, 1 = alltoall, 2 = allgather)");
-  TORCH_CHECK_VALUE(extras.ring_pass >= kPassKV && extras.ring_pass <= kPassAuto, "cplib.", op,
+  CPLIB_CHECK_VALUE(extras.ring_pass >= kPassKV && extras.ring_pass <= kPassAuto, "cplib.", op,
                     ": ring_pass=", extras.ring_pass,
                     " is not a ring pass (0 = kv, 1 = q, 2 = auto)");
   Config cfg = check_local(op, q, k, v, is_causal, scale, backend, extras.has_positions());
   // Without seq_len the global length is N times the local one, two equal
   // chunks per rank when load balanced.
-  TORCH_CHECK_VALUE(extras.seq_len || extras.per_document || !load_balanced ||
+  CPLIB_CHECK_VALUE(extras.seq_len || extras.per_document || !load_balanced ||
                         extras.has_positions() ||
                         (q.size(2) % 2 == 0 && k.size(2) % 2 == 0),
                     "cplib.", op,
                     ": load_balanced needs even local lengths (two chunks per rank), got q ",
                     q.size(2), " and kv ", k.size(2));
-  cfg.pg = resolve_group(group_name);
-  cfg.rank = cfg.pg->getRank();
-  cfg.size = cfg.pg->getSize();
+  cfg.group = resolve_group(group_name);
+  cfg.rank = cfg.group.rank;
+  cfg.size = cfg.group.size;
   cfg.load_balanced = load_balanced;
   cfg.rotate = static_cast<Rotate>(rotate);
   check_extras(op, cfg, q, k, extras);
@@ -259,26 +261,25 @@ bool pass_q_moves_less(int64_t q_tokens, int64_t kv_tokens, int64_t q_heads, int
 
 int64_t last_ring_pass() { return g_last_pass.load(); }
 
-void finish_config(Config& cfg, const Extras& ex, const at::Tensor& q, const at::Tensor& k,
-                   const at::Tensor& v) {
+void finish_config(Config& cfg, const Extras& ex, const Tensor& q, const Tensor& k,
+                   const Tensor& v) {
   if (ex.has_positions()) {
     const int64_t n = cfg.size;
-    const auto idx = at::TensorOptions().dtype(at::kLong).device(q.device());
-    at::Tensor mine = at::tensor(std::vector<int64_t>{q.size(2), k.size(2)}, idx);
-    at::Tensor lens = at::empty({2 * n}, idx);
-    wait(all_gather_dim0(cfg.pg, lens, mine));
-    const at::Tensor hl = lens.cpu();
-    const int64_t* l = hl.const_data_ptr<int64_t>();
+    const aten::Opts idx{ScalarType::Long, q.device()};
+    const Tensor lens = all_gather_dim0(cfg.group, aten::from_host({q.size(2), k.size(2)}, idx.device));
+    wait(lens);
+    const std::vector<int64_t> hl = aten::to_host(lens);
+    const int64_t* l = hl.data();
     int64_t wq = 1, wk = 1;
     for (int64_t r = 0; r < n; ++r) wq = std::max(wq, l[2 * r]), wk = std::max(wk, l[2 * r + 1]);
     // [q positions padded to wq | kv positions padded to wk] per rank.
-    at::Tensor in = at::full({wq + wk}, -1, idx);
-    in.narrow(0, 0, q.size(2)).copy_(*ex.q_positions);
-    in.narrow(0, wq, k.size(2)).copy_(*ex.kv_positions);
-    at::Tensor all = at::empty({n * (wq + wk)}, idx);
-    wait(all_gather_dim0(cfg.pg, all, in));
-    const at::Tensor ha = all.cpu();
-    const int64_t* a = ha.const_data_ptr<int64_t>();
+    Tensor in = aten::full({wq + wk}, -1, idx);
+    aten::copy_(aten::narrow(in, 0, 0, q.size(2)), *ex.q_positions);
+    aten::copy_(aten::narrow(in, 0, wq, k.size(2)), *ex.kv_positions);
+    const Tensor all = all_gather_dim0(cfg.group, in);
+    wait(all);
+    const std::vector<int64_t> ha = aten::to_host(all);
+    const int64_t* a = ha.data();
     Layout ql, kl;
     ql.size = kl.size = n;
     int64_t top = 0;
@@ -307,7 +308,7 @@ void finish_config(Config& cfg, const Extras& ex, const at::Tensor& q, const at:
       tq += cfg.q_layout.local_len(r), tk += cfg.kv_layout.local_len(r);
     pass = pass_q_moves_less(tq, tk, q.size(1), k.size(1), q.size(3), v.size(3),
                              static_cast<int64_t>(q.element_size()),
-                             acc_dtype(q) == at::kDouble ? 8 : 4)
+                             acc_dtype(q) == ScalarType::Double ? 8 : 4)
                ? kPassQ
                : kPassKV;
   }

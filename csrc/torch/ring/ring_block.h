@@ -5,54 +5,59 @@
 
 #include <tuple>
 
-#include <ATen/ATen.h>
+#include "common/stable.h"
 
 #include "ring/ring.h"
+
+// Internal to the extension (torch's stable types are hidden).
+#pragma GCC visibility push(hidden)
 
 namespace cplib::ring {
 
 struct BlockResult {
-  at::Tensor out;  // (B, H, Lq, Dv), q's dtype
-  at::Tensor lse;  // (B, H, Lq), accumulator dtype, possibly strided
+  Tensor out;  // (B, H, Lq, Dv), q's dtype
+  Tensor lse;  // (B, H, Lq), accumulator dtype, possibly strided
 };
 
 // `mask` (optional): an additive (Lq, Lk) mask in q's dtype (0 or -inf).
 // Rows it hides entirely come back with an unspecified lse: callers fix them.
-BlockResult block_forward(const Config& cfg, const at::Tensor& q, const at::Tensor& k,
-                          const at::Tensor& v, bool causal, const at::Tensor& mask = {});
+BlockResult block_forward(const Config& cfg, const Tensor& q, const Tensor& k,
+                          const Tensor& v, bool causal, const Tensor& mask = Tensor());
 
 // Gradients of the block given the merged (global) out and lse of these q rows.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> block_backward(
-    const Config& cfg, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
-    const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, bool causal,
-    const at::Tensor& mask = {});
+std::tuple<Tensor, Tensor, Tensor> block_backward(
+    const Config& cfg, const Tensor& grad_out, const Tensor& q, const Tensor& k,
+    const Tensor& v, const Tensor& out, const Tensor& lse, bool causal,
+    const Tensor& mask = Tensor());
 
-BlockResult block_forward_cpu(const Config& cfg, const at::Tensor& q, const at::Tensor& k,
-                              const at::Tensor& v, bool causal, const at::Tensor& mask);
-std::tuple<at::Tensor, at::Tensor, at::Tensor> block_backward_cpu(
-    const Config& cfg, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
-    const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, bool causal,
-    const at::Tensor& mask);
+BlockResult block_forward_cpu(const Config& cfg, const Tensor& q, const Tensor& k,
+                              const Tensor& v, bool causal, const Tensor& mask);
+std::tuple<Tensor, Tensor, Tensor> block_backward_cpu(
+    const Config& cfg, const Tensor& grad_out, const Tensor& q, const Tensor& k,
+    const Tensor& v, const Tensor& out, const Tensor& lse, bool causal,
+    const Tensor& mask);
 
 #ifdef CPLIB_WITH_CUDA
 // The backend every block of this ring uses: `backend` itself, or for auto
 // the one scaled_dot_product_attention would pick for the local shapes (so
 // torch.nn.attention.sdpa_kernel is honoured). Raises NotImplementedError
 // when only the math backend would do.
-int64_t resolve_backend_cuda(int64_t backend, const at::Tensor& q, const at::Tensor& k,
-                             const at::Tensor& v, bool causal, std::optional<double> scale);
-BlockResult block_forward_cuda(const Config& cfg, const at::Tensor& q, const at::Tensor& k,
-                               const at::Tensor& v, bool causal);
-std::tuple<at::Tensor, at::Tensor, at::Tensor> block_backward_cuda(
-    const Config& cfg, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
-    const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, bool causal);
+int64_t resolve_backend_cuda(int64_t backend, const Tensor& q, const Tensor& k,
+                             const Tensor& v, bool causal, std::optional<double> scale);
+BlockResult block_forward_cuda(const Config& cfg, const Tensor& q, const Tensor& k,
+                               const Tensor& v, bool causal);
+std::tuple<Tensor, Tensor, Tensor> block_backward_cuda(
+    const Config& cfg, const Tensor& grad_out, const Tensor& q, const Tensor& k,
+    const Tensor& v, const Tensor& out, const Tensor& lse, bool causal);
 // Blocks with an explicit mask (windows, documents): the memory-efficient
 // kernel with the mask as its attention bias (ring_block_cuda_masked.cpp).
-BlockResult block_forward_cuda_masked(const Config& cfg, const at::Tensor& q, const at::Tensor& k,
-                                      const at::Tensor& v, const at::Tensor& mask);
-std::tuple<at::Tensor, at::Tensor, at::Tensor> block_backward_cuda_masked(
-    const Config& cfg, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
-    const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& mask);
+BlockResult block_forward_cuda_masked(const Config& cfg, const Tensor& q, const Tensor& k,
+                                      const Tensor& v, const Tensor& mask);
+std::tuple<Tensor, Tensor, Tensor> block_backward_cuda_masked(
+    const Config& cfg, const Tensor& grad_out, const Tensor& q, const Tensor& k,
+    const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& mask);
 #endif
 
 }  // namespace cplib::ring
+
+#pragma GCC visibility pop

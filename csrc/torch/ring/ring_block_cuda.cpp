@@ -4,34 +4,27 @@
 // backward kernels get placeholder philox tensors.
 #ifdef CPLIB_WITH_CUDA
 
-#include <ATen/ops/_fused_sdp_choice.h>
-#include <ATen/ops/_scaled_dot_product_cudnn_attention.h>
-#include <ATen/ops/_scaled_dot_product_cudnn_attention_backward.h>
-#include <ATen/ops/_scaled_dot_product_efficient_attention.h>
-#include <ATen/ops/_scaled_dot_product_efficient_attention_backward.h>
-#include <ATen/ops/_scaled_dot_product_flash_attention.h>
-#include <ATen/ops/_scaled_dot_product_flash_attention_backward.h>
-
 #include <limits>
 
+#include "ring/ring_aten.h"
 #include "ring/ring_block.h"
 
 namespace cplib::ring {
 namespace {
 
 int64_t pick_backend(const Config& cfg) {
-  TORCH_CHECK(cfg.backend != kBackendAuto, "cplib.ring_sdpa: backend not resolved");
+  CPLIB_CHECK(cfg.backend != kBackendAuto, "cplib.ring_sdpa: backend not resolved");
   return cfg.backend;
 }
 
-at::Tensor philox_placeholder(const at::Tensor& like) {
-  return at::empty({}, like.options().dtype(at::kLong));
+Tensor philox_placeholder(const Tensor& like) {
+  return aten::empty({}, aten::opts_of(like).dtype_(ScalarType::Long));
 }
 
 // A (B, H, L, D) view of `t` whose memory is (B, L, H, D)-dense, the layout
 // the efficient kernels' outputs have and their backward assumes for `out`.
-at::Tensor seq_major(const at::Tensor& t) {
-  return t.transpose(1, 2).contiguous().transpose(1, 2);
+Tensor seq_major(const Tensor& t) {
+  return torch::stable::transpose(aten::contiguous(torch::stable::transpose(t, 1, 2)), 1, 2);
 }
 
 // The efficient kernel pads its lse rows to a multiple of 32.
@@ -39,59 +32,57 @@ constexpr int64_t kEfficientLseAlign = 32;
 
 }  // namespace
 
-int64_t resolve_backend_cuda(int64_t backend, const at::Tensor& q, const at::Tensor& k,
-                             const at::Tensor& v, bool causal, std::optional<double> scale) {
+int64_t resolve_backend_cuda(int64_t backend, const Tensor& q, const Tensor& k,
+                             const Tensor& v, bool causal, std::optional<double> scale) {
   if (backend != kBackendAuto) return backend;
   // The blocks see k/v expanded to q's heads: ask about that shape (a
   // stride-0 view, no copy).
-  auto as_q_heads = [&q](const at::Tensor& t) {
-    return t.narrow(1, 0, 1).expand({t.size(0), q.size(1), t.size(2), t.size(3)});
+  auto as_q_heads = [&q](const Tensor& t) {
+    return aten::expand(aten::narrow(t, 1, 0, 1), {t.size(0), q.size(1), t.size(2), t.size(3)});
   };
   // MLA (v's head dim below q/k's): flash and cuDNN get v zero-padded to
   // q/k's head dim (ring_block_cpu.cpp), so ask about that shape.
-  const at::Tensor& v_seen = v.size(3) < q.size(3) ? k : v;
-  const int64_t b = at::_fused_sdp_choice(q, as_q_heads(k), as_q_heads(v_seen), std::nullopt,
-                                          0.0, causal, scale, false);
-  TORCH_CHECK_NOT_IMPLEMENTED(b == kBackendFlash || b == kBackendEfficient || b == kBackendCudnn,
+  const Tensor& v_seen = v.size(3) < q.size(3) ? k : v;
+  const int64_t b = aten::fused_sdp_choice(q, as_q_heads(k), as_q_heads(v_seen), causal, scale);
+  CPLIB_CHECK_NOT_IMPLEMENTED(b == kBackendFlash || b == kBackendEfficient || b == kBackendCudnn,
                               "cplib.ring_sdpa: no fused SDPA backend returning a log-sum-exp "
-                              "accepts these inputs (dtype ", q.scalar_type(), ", head dim ",
+                              "accepts these inputs (dtype ",
+                              torch::headeronly::toString(q.scalar_type()), ", head dim ",
                               q.size(3), "); scaled_dot_product_attention would pick backend ", b);
   return b;
 }
 
-BlockResult block_forward_cuda(const Config& cfg, const at::Tensor& q, const at::Tensor& k,
-                               const at::Tensor& v, bool causal) {
+BlockResult block_forward_cuda(const Config& cfg, const Tensor& q, const Tensor& k,
+                               const Tensor& v, bool causal) {
   const int64_t Lq = q.size(2);
   switch (pick_backend(cfg)) {
     case kBackendFlash: {
-      auto r = at::_scaled_dot_product_flash_attention(q, k, v, 0.0, causal, false, cfg.scale);
-      return {std::get<0>(r), std::get<1>(r)};
+      auto [out, lse] = aten::flash_cuda(q, k, v, causal, cfg.scale);
+      return {out, lse};
     }
     case kBackendEfficient: {
-      auto r = at::_scaled_dot_product_efficient_attention(q, k, v, std::nullopt, true, 0.0,
-                                                           causal, cfg.scale);
-      return {std::get<0>(r), std::get<1>(r).narrow(2, 0, Lq)};
+      auto [out, lse] = aten::efficient_cuda(q, k, v, std::nullopt, causal, cfg.scale);
+      return {out, aten::narrow(lse, 2, 0, Lq)};
     }
     default: {
-      auto r = at::_scaled_dot_product_cudnn_attention(q, k, v, std::nullopt, true, 0.0, causal,
-                                                       false, cfg.scale);
-      at::Tensor lse = std::get<1>(r);
-      return {std::get<0>(r), lse.dim() == 4 ? lse.squeeze(-1) : lse};  // (B,H,L,1) -> (B,H,L)
+      auto [out, lse] = aten::cudnn_cuda(q, k, v, causal, cfg.scale);
+      // (B,H,L,1) -> (B,H,L)
+      return {out, lse.dim() == 4 ? torch::stable::squeeze(lse, -1) : lse};
     }
   }
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> block_backward_cuda(
-    const Config& cfg, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
-    const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, bool causal) {
+std::tuple<Tensor, Tensor, Tensor> block_backward_cuda(
+    const Config& cfg, const Tensor& grad_out, const Tensor& q, const Tensor& k,
+    const Tensor& v, const Tensor& out, const Tensor& lse, bool causal) {
   const int64_t Lq = q.size(2), Lk = k.size(2);
-  const at::Tensor seed = philox_placeholder(q), offset = philox_placeholder(q);
+  const Tensor seed = philox_placeholder(q), offset = philox_placeholder(q);
   switch (pick_backend(cfg)) {
     case kBackendFlash:
       // Strided lse rows give wrong gradients in these kernels (upstream's note).
-      return at::_scaled_dot_product_flash_attention_backward(
-          grad_out.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), at::Tensor(),
-          at::Tensor(), Lq, Lk, 0.0, causal, seed, offset, cfg.scale);
+      return aten::flash_cuda_backward(aten::contiguous(grad_out), q, k, v, aten::contiguous(out),
+                                       aten::contiguous(lse), Lq, Lk, causal, seed, offset,
+                                       cfg.scale);
     case kBackendEfficient: {
       // The CUTLASS backward never reads out's row stride: it assumes the
       // (B, L, H, D)-dense memory its own forward returns (o_strideM() =
@@ -101,18 +92,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_backward_cuda(
       // needs no delta, stayed right).
       const int64_t padded = (Lq + kEfficientLseAlign - 1) / kEfficientLseAlign * kEfficientLseAlign;
       // Padded as the forward pads it (+inf: those rows get probability 0).
-      at::Tensor lse_padded = at::full({lse.size(0), lse.size(1), padded},
-                                       std::numeric_limits<double>::infinity(), lse.options());
-      lse_padded.narrow(2, 0, Lq).copy_(lse);
-      auto r = at::_scaled_dot_product_efficient_attention_backward(
-          seq_major(grad_out), q, k, v, at::Tensor(), seq_major(out), lse_padded, seed, offset,
-          0.0, {true, true, true, false}, causal, cfg.scale);
-      return {std::get<0>(r), std::get<1>(r), std::get<2>(r)};
+      Tensor lse_padded = aten::full({lse.size(0), lse.size(1), padded},
+                                     std::numeric_limits<double>::infinity(), aten::opts_of(lse));
+      aten::copy_(aten::narrow(lse_padded, 2, 0, Lq), lse);
+      return aten::efficient_cuda_backward(seq_major(grad_out), q, k, v, Tensor(), seq_major(out),
+                                           lse_padded, seed, offset, causal, cfg.scale);
     }
     default:
-      return at::_scaled_dot_product_cudnn_attention_backward(
-          grad_out.contiguous(), q, k, v, out.contiguous(), lse.unsqueeze(-1).contiguous(), seed,
-          offset, at::Tensor(), at::Tensor(), at::Tensor(), Lq, Lk, 0.0, causal, cfg.scale);
+      return aten::cudnn_cuda_backward(aten::contiguous(grad_out), q, k, v, aten::contiguous(out),
+                                       aten::contiguous(torch::stable::unsqueeze(lse, -1)), seed,
+                                       offset, Lq, Lk, causal, cfg.scale);
   }
 }
 

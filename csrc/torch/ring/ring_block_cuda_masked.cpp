@@ -9,11 +9,9 @@
 // NOTE: written without a GPU to run it on; the CPU path is the tested one.
 #ifdef CPLIB_WITH_CUDA
 
-#include <ATen/ops/_scaled_dot_product_efficient_attention.h>
-#include <ATen/ops/_scaled_dot_product_efficient_attention_backward.h>
-
 #include <limits>
 
+#include "ring/ring_aten.h"
 #include "ring/ring_block.h"
 
 namespace cplib::ring {
@@ -27,42 +25,41 @@ constexpr int64_t kLseAlign = 32;
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // (Lq, Lk) -> (B, H, Lq, Lk) broadcast view over 16-aligned rows.
-at::Tensor as_bias(const at::Tensor& mask, const at::Tensor& q, const at::Tensor& k) {
+Tensor as_bias(const Tensor& mask, const Tensor& q, const Tensor& k) {
   const int64_t lq = mask.size(0), lk = mask.size(1);
-  at::Tensor aligned = at::empty({lq, round_up(lk, kBiasAlign)}, mask.options());
-  aligned.narrow(1, 0, lk).copy_(mask);
-  return aligned.narrow(1, 0, lk).expand({q.size(0), q.size(1), lq, k.size(2)});
+  Tensor aligned = aten::empty({lq, round_up(lk, kBiasAlign)}, aten::opts_of(mask));
+  aten::copy_(aten::narrow(aligned, 1, 0, lk), mask);
+  return aten::expand(aten::narrow(aligned, 1, 0, lk), {q.size(0), q.size(1), lq, k.size(2)});
 }
 
 // A (B, H, L, D) view whose memory is (B, L, H, D)-dense: the efficient
 // backward assumes that layout for out and grad_out (see ring_block_cuda.cpp).
-at::Tensor seq_major(const at::Tensor& t) { return t.transpose(1, 2).contiguous().transpose(1, 2); }
+Tensor seq_major(const Tensor& t) {
+  return torch::stable::transpose(aten::contiguous(torch::stable::transpose(t, 1, 2)), 1, 2);
+}
 
 }  // namespace
 
-BlockResult block_forward_cuda_masked(const Config& cfg, const at::Tensor& q, const at::Tensor& k,
-                                      const at::Tensor& v, const at::Tensor& mask) {
-  auto r = at::_scaled_dot_product_efficient_attention(q, k, v, as_bias(mask, q, k),
-                                                       /*compute_log_sumexp=*/true, 0.0,
-                                                       /*is_causal=*/false, cfg.scale);
-  return {std::get<0>(r), std::get<1>(r).narrow(2, 0, q.size(2))};
+BlockResult block_forward_cuda_masked(const Config& cfg, const Tensor& q, const Tensor& k,
+                                      const Tensor& v, const Tensor& mask) {
+  auto [out, lse] = aten::efficient_cuda(q, k, v, as_bias(mask, q, k), /*causal=*/false, cfg.scale);
+  return {out, aten::narrow(lse, 2, 0, q.size(2))};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> block_backward_cuda_masked(
-    const Config& cfg, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
-    const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& mask) {
+std::tuple<Tensor, Tensor, Tensor> block_backward_cuda_masked(
+    const Config& cfg, const Tensor& grad_out, const Tensor& q, const Tensor& k,
+    const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& mask) {
   const int64_t lq = q.size(2);
   // Padded as the forward pads it (+inf: those rows get probability 0).
-  at::Tensor lse_padded = at::full({lse.size(0), lse.size(1), round_up(lq, kLseAlign)},
-                                   std::numeric_limits<double>::infinity(),
-                                   lse.options().dtype(at::kFloat));
-  lse_padded.narrow(2, 0, lq).copy_(lse);
-  const at::Tensor seed = at::empty({}, q.options().dtype(at::kLong));
-  const at::Tensor offset = at::empty({}, q.options().dtype(at::kLong));
-  auto r = at::_scaled_dot_product_efficient_attention_backward(
-      seq_major(grad_out), q, k, v, as_bias(mask, q, k), seq_major(out), lse_padded, seed, offset,
-      0.0, {true, true, true, false}, /*is_causal=*/false, cfg.scale);
-  return {std::get<0>(r), std::get<1>(r), std::get<2>(r)};
+  Tensor lse_padded = aten::full({lse.size(0), lse.size(1), round_up(lq, kLseAlign)},
+                                 std::numeric_limits<double>::infinity(),
+                                 aten::opts_of(lse).dtype_(ScalarType::Float));
+  aten::copy_(aten::narrow(lse_padded, 2, 0, lq), lse);
+  const Tensor seed = aten::empty({}, aten::opts_of(q).dtype_(ScalarType::Long));
+  const Tensor offset = aten::empty({}, aten::opts_of(q).dtype_(ScalarType::Long));
+  return aten::efficient_cuda_backward(seq_major(grad_out), q, k, v, as_bias(mask, q, k),
+                                       seq_major(out), lse_padded, seed, offset,
+                                       /*is_causal=*/false, cfg.scale);
 }
 
 }  // namespace cplib::ring

@@ -2,38 +2,40 @@
 
 #include <algorithm>
 
+#include "ring/ring_aten.h"
+
 namespace cplib::ring {
 
-HeadExpander::HeadExpander(int64_t groups, const at::Tensor& like, int64_t max_len)
+HeadExpander::HeadExpander(int64_t groups, const Tensor& like, int64_t max_len)
     : groups_(groups) {
   const int64_t rows = std::max<int64_t>(max_len, like.size(2));
   if (groups_ > 1)
-    storage_ = at::empty({like.size(0) * like.size(1) * rows * like.size(3) * groups_},
-                         like.options());
+    storage_ = aten::empty({like.size(0) * like.size(1) * rows * like.size(3) * groups_},
+                           aten::opts_of(like));
 }
 
-at::Tensor HeadExpander::operator()(const at::Tensor& x) {
+Tensor HeadExpander::operator()(const Tensor& x) {
   if (groups_ == 1) return x;
   const int64_t B = x.size(0), H = x.size(1), L = x.size(2), D = x.size(3);
-  at::Tensor dst = storage_.narrow(0, 0, x.numel() * groups_).view({B, H, groups_, L, D});
-  dst.copy_(x.unsqueeze(2).expand({B, H, groups_, L, D}));
-  return dst.view({B, H * groups_, L, D});
+  Tensor dst = aten::view(aten::narrow(storage_, 0, 0, x.numel() * groups_), {B, H, groups_, L, D});
+  aten::copy_(dst, aten::expand(torch::stable::unsqueeze(x, 2), {B, H, groups_, L, D}));
+  return aten::view(dst, {B, H * groups_, L, D});
 }
 
-void reduce_heads_into(at::Tensor acc, const at::Tensor& g, int64_t groups, bool accumulate) {
+void reduce_heads_into(const Tensor& acc, const Tensor& g, int64_t groups, bool accumulate) {
   if (groups == 1) {
     if (accumulate)
-      acc.add_(g);
+      aten::add_(acc, g);
     else
-      acc.copy_(g);
+      aten::copy_(acc, g);
     return;
   }
   const int64_t B = acc.size(0), H = acc.size(1), L = acc.size(2), D = acc.size(3);
-  at::Tensor grouped = g.reshape({B, H, groups, L, D});
+  const Tensor grouped = aten::reshape(g, {B, H, groups, L, D});
   if (accumulate)
-    acc.add_(grouped.sum(2, /*keepdim=*/false, acc.scalar_type()));
+    aten::add_(acc, aten::sum_dim(grouped, 2, acc.scalar_type()));
   else
-    at::sum_out(acc, grouped, {2}, /*keepdim=*/false, acc.scalar_type());
+    aten::sum_dim_out(acc, grouped, 2, acc.scalar_type());
 }
 
 }  // namespace cplib::ring

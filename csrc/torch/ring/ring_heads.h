@@ -3,7 +3,10 @@
 // group of q heads before they are accumulated.
 #pragma once
 
-#include <ATen/ATen.h>
+#include "common/stable.h"
+
+// Internal to the extension (torch's stable types are hidden).
+#pragma GCC visibility push(hidden)
 
 namespace cplib::ring {
 
@@ -12,16 +15,18 @@ namespace cplib::ring {
 // groups == 1 it returns its input.
 class HeadExpander {
  public:
-  HeadExpander(int64_t groups, const at::Tensor& like, int64_t max_len);
-  at::Tensor operator()(const at::Tensor& x);
+  HeadExpander(int64_t groups, const Tensor& like, int64_t max_len);
+  Tensor operator()(const Tensor& x);
 
  private:
   int64_t groups_;
-  at::Tensor storage_;  // flat, numel of `like` times groups
+  Tensor storage_;  // flat, numel of `like` times groups
 };
 
 // acc (B, Hkv, L, D) = (or +=, with accumulate) the sum over each group of q
 // heads of g (B, Hkv * groups, L, D), summing in acc's dtype.
-void reduce_heads_into(at::Tensor acc, const at::Tensor& g, int64_t groups, bool accumulate);
+void reduce_heads_into(const Tensor& acc, const Tensor& g, int64_t groups, bool accumulate);
 
 }  // namespace cplib::ring
+
+#pragma GCC visibility pop

@@ -13,6 +13,9 @@
 #include <cstdint>
 #include <vector>
 
+// Internal to the extension (torch's stable types are hidden).
+#pragma GCC visibility push(hidden)
+
 namespace cplib::ring {
 
 // Global positions [start, start + len).
@@ -50,3 +53,5 @@ struct Layout {
 };
 
 }  // namespace cplib::ring
+
+#pragma GCC visibility pop

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <sstream>
 
-#include <torch/library.h>
+#include "ring/ring_aten.h"
 
 namespace cplib::ring {
 namespace {
@@ -24,19 +24,16 @@ bool all_equal(const std::vector<int64_t>& v) {
 
 }  // namespace
 
-std::vector<int64_t> gather_local_lengths(const PG& pg, const std::vector<int64_t>& local,
-                                          const at::Device& device) {
-  const int64_t n = pg->getSize(), w = static_cast<int64_t>(local.size());
+std::vector<int64_t> gather_local_lengths(const Group& group, const std::vector<int64_t>& local,
+                                          const Device& device) {
+  const int64_t n = group.size, w = static_cast<int64_t>(local.size());
   if (n == 1 || w == 0) return local;
-  at::Tensor in = at::tensor(local, at::TensorOptions().dtype(at::kLong)).to(device);
-  at::Tensor out = at::empty({n * w}, in.options());
-  wait(all_gather_dim0(pg, out, in));
-  const at::Tensor host = out.cpu();
-  const int64_t* p = host.data_ptr<int64_t>();
-  return {p, p + n * w};
+  const Tensor out = all_gather_dim0(group, aten::from_host(local, device));
+  wait(out);
+  return aten::to_host(out);
 }
 
-void learn_local_lengths(const char* op, Config& cfg, const at::Tensor& q, const at::Tensor& k,
+void learn_local_lengths(const char* op, Config& cfg, const Tensor& q, const Tensor& k,
                          const Extras& ex, const Handshake& hs) {
   if (ex.seq_len || ex.per_document || cfg.size == 1) return;
   const int64_t n = cfg.size;
@@ -48,12 +45,12 @@ void learn_local_lengths(const char* op, Config& cfg, const at::Tensor& q, const
     }
   } else {
     const std::vector<int64_t> table =
-        gather_local_lengths(cfg.pg, {q.size(2), k.size(2)}, q.device());
+        gather_local_lengths(cfg.group, {q.size(2), k.size(2)}, q.device());
     for (int64_t r = 0; r < n; ++r) lq[r] = table[2 * r], lk[r] = table[2 * r + 1];
   }
   if (all_equal(lq) && all_equal(lk)) return;
   const bool positional = cfg.causal || cfg.load_balanced || ex.cu_seqlens || ex.window;
-  TORCH_CHECK_VALUE(!positional, "cplib.", op, ": the ranks' local lengths differ (q ", list(lq),
+  CPLIB_CHECK_VALUE(!positional, "cplib.", op, ": the ranks' local lengths differ (q ", list(lq),
                     ", k/v ", list(lk), "), which only non-causal attention without documents, "
                     "windows or load balancing accepts; pass seq_len for a layout cplib derives");
   cfg.q_layout = {0, n, false, {}, lq, {}};
@@ -66,18 +63,21 @@ void learn_local_lengths(const char* op, Config& cfg, const at::Tensor& q, const
 
 namespace {
 
-std::vector<int64_t> gather_local_lengths_op(at::IntArrayRef local, c10::string_view group_name,
-                                             at::Device device) {
-  return gather_local_lengths(resolve_group({group_name.data(), group_name.size()}), local.vec(),
-                              device);
+std::vector<int64_t> gather_local_lengths_op(std::vector<int64_t> local, std::string group_name,
+                                             Device device) {
+  return gather_local_lengths(resolve_group(group_name), local, device);
 }
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
+STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
   // Not traceable (its result is data): eager entry points only.
-  m.def("gather_local_lengths(int[] local, str group_name, Device device) -> int[]",
-        &gather_local_lengths_op);
+  m.def("gather_local_lengths(int[] local, str group_name, Device device) -> int[]");
+}
+
+// No tensor arguments: CompositeExplicitAutograd.
+STABLE_TORCH_LIBRARY_IMPL(cplib_c, CompositeExplicitAutograd, m) {
+  m.impl("gather_local_lengths", TORCH_BOX(&gather_local_lengths_op));
 }
 
 }  // namespace cplib::ring

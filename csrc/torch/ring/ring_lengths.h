@@ -5,18 +5,20 @@
 
 #include <vector>
 
-#include <ATen/ATen.h>
-
-#include "comm/comm.h"
+#include "comm/collectives.h"
 #include "comm/handshake.h"
+#include "common/stable.h"
 #include "ring/ring.h"
+
+// Internal to the extension (torch's stable types are hidden).
+#pragma GCC visibility push(hidden)
 
 namespace cplib::ring {
 
 // One small all-gather: `local` (the same count of values on every rank) from
-// every rank, rank-major. Collective over `pg`; on `device` (NCCL needs CUDA).
-std::vector<int64_t> gather_local_lengths(const PG& pg, const std::vector<int64_t>& local,
-                                          const at::Device& device);
+// every rank, rank-major. Collective over `group`; on `device` (NCCL needs CUDA).
+std::vector<int64_t> gather_local_lengths(const Group& group, const std::vector<int64_t>& local,
+                                          const Device& device);
 
 // Without seq_len or documents the ring derives every rank's rows from equal
 // shards; this reads the actual q and k/v lengths of every rank from the
@@ -25,7 +27,9 @@ std::vector<int64_t> gather_local_lengths(const PG& pg, const std::vector<int64_
 // attention only: causal masks, windows, documents and load balancing need
 // global positions, so they raise ValueError naming the lengths and seq_len,
 // alike on every rank).
-void learn_local_lengths(const char* op, Config& cfg, const at::Tensor& q, const at::Tensor& k,
+void learn_local_lengths(const char* op, Config& cfg, const Tensor& q, const Tensor& k,
                          const Extras& ex, const Handshake& hs);
 
 }  // namespace cplib::ring
+
+#pragma GCC visibility pop

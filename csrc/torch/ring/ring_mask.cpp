@@ -54,24 +54,38 @@ Range Mask::visible_keys(Range q, Range k) const {
   return {lo, std::max<int64_t>(hi - lo, 0)};
 }
 
-std::pair<at::Tensor, at::Tensor> Mask::build(Range q, Range k,
-                                              const at::TensorOptions& opts) const {
-  const auto idx = opts.dtype(at::kLong);
-  return build_at(at::arange(q.start, q.end(), idx), at::arange(k.start, k.end(), idx), opts);
+std::pair<Tensor, Tensor> Mask::build(Range q, Range k, const aten::Opts& opts) const {
+  std::vector<int64_t> qp(static_cast<size_t>(std::max<int64_t>(q.len, 0)));
+  std::vector<int64_t> kp(static_cast<size_t>(std::max<int64_t>(k.len, 0)));
+  for (size_t i = 0; i < qp.size(); ++i) qp[i] = q.start + static_cast<int64_t>(i);
+  for (size_t j = 0; j < kp.size(); ++j) kp[j] = k.start + static_cast<int64_t>(j);
+  return build_at(qp, kp, opts);
 }
 
-std::pair<at::Tensor, at::Tensor> Mask::build_at(const at::Tensor& q_pos, const at::Tensor& k_pos,
-                                                 const at::TensorOptions& opts) const {
-  const at::Tensor qi = q_pos.unsqueeze(1), kj = k_pos.unsqueeze(0);
-  at::Tensor visible = kj.ge(qi - left).logical_and_(kj.le(qi + right));
+std::pair<Tensor, Tensor> Mask::build_at(const std::vector<int64_t>& q_pos,
+                                         const std::vector<int64_t>& k_pos,
+                                         const aten::Opts& opts) const {
+  // Per-row bounds and documents on the host (one pass over the positions),
+  // the (rows x columns) comparison on the device.
+  const size_t lq = q_pos.size(), lk = k_pos.size();
+  std::vector<int64_t> lo(lq), hi(lq);
+  for (size_t i = 0; i < lq; ++i) lo[i] = q_pos[i] - left, hi[i] = q_pos[i] + right;
+  const Device dev = opts.device;
+  const Tensor kj = aten::view(aten::from_host(k_pos, dev), {1, static_cast<int64_t>(lk)});
+  auto column = [&dev](const std::vector<int64_t>& v) {
+    return aten::view(aten::from_host(v, dev), {static_cast<int64_t>(v.size()), 1});
+  };
+  Tensor visible = aten::logical_and(aten::ge(kj, column(lo)), aten::le(kj, column(hi)));
   if (bounds.size() > 2) {
-    const at::Tensor b = at::tensor(bounds, opts.dtype(at::kLong));
-    visible.logical_and_(at::searchsorted(b, qi, /*out_int32=*/false, /*right=*/true)
-                             .eq(at::searchsorted(b, kj, false, true)));
+    std::vector<int64_t> qd(lq), kd(lk);
+    for (size_t i = 0; i < lq; ++i) qd[i] = doc_of(q_pos[i]);
+    for (size_t j = 0; j < lk; ++j) kd[j] = doc_of(k_pos[j]);
+    const Tensor kdt = aten::view(aten::from_host(kd, dev), {1, static_cast<int64_t>(lk)});
+    visible = aten::logical_and(visible, aten::eq(kdt, column(qd)));
   }
-  at::Tensor additive = at::zeros({q_pos.size(0), k_pos.size(0)}, opts);
-  additive.masked_fill_(visible.logical_not(), -std::numeric_limits<double>::infinity());
-  return {additive, visible.any(1).logical_not_()};
+  Tensor additive =
+      aten::where_scalars(visible, 0.0, -std::numeric_limits<double>::infinity(), opts);
+  return {additive, aten::logical_not(aten::any_dim(visible, 1))};
 }
 
 }  // namespace cplib::ring

@@ -8,9 +8,13 @@
 
 #include <vector>
 
-#include <ATen/ATen.h>
+#include "common/stable.h"
+#include "ring/ring_aten.h"
 
 #include "ring/ring_layout.h"
+
+// Internal to the extension (torch's stable types are hidden).
+#pragma GCC visibility push(hidden)
 
 namespace cplib::ring {
 
@@ -30,11 +34,11 @@ struct Mask {
   Range visible_keys(Range q, Range k) const;
   // (q.len, k.len) additive mask (0 or -inf) in `opts`' dtype on its device,
   // and the (q.len) boolean rows that see no key at all.
-  std::pair<at::Tensor, at::Tensor> build(Range q, Range k, const at::TensorOptions& opts) const;
-  // The same for explicit positions: 1-D int64 tensors of the rows' and
-  // columns' global positions, on opts' device.
-  std::pair<at::Tensor, at::Tensor> build_at(const at::Tensor& q_pos, const at::Tensor& k_pos,
-                                             const at::TensorOptions& opts) const;
+  std::pair<Tensor, Tensor> build(Range q, Range k, const aten::Opts& opts) const;
+  // The same for explicit positions: the rows' and columns' global positions.
+  std::pair<Tensor, Tensor> build_at(const std::vector<int64_t>& q_pos,
+                                     const std::vector<int64_t>& k_pos,
+                                     const aten::Opts& opts) const;
 
  private:
   int64_t doc_of(int64_t pos) const;  // index into bounds
@@ -43,3 +47,5 @@ struct Mask {
 };
 
 }  // namespace cplib::ring
+
+#pragma GCC visibility pop

@@ -3,10 +3,8 @@
 // debug counter of the bytes the rings have sent.
 #include <initializer_list>
 
-#include <ATen/core/LegacyTypeDispatch.h>
-#include <torch/library.h>
-
 #include "comm/handshake.h"
+#include "common/format.h"
 #include "ring/ring_forward.h"
 #include "ring/ring_lengths.h"
 #include "ring/ring_rotate.h"
@@ -14,17 +12,10 @@
 namespace cplib::ring {
 namespace {
 
-std::string_view sv(c10::string_view s) { return {s.data(), s.size()}; }
-
-// The ring's buffers are internal: no autograd view tracking on them. Without
-// this, gloo's worker threads copying into views of a gather buffer trip
-// autograd's view-rebase check when the op is called with grad mode on.
-using NoViewTracking = at::AutoDispatchBelowADInplaceOrView;
-
-Extras extras(const std::optional<at::Tensor>& cu_seqlens, at::OptionalIntArrayRef window,
-              std::optional<int64_t> seq_len, bool per_document,
-              const std::optional<at::Tensor>& q_positions = std::nullopt,
-              const std::optional<at::Tensor>& kv_positions = std::nullopt,
+Extras extras(const std::optional<Tensor>& cu_seqlens,
+              const std::optional<std::vector<int64_t>>& window, std::optional<int64_t> seq_len,
+              bool per_document, const std::optional<Tensor>& q_positions = std::nullopt,
+              const std::optional<Tensor>& kv_positions = std::nullopt,
               int64_t ring_pass = kPassKV) {
   Extras e;
   e.q_positions = q_positions;
@@ -32,7 +23,7 @@ Extras extras(const std::optional<at::Tensor>& cu_seqlens, at::OptionalIntArrayR
   e.ring_pass = ring_pass;
   e.per_document = per_document;
   e.cu_seqlens = cu_seqlens;
-  if (window.has_value()) e.window = window->vec();
+  e.window = window;
   e.seq_len = seq_len;
   return e;
 }
@@ -42,7 +33,7 @@ Extras extras(const std::optional<at::Tensor>& cu_seqlens, at::OptionalIntArrayR
 // lengths may differ by design (uneven shards, joint text+image streams), so
 // dim 2 is left out: the local checks and learn_local_lengths cover it.
 void describe(CallSignature& sig,
-              std::initializer_list<std::pair<const char*, const at::Tensor*>> tensors,
+              std::initializer_list<std::pair<const char*, const Tensor*>> tensors,
               bool is_causal, bool load_balanced, std::optional<double> scale, int64_t backend,
               int64_t rotate, const Extras& ex) {
   sig.add("seq_len", ex.seq_len.value_or(-1));
@@ -69,13 +60,13 @@ void describe(CallSignature& sig,
 // `more_checks` are the backward's own checks.
 template <class F>
 Config agreed_config(const char* op, std::string_view group_name,
-                     std::initializer_list<std::pair<const char*, const at::Tensor*>> tensors,
+                     std::initializer_list<std::pair<const char*, const Tensor*>> tensors,
                      bool is_causal, bool load_balanced, std::optional<double> scale,
                      int64_t backend, int64_t rotate, const Extras& ex, F&& more_checks) {
-  PG pg = resolve_group(group_name);
-  const at::Tensor& q = *tensors.begin()->second;
-  const at::Tensor& k = *(tensors.begin() + 1)->second;
-  const at::Tensor& v = *(tensors.begin() + 2)->second;
+  const Group group = resolve_group(group_name);
+  const Tensor& q = *tensors.begin()->second;
+  const Tensor& k = *(tensors.begin() + 1)->second;
+  const Tensor& v = *(tensors.begin() + 2)->second;
   Handshake hs(op);
   Config cfg;
   hs.validate([&] {
@@ -85,71 +76,65 @@ Config agreed_config(const char* op, std::string_view group_name,
     describe(hs.sig(), tensors, is_causal, load_balanced, scale, backend, rotate, ex);
     hs.set_lengths({q.size(2), k.size(2)});
   });
-  hs.exchange(group_name, pg, q.device());
+  hs.exchange(group, q.device());
   if (!ex.has_positions()) learn_local_lengths(op, cfg, q, k, ex, hs);
   return cfg;
 }
 
-std::tuple<at::Tensor, at::Tensor> ring_sdpa(const at::Tensor& q, const at::Tensor& k,
-                                             const at::Tensor& v, c10::string_view group_name,
-                                             bool is_causal, bool load_balanced,
-                                             std::optional<double> scale, int64_t backend,
-                                             int64_t rotate,
-                                             const std::optional<at::Tensor>& cu_seqlens,
-                                             at::OptionalIntArrayRef window,
-                                             std::optional<int64_t> seq_len,
-                                             bool per_document,
-                                             const std::optional<at::Tensor>& sinks,
-                                             const std::optional<at::Tensor>& q_positions,
-                                             const std::optional<at::Tensor>& kv_positions,
-                                             int64_t ring_pass) {
-  NoViewTracking guard;
+std::tuple<Tensor, Tensor> ring_sdpa(Tensor q, Tensor k, Tensor v, std::string group_name,
+                                     bool is_causal, bool load_balanced,
+                                     std::optional<double> scale, int64_t backend, int64_t rotate,
+                                     std::optional<Tensor> cu_seqlens,
+                                     std::optional<std::vector<int64_t>> window,
+                                     std::optional<int64_t> seq_len, bool per_document,
+                                     std::optional<Tensor> sinks,
+                                     std::optional<Tensor> q_positions,
+                                     std::optional<Tensor> kv_positions, int64_t ring_pass) {
+  aten::NoGradGuard no_grad;
   const Extras ex =
       extras(cu_seqlens, window, seq_len, per_document, q_positions, kv_positions, ring_pass);
-  Config cfg = agreed_config("ring_sdpa", sv(group_name), {{"q", &q}, {"k", &k}, {"v", &v}},
+  Config cfg = agreed_config("ring_sdpa", group_name, {{"q", &q}, {"k", &k}, {"v", &v}},
                              is_causal, load_balanced, scale, backend, rotate, ex, [&] {
                                if (sinks) check_sinks("ring_sdpa", q, *sinks);
                              });
   finish_config(cfg, ex, q, k, v);
-  return ring_forward(cfg, q, k, v, sinks ? *sinks : at::Tensor());
+  return ring_forward(cfg, q, k, v, sinks ? *sinks : Tensor());
 }
 
 // The backward's checks of its extra tensors (the forward's outputs).
-void check_backward_tensors(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& v,
-                            const at::Tensor& out, const at::Tensor& lse) {
-  TORCH_CHECK_VALUE(q.dim() == 4 && v.dim() == 4, "cplib.ring_sdpa_backward: expected 4-D q and v",
+void check_backward_tensors(const Tensor& grad_out, const Tensor& q, const Tensor& v,
+                            const Tensor& out, const Tensor& lse) {
+  CPLIB_CHECK_VALUE(q.dim() == 4 && v.dim() == 4, "cplib.ring_sdpa_backward: expected 4-D q and v",
                     ", got ", q.sizes(), " and ", v.sizes());
   const std::vector<int64_t> out_sizes{q.size(0), q.size(1), q.size(2), v.size(3)};
   const std::vector<int64_t> lse_sizes{q.size(0), q.size(1), q.size(2)};
-  TORCH_CHECK_VALUE(grad_out.sizes() == out_sizes && out.sizes() == out_sizes, "cplib.",
+  CPLIB_CHECK_VALUE(grad_out.sizes().vec() == out_sizes && out.sizes().vec() == out_sizes, "cplib.",
                     "ring_sdpa_backward: grad_out ", grad_out.sizes(), " and out ", out.sizes(),
-                    " must have shape ", out_sizes);
-  TORCH_CHECK_VALUE(grad_out.scalar_type() == q.scalar_type() &&
+                    " must have shape ", format_sizes(out_sizes));
+  CPLIB_CHECK_VALUE(grad_out.scalar_type() == q.scalar_type() &&
                         out.scalar_type() == q.scalar_type(),
                     "cplib.ring_sdpa_backward: grad_out (", grad_out.scalar_type(), ") and out (",
                     out.scalar_type(), ") must have q's dtype ", q.scalar_type());
-  TORCH_CHECK_VALUE(lse.sizes() == lse_sizes && lse.scalar_type() == acc_dtype(q),
+  CPLIB_CHECK_VALUE(lse.sizes().vec() == lse_sizes && lse.scalar_type() == acc_dtype(q),
                     "cplib.ring_sdpa_backward: lse must be ", acc_dtype(q), " of shape ",
-                    lse_sizes, ", got ", lse.scalar_type(), " ", lse.sizes());
-  TORCH_CHECK_VALUE(grad_out.device() == q.device() && out.device() == q.device() &&
+                    format_sizes(lse_sizes), ", got ", lse.scalar_type(), " ", lse.sizes());
+  CPLIB_CHECK_VALUE(grad_out.device() == q.device() && out.device() == q.device() &&
                         lse.device() == q.device(),
                     "cplib.ring_sdpa_backward: grad_out, out and lse must be on ", q.device());
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_sdpa_backward(
-    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse, c10::string_view group_name, bool is_causal,
-    bool load_balanced, std::optional<double> scale, int64_t backend, int64_t rotate,
-    const std::optional<at::Tensor>& cu_seqlens, at::OptionalIntArrayRef window,
-    std::optional<int64_t> seq_len, bool per_document,
-    const std::optional<at::Tensor>& q_positions, const std::optional<at::Tensor>& kv_positions,
-    int64_t ring_pass) {
+std::tuple<Tensor, Tensor, Tensor> ring_sdpa_backward(
+    Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, std::string group_name,
+    bool is_causal, bool load_balanced, std::optional<double> scale, int64_t backend,
+    int64_t rotate, std::optional<Tensor> cu_seqlens, std::optional<std::vector<int64_t>> window,
+    std::optional<int64_t> seq_len, bool per_document, std::optional<Tensor> q_positions,
+    std::optional<Tensor> kv_positions, int64_t ring_pass) {
+  aten::NoGradGuard no_grad;
   // The backward always runs the pass-KV ring (pass-Q is forward only).
   (void)ring_pass;
   const Extras ex = extras(cu_seqlens, window, seq_len, per_document, q_positions, kv_positions);
-  NoViewTracking guard;
   Config cfg = agreed_config(
-      "ring_sdpa_backward", sv(group_name),
+      "ring_sdpa_backward", group_name,
       {{"q", &q}, {"k", &k}, {"v", &v}, {"grad_out", &grad_out}, {"out", &out}, {"lse", &lse}},
       is_causal, load_balanced, scale, backend, rotate, ex,
       [&] { check_backward_tensors(grad_out, q, v, out, lse); });
@@ -162,7 +147,7 @@ int64_t ring_debug_last_pass() { return last_ring_pass(); }
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
+STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
   m.def(
       "ring_sdpa(Tensor q, Tensor k, Tensor v, str group_name, bool is_causal, "
       "bool load_balanced, float? scale, int backend, int rotate, Tensor? cu_seqlens=None, "
@@ -175,21 +160,27 @@ TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
       "int rotate, Tensor? cu_seqlens=None, int[]? window=None, int? seq_len=None, "
       "bool per_document=False, Tensor? q_positions=None, Tensor? kv_positions=None, "
       "int ring_pass=0) -> (Tensor dq, Tensor dk, Tensor dv)");
-  m.def("ring_debug_bytes_sent(bool reset=False) -> int", &ring_debug_bytes_sent);
+  m.def("ring_debug_bytes_sent(bool reset=False) -> int");
   // The ring pass (0 = kv, 1 = q) the last ring_sdpa ran, "auto" resolved.
-  m.def("ring_debug_last_pass() -> int", &ring_debug_last_pass);
+  m.def("ring_debug_last_pass() -> int");
 }
 
-TORCH_LIBRARY_IMPL(cplib_c, CPU, m) {
-  m.impl("ring_sdpa", &ring_sdpa);
-  m.impl("ring_sdpa_backward", &ring_sdpa_backward);
+STABLE_TORCH_LIBRARY_IMPL(cplib_c, CPU, m) {
+  m.impl("ring_sdpa", TORCH_BOX(&ring_sdpa));
+  m.impl("ring_sdpa_backward", TORCH_BOX(&ring_sdpa_backward));
 }
 
 #ifdef CPLIB_WITH_CUDA
-TORCH_LIBRARY_IMPL(cplib_c, CUDA, m) {
-  m.impl("ring_sdpa", &ring_sdpa);
-  m.impl("ring_sdpa_backward", &ring_sdpa_backward);
+STABLE_TORCH_LIBRARY_IMPL(cplib_c, CUDA, m) {
+  m.impl("ring_sdpa", TORCH_BOX(&ring_sdpa));
+  m.impl("ring_sdpa_backward", TORCH_BOX(&ring_sdpa_backward));
 }
 #endif
+
+// Ops without tensor arguments dispatch to CompositeExplicitAutograd.
+STABLE_TORCH_LIBRARY_IMPL(cplib_c, CompositeExplicitAutograd, m) {
+  m.impl("ring_debug_bytes_sent", TORCH_BOX(&ring_debug_bytes_sent));
+  m.impl("ring_debug_last_pass", TORCH_BOX(&ring_debug_last_pass));
+}
 
 }  // namespace cplib::ring

@@ -137,13 +137,10 @@ std::vector<Call> RingPlan::plan_pair(int64_t rank, int64_t src, bool any_only) 
   return calls;
 }
 
-std::pair<at::Tensor, at::Tensor> RingPlan::mask(const Call& c,
-                                                 const at::TensorOptions& opts) const {
+std::pair<Tensor, Tensor> RingPlan::mask(const Call& c, const aten::Opts& opts) const {
   if (c.q_rank < 0) return cfg_.mask.build(c.q(), c.k(), opts);
-  auto slice = [&opts](const std::vector<int64_t>& p, int64_t start, int64_t len) {
-    return at::tensor(std::vector<int64_t>(p.begin() + start, p.begin() + start + len),
-                      at::TensorOptions().dtype(at::kLong))
-        .to(opts.device());
+  auto slice = [](const std::vector<int64_t>& p, int64_t start, int64_t len) {
+    return std::vector<int64_t>(p.begin() + start, p.begin() + start + len);
   };
   return cfg_.mask.build_at(slice(cfg_.q_layout.positions[c.q_rank], c.q_local, c.q_len),
                             slice(cfg_.kv_layout.positions[c.k_rank], c.k_local, c.k_len), opts);

@@ -9,6 +9,9 @@
 
 #include "ring/ring.h"
 
+// Internal to the extension (torch's stable types are hidden).
+#pragma GCC visibility push(hidden)
+
 namespace cplib::ring {
 
 struct Call {
@@ -42,7 +45,7 @@ class RingPlan {
     return plan_pair(q_rank, kv_rank, /*any_only=*/false);
   }
   // The additive mask and the rows that see no key of a partial call.
-  std::pair<at::Tensor, at::Tensor> mask(const Call& c, const at::TensorOptions& opts) const;
+  std::pair<Tensor, Tensor> mask(const Call& c, const aten::Opts& opts) const;
 
  private:
   bool needs(int64_t rank, int64_t offset) const;
@@ -56,3 +59,5 @@ class RingPlan {
 };
 
 }  // namespace cplib::ring
+
+#pragma GCC visibility pop

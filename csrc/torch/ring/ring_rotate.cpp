@@ -11,10 +11,6 @@ namespace {
 
 std::atomic<int64_t> g_bytes_sent{0};
 
-constexpr int kBlockTag = 0x50;  // + part index
-constexpr int kGradTag = 0x60;
-
-
 // `sizes` with the sequence dim (2) set to `len`.
 std::vector<int64_t> with_len(std::vector<int64_t> sizes, int64_t len) {
   sizes[2] = len;
@@ -22,56 +18,48 @@ std::vector<int64_t> with_len(std::vector<int64_t> sizes, int64_t len) {
 }
 
 // The first numel(sizes) elements of a flat buffer, viewed as `sizes`.
-at::Tensor head_view(const at::Tensor& flat, const std::vector<int64_t>& sizes) {
-  return flat.narrow(0, 0, c10::multiply_integers(sizes)).view(sizes);
+Tensor head_view(const Tensor& flat, const std::vector<int64_t>& sizes) {
+  return aten::view(aten::narrow(flat, 0, 0, aten::numel_of(sizes)), sizes);
 }
 
 // The first numel(sizes) elements of `buf`, which is allocated on first use
 // (flat, `longest` rows).
-at::Tensor grow_view(at::Tensor& buf, const std::vector<int64_t>& sizes, int64_t longest,
-                     const at::TensorOptions& opts) {
-  if (!buf.defined()) buf = at::empty({c10::multiply_integers(with_len(sizes, longest))}, opts);
+Tensor grow_view(Tensor& buf, const std::vector<int64_t>& sizes, int64_t longest,
+                 const aten::Opts& opts) {
+  if (!buf.defined()) buf = aten::empty({aten::numel_of(with_len(sizes, longest))}, opts);
   return head_view(buf, sizes);
 }
 
 // Block `rank`'s slot of a rank-major padded buffer, trimmed to its length.
-at::Tensor padded_slot(const at::Tensor& all, int64_t size, int64_t rank,
-                       const std::vector<int64_t>& padded_sizes, int64_t len) {
+Tensor padded_slot(const Tensor& all, int64_t size, int64_t rank,
+                   const std::vector<int64_t>& padded_sizes, int64_t len) {
   const int64_t numel = all.numel() / size;
-  return all.narrow(0, rank * numel, numel).view(padded_sizes).narrow(2, 0, len);
+  return aten::narrow(aten::view(aten::narrow(all, 0, rank * numel, numel), padded_sizes), 2, 0,
+                      len);
 }
 
 }  // namespace
 
-void wait_all(std::vector<WorkPtr>& works) {
-  for (auto& w : works) wait(w);
-  works.clear();
+void wait_all(std::vector<Tensor>& outs) {
+  for (const Tensor& t : outs) wait(t);
+  outs.clear();
 }
 
-void exchange(const Config& c, const at::Tensor& send, int64_t dst, const at::Tensor& recv,
-              int64_t src, int tag, const at::TensorOptions& opts, std::vector<WorkPtr>& recvs,
-              std::vector<WorkPtr>& sends) {
-  if (send.defined()) g_bytes_sent += static_cast<int64_t>(send.nbytes());
-  if (c.rotate == Rotate::alltoall || python_group(c.pg)) {
-    at::Tensor in = send.defined() ? send.view(-1) : at::empty({0}, opts);
-    at::Tensor out = recv.defined() ? recv.view(-1) : at::empty({0}, opts);
-    std::vector<int64_t> in_splits(c.size, 0), out_splits(c.size, 0);
-    in_splits[dst] = in.numel();
-    out_splits[src] = out.numel();
-    WorkPtr w = all_to_all_split(c.pg, out, in, out_splits, in_splits);
-    recvs.push_back(w);
-    if (&sends != &recvs) sends.push_back(w);  // it reads the send buffer too
-    return;
-  }
-  // Receive first: on transports that match eagerly it saves a copy.
-  if (recv.defined()) {
-    at::Tensor out = recv.view(-1);
-    recvs.push_back(cplib::recv(c.pg, out, static_cast<int>(src), tag));
-  }
+Tensor exchange(const Config& c, const Tensor& send, int64_t dst, int64_t recv_numel, int64_t src,
+                const aten::Opts& opts, std::vector<Tensor>& pending) {
+  std::vector<int64_t> in_splits(static_cast<size_t>(c.size), 0), out_splits(in_splits);
+  Tensor in;
   if (send.defined()) {
-    at::Tensor in = send.view(-1);
-    sends.push_back(cplib::send(c.pg, in, static_cast<int>(dst), tag));
+    in = aten::flat(send);
+    in_splits[dst] = in.numel();
+    g_bytes_sent += aten::nbytes(in);
+  } else {
+    in = aten::empty({0}, opts);
   }
+  if (recv_numel > 0) out_splits[src] = recv_numel;
+  Tensor out = all_to_all_split(c.group, in, out_splits, in_splits);
+  pending.push_back(out);
+  return recv_numel > 0 ? out : Tensor();
 }
 
 int64_t bytes_sent(bool reset) { return reset ? g_bytes_sent.exchange(0) : g_bytes_sent.load(); }
@@ -87,16 +75,11 @@ void BlockRing::post(int64_t s) {
   const bool recv = plan_.receives(s), send = plan_.sends(s);
   const int64_t src = plan_.source(s), dst = plan_.target(s);
   const int64_t len = plan_.kv_len(src);
-  const bool collective = cfg_.rotate == Rotate::alltoall || python_group(cfg_.pg);
-  if (!recv && !send && !collective) return;
   KV& buf = buf_[s % 2];
   for (int p = 0; p < 2; ++p) {
-    at::Tensor into;
-    if (recv)
-      into = grow_view(buf[p], with_len(local_[p].sizes().vec(), len),
-                       cfg_.kv_layout.max_local_len(), local_[p].options());
-    exchange(cfg_, send ? local_[p] : at::Tensor(), dst, into, src, kBlockTag + p,
-             local_[p].options(), recv_[s % 2], sends_);
+    const int64_t numel = recv ? aten::numel_of(with_len(aten::sizes_of(local_[p]), len)) : 0;
+    buf[p] = exchange(cfg_, send ? local_[p] : Tensor(), dst, numel, src, aten::opts_of(local_[p]),
+                      recv_[s % 2]);
   }
 }
 
@@ -106,17 +89,17 @@ KV BlockRing::fetch(int64_t s) {
     if (s == 0 && n > 1) {
       const int64_t longest = cfg_.kv_layout.max_local_len();
       for (int p = 0; p < 2; ++p) {
-        const auto padded = with_len(local_[p].sizes().vec(), longest);
-        at::Tensor in = local_[p];
+        const auto padded = with_len(aten::sizes_of(local_[p]), longest);
+        Tensor in = local_[p];
         if (in.size(2) != longest) {  // uneven shards travel padded to the longest
-          in = at::zeros(padded, local_[p].options());
-          in.narrow(2, 0, local_[p].size(2)).copy_(local_[p]);
+          in = aten::zeros(padded, aten::opts_of(local_[p]));
+          aten::copy_(aten::narrow(in, 2, 0, local_[p].size(2)), local_[p]);
         }
-        in = in.view(-1);
-        gathered_[p] = at::empty({n * in.numel()}, in.options());
+        in = aten::flat(in);
         // Payload: our block reaches the N-1 other ranks (whatever the algorithm).
-        g_bytes_sent += (n - 1) * static_cast<int64_t>(in.nbytes());
-        recv_[0].push_back(all_gather_dim0(cfg_.pg, gathered_[p], in));
+        g_bytes_sent += (n - 1) * aten::nbytes(in);
+        gathered_[p] = all_gather_dim0(cfg_.group, in);
+        recv_[0].push_back(gathered_[p]);
       }
     }
     if (s == 0) return local_;
@@ -125,7 +108,7 @@ KV BlockRing::fetch(int64_t s) {
     KV blk;
     for (int p = 0; p < 2; ++p)
       blk[p] = padded_slot(gathered_[p], n, src,
-                           with_len(local_[p].sizes().vec(), cfg_.kv_layout.max_local_len()),
+                           with_len(aten::sizes_of(local_[p]), cfg_.kv_layout.max_local_len()),
                            plan_.kv_len(src));
     return blk;
   }
@@ -138,32 +121,32 @@ KV BlockRing::fetch(int64_t s) {
   if (s + 1 == plan_.steps()) buf_[(s + 1) % 2] = {};  // step s-1's block: done with
   if (!plan_.receives(s)) return {};
   const int64_t len = plan_.kv_len(plan_.source(s));
-  return {head_view(buf_[s % 2][0], with_len(local_[0].sizes().vec(), len)),
-          head_view(buf_[s % 2][1], with_len(local_[1].sizes().vec(), len))};
+  return {head_view(buf_[s % 2][0], with_len(aten::sizes_of(local_[0]), len)),
+          head_view(buf_[s % 2][1], with_len(aten::sizes_of(local_[1]), len))};
 }
 
 void BlockRing::finish() {
   for (auto& r : recv_) wait_all(r);
-  wait_all(sends_);
   buf_ = {};
+  gathered_ = {};
 }
 
 // --------------------------------------------------------------- gradients
 
-GradRing::GradRing(const Config& cfg, const RingPlan& plan, const at::Tensor& k,
-                   const at::Tensor& v, at::ScalarType acc)
+GradRing::GradRing(const Config& cfg, const RingPlan& plan, const Tensor& k, const Tensor& v,
+                   ScalarType acc)
     : cfg_(cfg),
       plan_(plan),
-      sizes_{k.sizes().vec(), v.sizes().vec()},
-      opts_(k.options().dtype(acc).memory_format(at::MemoryFormat::Contiguous)) {
+      sizes_{aten::sizes_of(k), aten::sizes_of(v)},
+      opts_(aten::opts_of(k).dtype_(acc)) {
   const int64_t longest = cfg.kv_layout.max_local_len();
   if (cfg.rotate == Rotate::allgather && cfg.size > 1) {
     for (int p = 0; p < 2; ++p)
-      all_[p] = at::zeros(cfg.size * c10::multiply_integers(with_len(sizes_[p], longest)), opts_);
+      all_[p] = aten::zeros({cfg.size * aten::numel_of(with_len(sizes_[p], longest))}, opts_);
     own_fresh_ = false;
     return;
   }
-  own_ = {at::empty(sizes_[0], opts_), at::empty(sizes_[1], opts_)};
+  own_ = {aten::empty(sizes_[0], opts_), aten::empty(sizes_[1], opts_)};
 }
 
 KV& GradRing::slot(int64_t s) {
@@ -176,7 +159,7 @@ KV& GradRing::slot(int64_t s) {
   }
   if (s == 0) return own_;
   if (send_step_ != s) {
-    wait_all(sending_);  // the previous step's gradient has left the buffer
+    wait_all(pending_);  // the previous step's gradient has left the buffer
     send_step_ = s;
     send_fresh_ = true;
   }
@@ -185,25 +168,28 @@ KV& GradRing::slot(int64_t s) {
   return view_;
 }
 
-void GradRing::add(int64_t s, const at::Tensor& gk, const at::Tensor& gv, int64_t start,
-                   int64_t len) {
+void GradRing::add(int64_t s, const Tensor& gk, const Tensor& gv, int64_t start, int64_t len) {
   KV& acc = slot(s);
   bool& fresh = s == 0 ? own_fresh_ : send_fresh_;
   const bool overwrite = fresh && start == 0 && len == acc[0].size(2);
   if (fresh && !overwrite) {
-    for (auto& t : acc) t.zero_();
+    for (auto& t : acc) aten::zero_(t);
   }
   fresh = false;
   for (int p = 0; p < 2; ++p)
-    reduce_heads_into(acc[p].narrow(2, start, len), p == 0 ? gk : gv, cfg_.groups, !overwrite);
+    reduce_heads_into(aten::narrow(acc[p], 2, start, len), p == 0 ? gk : gv, cfg_.groups,
+                      !overwrite);
 }
 
 void GradRing::settle() {
   if (!recv_full_) return;
-  wait_all(receiving_);
+  wait_all(pending_);
   for (int p = 0; p < 2; ++p) {
-    if (own_fresh_) own_[p].zero_();
-    own_[p].add_(head_view(recv_[p], sizes_[p]));
+    const Tensor got = head_view(recv_[p], sizes_[p]);
+    if (own_fresh_)
+      aten::copy_(own_[p], got);
+    else
+      aten::add_(own_[p], got);
   }
   own_fresh_ = false;
   recv_full_ = false;
@@ -214,19 +200,19 @@ void GradRing::pass(int64_t s) {
   if (all_[0].defined() || s == 0) return;
   const bool send = plan_.receives(s), recv = plan_.sends(s);
   const int64_t owner = plan_.source(s), attender = plan_.target(s);
-  const bool collective = cfg_.rotate == Rotate::alltoall || python_group(cfg_.pg);
   if (send && (send_step_ != s || send_fresh_)) {  // attended, yet nothing added
-    for (auto& t : slot(s)) t.zero_();
+    for (auto& t : slot(s)) aten::zero_(t);
     send_fresh_ = false;
   }
-  if (recv) settle();  // the receive buffer is free for this step's
-  if (send || recv || collective) {
-    const int64_t len = plan_.kv_len(owner), longest = cfg_.kv_layout.max_local_len();
-    for (int p = 0; p < 2; ++p) {
-      at::Tensor out = send ? head_view(send_[p], with_len(sizes_[p], len)) : at::Tensor();
-      at::Tensor in = recv ? grow_view(recv_[p], sizes_[p], longest, opts_) : at::Tensor();
-      exchange(cfg_, out, owner, in, attender, kGradTag + p, opts_, receiving_, sending_);
-    }
+  if (recv) settle();  // the previous gradient is absorbed before the next arrives
+  const int64_t len = plan_.kv_len(owner);
+  for (int p = 0; p < 2; ++p) {
+    const Tensor out = send ? head_view(send_[p], with_len(sizes_[p], len)) : Tensor();
+    const int64_t numel = recv ? aten::numel_of(sizes_[p]) : 0;
+    // One collective sends and receives: waiting for its output frees the
+    // send buffer too.
+    Tensor got = exchange(cfg_, out, owner, numel, attender, opts_, pending_);
+    if (recv) recv_[p] = got;
   }
   recv_full_ = recv_full_ || recv;
 }
@@ -236,20 +222,22 @@ KV GradRing::result() {
     KV own;
     const int64_t longest = cfg_.kv_layout.max_local_len();
     for (int p = 0; p < 2; ++p) {
-      at::Tensor padded = at::empty(with_len(sizes_[p], longest), all_[p].options());
-      at::Tensor flat = padded.view(-1);
-      g_bytes_sent += static_cast<int64_t>(all_[p].nbytes() - flat.nbytes());
-      wait(reduce_scatter_sum_dim0(cfg_.pg, flat, all_[p]));
-      own[p] = sizes_[p][2] == longest ? padded : padded.narrow(2, 0, sizes_[p][2]).contiguous();
+      const auto padded_sizes = with_len(sizes_[p], longest);
+      g_bytes_sent += aten::nbytes(all_[p]) -
+                      aten::numel_of(padded_sizes) * static_cast<int64_t>(all_[p].element_size());
+      const Tensor summed = reduce_scatter_sum_dim0(cfg_.group, all_[p]);
+      wait(summed);
+      const Tensor padded = aten::view(summed, padded_sizes);
+      own[p] = sizes_[p][2] == longest ? padded
+                                       : aten::contiguous(aten::narrow(padded, 2, 0, sizes_[p][2]));
     }
     return own;
   }
   settle();
   if (own_fresh_) {
-    for (auto& t : own_) t.zero_();
+    for (auto& t : own_) aten::zero_(t);
   }
-  wait_all(sending_);
-  wait_all(receiving_);
+  wait_all(pending_);
   send_ = recv_ = {};
   return own_;
 }

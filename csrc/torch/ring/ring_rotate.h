@@ -2,9 +2,11 @@
 // its k and v parts (two messages, sent straight from the inputs, never
 // packed). "p2p" and "alltoall" fetch each step's block directly from its
 // owner: at step s rank r sends its own block to r + offset(s) and receives
-// the block of r - offset(s); a message is posted only when its receiver
-// attends that block (the plan tells every rank which ones), so windows and
-// documents cut the traffic as well as the compute. Gradients of a visiting
+// the block of r - offset(s), both in one split all-to-all that every rank
+// joins (torch's functional collectives, on every group); a message is
+// non-empty only when its receiver attends that block (the plan tells every
+// rank which ones), so windows and documents cut the traffic as well as the
+// compute. Gradients of a visiting
 // block go straight back to its owner. "allgather" gathers every block up
 // front (padded to the longest shard) and reduce-scatters gradients at the
 // end: one collective cannot leave blocks out, so it moves all of them.
@@ -13,15 +15,20 @@
 #include <array>
 #include <vector>
 
-#include <ATen/ATen.h>
+#include "comm/collectives.h"
+#include "common/stable.h"
 
 #include "ring/ring.h"
+#include "ring/ring_aten.h"
 #include "ring/ring_plan.h"
+
+// Internal to the extension (torch's stable types are hidden).
+#pragma GCC visibility push(hidden)
 
 namespace cplib::ring {
 
 // A block's k and v parts.
-using KV = std::array<at::Tensor, 2>;
+using KV = std::array<Tensor, 2>;
 
 // The k/v blocks of the forward (and of the backward's recomputation).
 class BlockRing {
@@ -41,12 +48,11 @@ class BlockRing {
   const Config& cfg_;
   const RingPlan& plan_;
   KV local_;
-  // p2p / alltoall: flat receive buffers, longest block: step s's block and
-  // step s+1's, in flight; never more.
+  // p2p / alltoall: the received blocks (flat, fresh from the exchange):
+  // step s's block and step s+1's, in flight; never more.
   std::array<KV, 2> buf_;
   KV gathered_;            // allgather: [N * longest block] per part, rank-major
-  std::array<std::vector<WorkPtr>, 2> recv_;
-  std::vector<WorkPtr> sends_;
+  std::array<std::vector<Tensor>, 2> recv_;  // unwaited exchange outputs
 };
 
 // Gradient accumulators (accumulator dtype). Step s's block gradient goes
@@ -59,11 +65,11 @@ class BlockRing {
 // holds its own accumulator and at most one gradient in flight.
 class GradRing {
  public:
-  GradRing(const Config& cfg, const RingPlan& plan, const at::Tensor& k, const at::Tensor& v,
-           at::ScalarType acc);
+  GradRing(const Config& cfg, const RingPlan& plan, const Tensor& k, const Tensor& v,
+           ScalarType acc);
   // Adds step s's block gradients (q's heads, summed over each GQA group)
   // into rows [start, start + len) of that block's accumulator.
-  void add(int64_t s, const at::Tensor& gk, const at::Tensor& gv, int64_t start, int64_t len);
+  void add(int64_t s, const Tensor& gk, const Tensor& gv, int64_t start, int64_t len);
   // Sends step s's gradient to its owner, after step s's contributions.
   void pass(int64_t s);
   // Adds the gradient of our block that the last pass brought back and
@@ -78,16 +84,17 @@ class GradRing {
   const Config& cfg_;
   const RingPlan& plan_;
   std::array<std::vector<int64_t>, 2> sizes_;  // of our k and v
-  at::TensorOptions opts_;
+  aten::Opts opts_;
   KV own_;
-  KV send_, recv_;            // flat, longest block; allocated on first use
+  KV send_;                   // flat, longest block; allocated on first use
+  KV recv_;                   // flat, what the last pass brought back (fresh)
   int64_t send_step_ = -1;    // the step whose gradient send_ holds
   bool send_fresh_ = false;   // send_ belongs to send_step_ but nothing is written yet
   bool recv_full_ = false;    // recv_ holds (or is receiving) a gradient not yet absorbed
   bool own_fresh_ = true;
   KV view_;
   KV all_;  // allgather: every block's partial gradient, padded, reduce-scattered at the end
-  std::vector<WorkPtr> sending_, receiving_;
+  std::vector<Tensor> pending_;  // unwaited exchange outputs (each sends and receives)
 };
 
 // Bytes this process has sent around rings since the last reset (a debug
@@ -96,15 +103,17 @@ int64_t bytes_sent(bool reset);
 // Adds to that counter (the pass-Q ring's messages).
 void count_bytes_sent(int64_t bytes);
 
-// Waits for every work in `works` and clears it.
-void wait_all(std::vector<WorkPtr>& works);
+// Waits for every exchange output in `outs` and clears it.
+void wait_all(std::vector<Tensor>& outs);
 
-// One message exchange: `send` (if defined) to rank `dst`, `recv` (if
-// defined) filled by rank `src`. "alltoall" (and Python groups, which have
-// no send/recv) make it one split all-to-all that every rank joins. The
-// works go to `recvs` and `sends` (which may be one vector).
-void exchange(const Config& c, const at::Tensor& send, int64_t dst, const at::Tensor& recv,
-              int64_t src, int tag, const at::TensorOptions& opts, std::vector<WorkPtr>& recvs,
-              std::vector<WorkPtr>& sends);
+// One message exchange, a split all-to-all that every rank joins: `send`
+// (if defined) to rank `dst`, and `recv_numel` elements (if positive) from
+// rank `src`. Returns the received elements, flat, in `opts` (undefined
+// when nothing is received), unwaited; its output also goes to `pending`
+// (wait for it before reading, or before writing `send` again).
+Tensor exchange(const Config& c, const Tensor& send, int64_t dst, int64_t recv_numel, int64_t src,
+                const aten::Opts& opts, std::vector<Tensor>& pending);
 
 }  // namespace cplib::ring
+
+#pragma GCC visibility pop

@@ -10,8 +10,8 @@
 //                                       rank, H R == N).
 // seq -> heads returns a sequence-major tensor (strides of (S, B, H, D)), and
 // heads -> seq a head-major one (strides of (H, B, S, D)): exactly the orders
-// in which the chunks arrive from the other ranks, so the exchange writes the
-// result in place and the only copy is the packing of the send buffer.
+// in which the chunks arrive from the other ranks, so the exchange's output
+// is the result as it stands and the only copy is the packing of the send buffer.
 #pragma once
 
 #include <optional>
@@ -19,36 +19,36 @@
 #include <tuple>
 #include <vector>
 
-#include <ATen/ATen.h>
+#include "common/stable.h"
 
 namespace cplib::ulysses {
 
 // `lengths` (empty: S/N each): every rank's sequence length, for ranks of
 // different lengths (non-causal attention only).
-at::Tensor reshard(const at::Tensor& x, std::string_view group_name, bool to_heads,
-                   int64_t head_repeat, const std::vector<int64_t>& lengths = {});
+Tensor reshard(const Tensor& x, std::string_view group_name, bool to_heads, int64_t head_repeat,
+               const std::vector<int64_t>& lengths = {});
 
 // Several re-shards in one direction (q, k, v; or their gradients), all in
 // flight at once, every input checked before any exchange starts.
-std::vector<at::Tensor> reshard_many(const std::vector<at::Tensor>& xs,
-                                     std::string_view group_name, bool to_heads,
-                                     const std::vector<int64_t>& head_repeats,
-                                     const std::vector<int64_t>& lengths = {});
+std::vector<Tensor> reshard_many(const std::vector<Tensor>& xs, std::string_view group_name,
+                                 bool to_heads, const std::vector<int64_t>& head_repeats,
+                                 const std::vector<int64_t>& lengths = {});
 
 // Full-sequence attention of head-sharded q, k, v (k/v may have fewer heads:
 // GQA; v's head dim may differ: MLA). out is sequence-major (strides of
 // (S, B, H, D)), lse (B, H, S) contiguous in the accumulator dtype, as
 // ring_sdpa's; `sinks` (one logit per local q head) join the softmax.
-std::tuple<at::Tensor, at::Tensor> local_sdpa(const at::Tensor& q, const at::Tensor& k,
-                                              const at::Tensor& v, bool is_causal,
-                                              std::optional<double> scale, int64_t backend,
-                                              const at::Tensor& sinks = {});
+std::tuple<Tensor, Tensor> local_sdpa(const Tensor& q, const Tensor& k, const Tensor& v,
+                                      bool is_causal, std::optional<double> scale,
+                                      int64_t backend, const Tensor& sinks = {});
 
 // dq, dk, dv with the strides of a (B, S, H, D) tensor.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> local_sdpa_backward(
-    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse, bool is_causal, std::optional<double> scale,
-    int64_t backend);
+std::tuple<Tensor, Tensor, Tensor> local_sdpa_backward(const Tensor& grad_out, const Tensor& q,
+                                                       const Tensor& k, const Tensor& v,
+                                                       const Tensor& out, const Tensor& lse,
+                                                       bool is_causal,
+                                                       std::optional<double> scale,
+                                                       int64_t backend);
 
 // Bytes this process has sent in Ulysses exchanges since the last reset (a
 // debug counter for tests and benchmarks).

@@ -4,45 +4,53 @@
 // for the kernel, and outputs in fixed layouts (so the fake kernel can state
 // them): the kernel's own tensor when it already has that layout, else one copy.
 #include <array>
+#include <optional>
+#include <tuple>
 #include <vector>
 
+#include "common/format.h"
+#include "common/stable.h"
 #include "ring/ring.h"
+#include "ring/ring_aten.h"
 #include "ring/ring_block.h"
 #include "ring/ring_heads.h"
 #include "ulysses/ulysses.h"
 
 namespace cplib::ulysses {
+
 namespace {
 
+namespace aten = ring::aten;
+
 // An empty (B, H, S, D) tensor whose memory is ordered as dims `order` (outermost first).
-at::Tensor empty_ordered(at::IntArrayRef sizes, std::array<int64_t, 4> order,
-                         const at::TensorOptions& opts) {
+Tensor empty_ordered(const std::vector<int64_t>& sizes, std::array<int64_t, 4> order,
+                     const aten::Opts& opts) {
   std::vector<int64_t> strides(4);
   int64_t stride = 1;
   for (int i = 3; i >= 0; --i) {
     strides[order[i]] = stride;
     stride *= sizes[order[i]];
   }
-  return at::empty_strided(sizes, strides, opts);
+  return aten::empty_strided(sizes, strides, opts);
 }
 
 constexpr std::array<int64_t, 4> kSeqMajor{2, 0, 1, 3};  // (S, B, H, D)
 constexpr std::array<int64_t, 4> kBSHD{0, 2, 1, 3};      // (B, S, H, D)
 
 // A kernel output as it is when it already has dtype and the layout `order`, else a copy that has.
-at::Tensor in_layout(const at::Tensor& t, std::array<int64_t, 4> order, at::ScalarType dtype) {
-  at::Tensor want = empty_ordered(t.sizes(), order, t.options().dtype(dtype));
-  if (t.scalar_type() == dtype && t.strides() == want.strides()) return t;
-  want.copy_(t);
+Tensor in_layout(const Tensor& t, std::array<int64_t, 4> order, ScalarType dtype) {
+  Tensor want = empty_ordered(aten::sizes_of(t), order, aten::opts_of(t).dtype_(dtype));
+  if (t.scalar_type() == dtype && t.strides().vec() == want.strides().vec()) return t;
+  aten::copy_(want, t);
   return want;
 }
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> local_sdpa(const at::Tensor& q, const at::Tensor& k,
-                                              const at::Tensor& v, bool is_causal,
-                                              std::optional<double> scale, int64_t backend,
-                                              const at::Tensor& sinks) {
+std::tuple<Tensor, Tensor> local_sdpa(const Tensor& q, const Tensor& k, const Tensor& v,
+                                      bool is_causal, std::optional<double> scale,
+                                      int64_t backend, const Tensor& sinks) {
+  aten::NoGradGuard no_grad;
   const ring::Config cfg =
       ring::check_local_args("ulysses_local_sdpa", q, k, v, is_causal, scale, backend);
   if (sinks.defined()) ring::check_sinks("ulysses_local_sdpa", q, sinks);
@@ -50,37 +58,37 @@ std::tuple<at::Tensor, at::Tensor> local_sdpa(const at::Tensor& q, const at::Ten
   ring::BlockResult r = ring::block_forward(cfg, q, expand_k(k), expand_v(v), is_causal);
   const auto acc = ring::acc_dtype(q);
   if (sinks.defined()) {  // scaled in the accumulator dtype, then cast once
-    at::Tensor out_acc = r.out.to(acc);
+    Tensor out_acc = aten::to(r.out, acc);
     r.lse = ring::apply_sinks(out_acc, r.lse, sinks);
     r.out = out_acc;
   }
-  at::Tensor out = in_layout(r.out, kSeqMajor, q.scalar_type());
-  at::Tensor lse = r.lse.to(acc).contiguous();
+  Tensor out = in_layout(r.out, kSeqMajor, q.scalar_type());
+  Tensor lse = aten::contiguous(aten::to(r.lse, acc));
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> local_sdpa_backward(
-    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse, bool is_causal, std::optional<double> scale,
-    int64_t backend) {
+std::tuple<Tensor, Tensor, Tensor> local_sdpa_backward(
+    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+    const Tensor& lse, bool is_causal, std::optional<double> scale, int64_t backend) {
+  aten::NoGradGuard no_grad;
   const ring::Config cfg =
       ring::check_local_args("ulysses_local_sdpa_backward", q, k, v, is_causal, scale, backend);
   const std::vector<int64_t> out_sizes{q.size(0), q.size(1), q.size(2), v.size(3)};
-  TORCH_CHECK_VALUE(grad_out.sizes() == out_sizes && out.sizes() == out_sizes,
+  CPLIB_CHECK_VALUE(grad_out.sizes().vec() == out_sizes && out.sizes().vec() == out_sizes,
                     "cplib.ulysses_local_sdpa_backward: grad_out ", grad_out.sizes(), " and out ",
-                    out.sizes(), " must have shape ", out_sizes);
-  TORCH_CHECK_VALUE(lse.dim() == 3 && lse.size(0) == q.size(0) && lse.size(1) == q.size(1) &&
+                    out.sizes(), " must have shape ", format_sizes(out_sizes));
+  CPLIB_CHECK_VALUE(lse.dim() == 3 && lse.size(0) == q.size(0) && lse.size(1) == q.size(1) &&
                         lse.size(2) == q.size(2) && lse.scalar_type() == ring::acc_dtype(q),
                     "cplib.ulysses_local_sdpa_backward: lse must be ", ring::acc_dtype(q),
                     " of shape (B, H, S), got ", lse.scalar_type(), " ", lse.sizes());
   ring::HeadExpander expand_k(cfg.groups, k, k.size(2)), expand_v(cfg.groups, v, v.size(2));
   auto [gq, gk, gv] = ring::block_backward(cfg, grad_out, q, expand_k(k), expand_v(v), out,
-                                           lse.contiguous(), is_causal);
+                                           aten::contiguous(lse), is_causal);
   const auto dt = q.scalar_type();
-  at::Tensor dq = in_layout(gq, kBSHD, dt);
-  auto reduce = [&](const at::Tensor& g, const at::Tensor& like) {
+  Tensor dq = in_layout(gq, kBSHD, dt);
+  auto reduce = [&](const Tensor& g, const Tensor& like) {
     if (cfg.groups == 1) return in_layout(g, kBSHD, dt);
-    at::Tensor acc = empty_ordered(like.sizes(), kBSHD, like.options());
+    Tensor acc = empty_ordered(aten::sizes_of(like), kBSHD, aten::opts_of(like));
     ring::reduce_heads_into(acc, g, cfg.groups, /*accumulate=*/false);
     return acc;
   };

@@ -1,0 +1,289 @@
+#include "ring/ring_aten.h"
+
+namespace cplib::ring::aten {
+namespace {
+
+using torch::headeronly::IntHeaderOnlyArrayRef;
+
+template <size_t N>
+Tensor first(std::array<StableIValue, N>& s) {
+  return ret<Tensor>(s[0]);
+}
+
+Tensor scalar(double v, const Tensor& like) {
+  return torch::stable::full({}, v, like.scalar_type(), std::nullopt, like.device());
+}
+
+}  // namespace
+
+NoGradGuard::NoGradGuard() : prev_(aoti_torch_grad_mode_is_enabled()) {
+  aoti_torch_grad_mode_set_enabled(false);
+}
+
+NoGradGuard::~NoGradGuard() { aoti_torch_grad_mode_set_enabled(prev_); }
+
+Opts opts_of(const Tensor& t) { return {t.scalar_type(), t.device()}; }
+
+int64_t numel_of(const std::vector<int64_t>& sizes) {
+  int64_t n = 1;
+  for (const int64_t s : sizes) n *= s;
+  return n;
+}
+
+std::vector<int64_t> sizes_of(const Tensor& t) { return t.sizes().vec(); }
+
+int64_t nbytes(const Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
+
+Tensor empty(const std::vector<int64_t>& sizes, const Opts& o) {
+  return torch::stable::empty(sizes, o.dtype, std::nullopt, o.device);
+}
+
+Tensor zeros(const std::vector<int64_t>& sizes, const Opts& o) {
+  return torch::stable::full(sizes, 0.0, o.dtype, std::nullopt, o.device);
+}
+
+Tensor full(const std::vector<int64_t>& sizes, double value, const Opts& o) {
+  return torch::stable::full(sizes, value, o.dtype, std::nullopt, o.device);
+}
+
+Tensor empty_strided(const std::vector<int64_t>& sizes, const std::vector<int64_t>& strides,
+                     const Opts& o) {
+  auto s = call("aten::empty_strided", "", sizes, strides, std::optional<ScalarType>(o.dtype),
+                std::nullopt, std::optional<Device>(o.device), std::nullopt);
+  return first(s);
+}
+
+Tensor from_host(const std::vector<int64_t>& values, const Device& device) {
+  std::vector<int64_t> v = values;
+  const std::vector<int64_t> sizes{static_cast<int64_t>(v.size())}, strides{1};
+  Tensor blob = torch::stable::from_blob(v.data(), sizes, strides, Device(DeviceType::CPU),
+                                         ScalarType::Long);
+  // A copy that owns its memory (`v` dies here).
+  return torch::stable::to(blob, device, /*non_blocking=*/false, /*copy=*/true);
+}
+
+std::vector<int64_t> to_host(const Tensor& t) {
+  const Tensor h = torch::stable::contiguous(
+      torch::stable::to(t, ScalarType::Long, std::nullopt, Device(DeviceType::CPU)));
+  const int64_t* p = h.const_data_ptr<int64_t>();
+  return {p, p + h.numel()};
+}
+
+
+Tensor narrow(const Tensor& t, int64_t dim, int64_t start, int64_t len) {
+  Tensor self = t;
+  return torch::stable::narrow(self, dim, start, len);
+}
+
+Tensor view(const Tensor& t, const std::vector<int64_t>& sizes) {
+  return torch::stable::view(t, sizes);
+}
+
+Tensor flat(const Tensor& t) { return torch::stable::view(t, {-1}); }
+
+Tensor expand(const Tensor& t, const std::vector<int64_t>& sizes) {
+  auto s = call("aten::expand", "", t, sizes, false);
+  return first(s);
+}
+
+Tensor reshape(const Tensor& t, const std::vector<int64_t>& sizes) {
+  return torch::stable::reshape(t, sizes);
+}
+
+Tensor repeat(const Tensor& t, const std::vector<int64_t>& reps) {
+  auto s = call("aten::repeat", "", t, reps);
+  return first(s);
+}
+
+Tensor to(const Tensor& t, ScalarType dtype) {
+  return torch::stable::to(t, dtype, std::nullopt, std::nullopt);
+}
+
+Tensor to(const Tensor& t, const Device& device) { return torch::stable::to(t, device); }
+
+Tensor contiguous(const Tensor& t) { return torch::stable::contiguous(t); }
+
+void copy_(const Tensor& dst, const Tensor& src) {
+  Tensor d = dst;
+  torch::stable::copy_(d, src);
+}
+
+void zero_(const Tensor& t) {
+  Tensor d = t;
+  torch::stable::zero_(d);
+}
+
+void fill_(const Tensor& t, double value) { torch::stable::fill_(t, value); }
+
+Tensor add(const Tensor& a, const Tensor& b) { return torch::stable::subtract(a, b, -1.0); }
+
+void add_(const Tensor& a, const Tensor& b) { copy_(a, add(a, b)); }
+
+void mul_(const Tensor& a, const Tensor& b) {
+  auto s = call("aten::mul_", "Tensor", a, b);
+  first(s);
+}
+
+Tensor subtract(const Tensor& a, const Tensor& b) { return torch::stable::subtract(a, b); }
+
+Tensor exp(const Tensor& t) {
+  auto s = call("aten::exp", "", t);
+  return first(s);
+}
+
+Tensor logaddexp(const Tensor& a, const Tensor& b) {
+  auto s = call("aten::logaddexp", "", a, b);
+  return first(s);
+}
+
+Tensor sum_dim(const Tensor& t, int64_t dim, ScalarType dtype) {
+  const std::vector<int64_t> d{dim};
+  return torch::stable::sum(t, IntHeaderOnlyArrayRef(d), false, dtype);
+}
+
+void sum_dim_out(const Tensor& out, const Tensor& t, int64_t dim, ScalarType dtype) {
+  const std::vector<int64_t> d{dim};
+  Tensor o = out;
+  torch::stable::sum_out(o, t, IntHeaderOnlyArrayRef(d), false, dtype);
+}
+
+Tensor masked_fill(const Tensor& t, const Tensor& mask, double value) {
+  auto s = call("aten::masked_fill", "Tensor", t, mask, scalar(value, t));
+  return first(s);
+}
+
+Tensor ge(const Tensor& a, const Tensor& b) {
+  auto s = call("aten::ge", "Tensor", a, b);
+  return first(s);
+}
+
+Tensor le(const Tensor& a, const Tensor& b) {
+  auto s = call("aten::le", "Tensor", a, b);
+  return first(s);
+}
+
+Tensor eq(const Tensor& a, const Tensor& b) {
+  auto s = call("aten::eq", "Tensor", a, b);
+  return first(s);
+}
+
+Tensor logical_and(const Tensor& a, const Tensor& b) {
+  auto s = call("aten::logical_and", "", a, b);
+  return first(s);
+}
+
+Tensor logical_not(const Tensor& t) {
+  auto s = call("aten::logical_not", "", t);
+  return first(s);
+}
+
+Tensor any_dim(const Tensor& t, int64_t dim) {
+  auto s = call("aten::any", "dim", t, dim, false);
+  return first(s);
+}
+
+Tensor where_scalars(const Tensor& cond, double a, double b, const Opts& o) {
+  const Tensor ta = full({}, a, o), tb = full({}, b, o);
+  auto s = call("aten::where", "self", cond, ta, tb);
+  return first(s);
+}
+
+Tensor pad_last(const Tensor& t, int64_t d) {
+  if (t.size(3) == d) return t;
+  const std::vector<int64_t> p{0, d - t.size(3)};
+  return torch::stable::pad(t, p, "constant", 0.0);
+}
+
+std::tuple<Tensor, Tensor> flash_cpu(const Tensor& q, const Tensor& k, const Tensor& v,
+                                     bool causal, const std::optional<Tensor>& mask,
+                                     std::optional<double> scale) {
+  auto s = call<2>("aten::_scaled_dot_product_flash_attention_for_cpu", "", q, k, v, 0.0, causal,
+                   mask, scale);
+  Tensor out = ret<Tensor>(s[0]), lse = ret<Tensor>(s[1]);
+  return {out, lse};
+}
+
+std::tuple<Tensor, Tensor, Tensor> flash_cpu_backward(
+    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+    const Tensor& lse, bool causal, const std::optional<Tensor>& mask,
+    std::optional<double> scale) {
+  auto s = call<3>("aten::_scaled_dot_product_flash_attention_for_cpu_backward", "", grad_out, q,
+                   k, v, out, lse, 0.0, causal, mask, scale);
+  Tensor gq = ret<Tensor>(s[0]), gk = ret<Tensor>(s[1]), gv = ret<Tensor>(s[2]);
+  return {gq, gk, gv};
+}
+
+#ifdef CPLIB_WITH_CUDA
+int64_t fused_sdp_choice(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
+                         std::optional<double> scale) {
+  auto s = call("aten::_fused_sdp_choice", "", q, k, v, std::optional<Tensor>(), 0.0, causal,
+                scale, false);
+  return ret<int64_t>(s[0]);
+}
+
+std::tuple<Tensor, Tensor> flash_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
+                                      bool causal, std::optional<double> scale) {
+  auto s = call<9>("aten::_scaled_dot_product_flash_attention", "", q, k, v, 0.0, causal, false,
+                   scale);
+  Tensor out = ret<Tensor>(s[0]), lse = ret<Tensor>(s[1]);
+  // The other returns (sequence offsets, rng state, debug mask) are released.
+  for (const int i : {2, 3, 6, 7, 8}) (void)ret<Tensor>(s[i]);
+  return {out, lse};
+}
+
+std::tuple<Tensor, Tensor, Tensor> flash_cuda_backward(
+    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+    const Tensor& lse, int64_t max_q, int64_t max_k, bool causal, const Tensor& seed,
+    const Tensor& offset, std::optional<double> scale) {
+  auto s = call<3>("aten::_scaled_dot_product_flash_attention_backward", "", grad_out, q, k, v,
+                   out, lse, Tensor(), Tensor(), max_q, max_k, 0.0, causal, seed, offset, scale);
+  Tensor gq = ret<Tensor>(s[0]), gk = ret<Tensor>(s[1]), gv = ret<Tensor>(s[2]);
+  return {gq, gk, gv};
+}
+
+std::tuple<Tensor, Tensor> efficient_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
+                                          const std::optional<Tensor>& bias, bool causal,
+                                          std::optional<double> scale) {
+  auto s = call<4>("aten::_scaled_dot_product_efficient_attention", "", q, k, v, bias, true, 0.0,
+                   causal, scale);
+  Tensor out = ret<Tensor>(s[0]), lse = ret<Tensor>(s[1]);
+  (void)ret<Tensor>(s[2]);
+  (void)ret<Tensor>(s[3]);
+  return {out, lse};
+}
+
+std::tuple<Tensor, Tensor, Tensor> efficient_cuda_backward(
+    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& bias,
+    const Tensor& out, const Tensor& lse, const Tensor& seed, const Tensor& offset, bool causal,
+    std::optional<double> scale) {
+  bool grad_mask[4] = {true, true, true, false};
+  auto s = call<4>("aten::_scaled_dot_product_efficient_attention_backward", "", grad_out, q, k,
+                   v, bias, out, lse, seed, offset, 0.0,
+                   torch::headeronly::HeaderOnlyArrayRef<bool>(grad_mask, 4), causal, scale);
+  Tensor gq = ret<Tensor>(s[0]), gk = ret<Tensor>(s[1]), gv = ret<Tensor>(s[2]);
+  (void)ret<Tensor>(s[3]);
+  return {gq, gk, gv};
+}
+
+std::tuple<Tensor, Tensor> cudnn_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
+                                      bool causal, std::optional<double> scale) {
+  auto s = call<9>("aten::_scaled_dot_product_cudnn_attention", "", q, k, v,
+                   std::optional<Tensor>(), true, 0.0, causal, false, scale);
+  Tensor out = ret<Tensor>(s[0]), lse = ret<Tensor>(s[1]);
+  for (const int i : {2, 3, 6, 7, 8}) (void)ret<Tensor>(s[i]);
+  return {out, lse};
+}
+
+std::tuple<Tensor, Tensor, Tensor> cudnn_cuda_backward(
+    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+    const Tensor& lse, const Tensor& seed, const Tensor& offset, int64_t max_q, int64_t max_k,
+    bool causal, std::optional<double> scale) {
+  auto s = call<3>("aten::_scaled_dot_product_cudnn_attention_backward", "", grad_out, q, k, v,
+                   out, lse, seed, offset, Tensor(), Tensor(), Tensor(), max_q, max_k, 0.0,
+                   causal, scale);
+  Tensor gq = ret<Tensor>(s[0]), gk = ret<Tensor>(s[1]), gv = ret<Tensor>(s[2]);
+  return {gq, gk, gv};
+}
+#endif
+
+}  // namespace cplib::ring::aten

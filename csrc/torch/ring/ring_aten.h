@@ -1,0 +1,128 @@
+// The ATen ops the ring needs beyond torch::stable's, one typed wrapper each
+// (through the stable dispatcher call), and the small tensor helpers the
+// ring files share. Ops whose schema takes a Scalar are reached through
+// Tensor overloads: the stable dispatcher call cannot pass a Scalar.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "common/stable.h"
+
+// Internal to the extension (torch's stable types are hidden).
+#pragma GCC visibility push(hidden)
+
+namespace cplib::ring::aten {
+
+// Grad mode off for the life of the guard: the ops below run inside a
+// kernel, yet each goes through the dispatcher from the top, autograd
+// included (the ATen ABI had AutoDispatchBelowADInplaceOrView for that).
+// Without it, the kernels' outputs would record graphs over the op's inputs
+// and in-place or out= calls on them would raise.
+class NoGradGuard {
+ public:
+  NoGradGuard();
+  ~NoGradGuard();
+  NoGradGuard(const NoGradGuard&) = delete;
+  NoGradGuard& operator=(const NoGradGuard&) = delete;
+
+ private:
+  bool prev_;
+};
+
+// What at::TensorOptions carried for the ring: a dtype and a device.
+struct Opts {
+  ScalarType dtype;
+  Device device;
+  Opts dtype_(ScalarType d) const { return {d, device}; }
+};
+Opts opts_of(const Tensor& t);
+
+int64_t numel_of(const std::vector<int64_t>& sizes);
+std::vector<int64_t> sizes_of(const Tensor& t);
+int64_t nbytes(const Tensor& t);
+
+Tensor empty(const std::vector<int64_t>& sizes, const Opts& o);
+Tensor zeros(const std::vector<int64_t>& sizes, const Opts& o);
+Tensor full(const std::vector<int64_t>& sizes, double value, const Opts& o);
+Tensor empty_strided(const std::vector<int64_t>& sizes, const std::vector<int64_t>& strides,
+                     const Opts& o);
+// A 1-D int64 tensor of `values` on `device`.
+Tensor from_host(const std::vector<int64_t>& values, const Device& device);
+// The values of an integer tensor as int64, read on the host.
+std::vector<int64_t> to_host(const Tensor& t);
+
+
+Tensor narrow(const Tensor& t, int64_t dim, int64_t start, int64_t len);
+Tensor view(const Tensor& t, const std::vector<int64_t>& sizes);
+Tensor flat(const Tensor& t);  // view(-1)
+Tensor expand(const Tensor& t, const std::vector<int64_t>& sizes);
+Tensor reshape(const Tensor& t, const std::vector<int64_t>& sizes);
+Tensor repeat(const Tensor& t, const std::vector<int64_t>& reps);
+Tensor to(const Tensor& t, ScalarType dtype);
+Tensor to(const Tensor& t, const Device& device);
+Tensor contiguous(const Tensor& t);
+void copy_(const Tensor& dst, const Tensor& src);
+void zero_(const Tensor& t);
+void fill_(const Tensor& t, double value);
+
+// a + b (out of place), and a += b (in place).
+Tensor add(const Tensor& a, const Tensor& b);
+void add_(const Tensor& a, const Tensor& b);
+void mul_(const Tensor& a, const Tensor& b);
+Tensor subtract(const Tensor& a, const Tensor& b);
+Tensor exp(const Tensor& t);
+Tensor logaddexp(const Tensor& a, const Tensor& b);
+Tensor sum_dim(const Tensor& t, int64_t dim, ScalarType dtype);
+void sum_dim_out(const Tensor& out, const Tensor& t, int64_t dim, ScalarType dtype);
+// t with the rows where `mask` is true set to `value`.
+Tensor masked_fill(const Tensor& t, const Tensor& mask, double value);
+Tensor ge(const Tensor& a, const Tensor& b);
+Tensor le(const Tensor& a, const Tensor& b);
+Tensor eq(const Tensor& a, const Tensor& b);
+Tensor logical_and(const Tensor& a, const Tensor& b);
+Tensor logical_not(const Tensor& t);
+Tensor any_dim(const Tensor& t, int64_t dim);
+// where(cond, a, b) with a and b scalars, in `o`'s dtype and device.
+Tensor where_scalars(const Tensor& cond, double a, double b, const Opts& o);
+// Zero-pads the last dim of a (B, H, L, D) tensor to `d`.
+Tensor pad_last(const Tensor& t, int64_t d);
+
+// ATen's CPU flash kernel (and its backward): (out, lse).
+std::tuple<Tensor, Tensor> flash_cpu(const Tensor& q, const Tensor& k, const Tensor& v,
+                                     bool causal, const std::optional<Tensor>& mask,
+                                     std::optional<double> scale);
+std::tuple<Tensor, Tensor, Tensor> flash_cpu_backward(
+    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+    const Tensor& lse, bool causal, const std::optional<Tensor>& mask,
+    std::optional<double> scale);
+
+#ifdef CPLIB_WITH_CUDA
+int64_t fused_sdp_choice(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
+                         std::optional<double> scale);
+std::tuple<Tensor, Tensor> flash_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
+                                      bool causal, std::optional<double> scale);
+std::tuple<Tensor, Tensor, Tensor> flash_cuda_backward(
+    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+    const Tensor& lse, int64_t max_q, int64_t max_k, bool causal, const Tensor& seed,
+    const Tensor& offset, std::optional<double> scale);
+std::tuple<Tensor, Tensor> efficient_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
+                                          const std::optional<Tensor>& bias, bool causal,
+                                          std::optional<double> scale);
+std::tuple<Tensor, Tensor, Tensor> efficient_cuda_backward(
+    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& bias,
+    const Tensor& out, const Tensor& lse, const Tensor& seed, const Tensor& offset, bool causal,
+    std::optional<double> scale);
+std::tuple<Tensor, Tensor> cudnn_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
+                                      bool causal, std::optional<double> scale);
+std::tuple<Tensor, Tensor, Tensor> cudnn_cuda_backward(
+    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+    const Tensor& lse, const Tensor& seed, const Tensor& offset, int64_t max_q, int64_t max_k,
+    bool causal, std::optional<double> scale);
+#endif
+
+}  // namespace cplib::ring::aten
+
+#pragma GCC visibility pop
