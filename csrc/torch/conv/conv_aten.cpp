@@ -39,9 +39,4 @@ Tensor cat(const std::vector<Tensor>& tensors, int64_t dim) {
   return ret<Tensor>(s[0]);
 }
 
-void add_(Tensor dst, const Tensor& src) {
-  // The stable ABI passes no Scalar (add_'s alpha): dst - (-1) * src, copied back.
-  torch::stable::copy_(dst, torch::stable::subtract(dst, src, -1.0));
-}
-
 }  // namespace cplib

@@ -25,6 +25,5 @@ ConvGrads convolution_backward(const Tensor& grad_out, const Tensor& x, const Te
                                std::array<bool, 3> mask);
 Tensor cat(const std::vector<Tensor>& tensors, int64_t dim);
 // dst += src, in place (dst may be a view).
-void add_(Tensor dst, const Tensor& src);
 
 }  // namespace cplib

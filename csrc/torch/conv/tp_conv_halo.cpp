@@ -1,6 +1,7 @@
 #include "conv/tp_conv_halo.h"
 
 #include "common/c_core.h"
+#include "common/aten.h"
 #include "conv/conv_aten.h"
 #include "cplib/halo.h"
 
@@ -142,9 +143,9 @@ std::unique_ptr<NeighbourExchange> return_halo_grads(const Group& g, const TpCon
 }
 
 void add_halo_grads(const TpConvPlan& p, Tensor& grad_x, const NeighbourExchange& back) {
-  if (p.send_left) add_(torch::stable::narrow(grad_x, p.dim, 0, p.send_left), back.from_left);
+  if (p.send_left) aten::add_(torch::stable::narrow(grad_x, p.dim, 0, p.send_left), back.from_left);
   if (p.send_right)
-    add_(torch::stable::narrow(grad_x, p.dim, p.width - p.send_right, p.send_right),
+    aten::add_(torch::stable::narrow(grad_x, p.dim, p.width - p.send_right, p.send_right),
          back.from_right);
 }
 

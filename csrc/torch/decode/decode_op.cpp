@@ -12,14 +12,13 @@
 #include "common/checks.h"
 #include "common/format.h"
 #include "merge/merge_op.h"
-#include "ring/ring_aten.h"
+#include "common/aten.h"
 #include "ring/ring_block.h"
 
 namespace cplib::decode {
 namespace {
 
 using ring::acc_dtype;
-namespace aten = ring::aten;
 
 void check_positions(const std::optional<Tensor>& pos, const char* name, int64_t rows,
                      const char* rows_of) {

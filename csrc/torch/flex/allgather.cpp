@@ -4,11 +4,11 @@
 #include <vector>
 
 #include "comm/collectives.h"
+#include "common/aten.h"
 #include "comm/handshake.h"
 #include "common/checks.h"
 #include "common/format.h"
 #include "common/stable.h"
-#include "flex/flex_aten.h"
 
 namespace cplib::flex {
 namespace {
@@ -62,7 +62,7 @@ Tensor chunks_to_dim(const Tensor& gathered, const Tensor& like, int64_t dim, in
   chunk_shape.insert(chunk_shape.begin(), n);
   const Tensor chunks = ops::view(gathered, chunk_shape);  // [N, ..., S, ...]
   if (dim == 0) return ops::flatten(chunks, 0, 1);
-  const Tensor moved = movedim(chunks, 0, dim);  // [..., N, S, ...]
+  const Tensor moved = aten::movedim(chunks, 0, dim);  // [..., N, S, ...]
   std::vector<int64_t> full_shape = like.sizes().vec();
   full_shape[dim] *= n;
   Tensor full = ops::new_empty(gathered, full_shape);
@@ -77,7 +77,7 @@ Tensor dim_to_chunks(const Tensor& full, int64_t dim, int64_t n) {
   std::vector<int64_t> s = full.sizes().vec();
   s[dim] /= n;
   s.insert(s.begin() + dim, n);
-  return ops::flatten(ops::contiguous(movedim(ops::reshape(full, s), dim, 0)), 0, 1);
+  return ops::flatten(ops::contiguous(aten::movedim(ops::reshape(full, s), dim, 0)), 0, 1);
 }
 
 std::tuple<Tensor, Tensor> flex_cp_allgather(Tensor k, Tensor v, int64_t seq_dim,

@@ -9,7 +9,7 @@
 #include "common/checks.h"
 #include "common/format.h"
 #include "ring/ring.h"
-#include "ring/ring_aten.h"
+#include "common/aten.h"
 #include "ring/ring_block.h"
 
 namespace cplib::ring {

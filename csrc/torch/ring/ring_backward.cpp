@@ -2,7 +2,7 @@
 // the block backward with the merged global (out, lse), dQ accumulates
 // locally and each visiting block's dK/dV goes back to its owner. All
 // accumulation is fp32 (fp64).
-#include "ring/ring_aten.h"
+#include "common/aten.h"
 #include "ring/ring_block.h"
 #include "ring/ring_forward.h"
 #include "ring/ring_heads.h"

@@ -2,7 +2,7 @@
 // float32, float64 for float64 inputs, and strided).
 #include <algorithm>
 
-#include "ring/ring_aten.h"
+#include "common/aten.h"
 #include "ring/ring_block.h"
 
 namespace cplib::ring {

@@ -6,7 +6,7 @@
 
 #include <limits>
 
-#include "ring/ring_aten.h"
+#include "common/aten.h"
 #include "ring/ring_block.h"
 
 namespace cplib::ring {

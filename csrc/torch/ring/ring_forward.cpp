@@ -6,7 +6,7 @@
 #include <limits>
 
 #include "merge/merge_op.h"
-#include "ring/ring_aten.h"
+#include "common/aten.h"
 #include "ring/ring_block.h"
 #include "ring/ring_heads.h"
 #include "ring/ring_plan.h"

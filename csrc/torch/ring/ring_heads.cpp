@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "ring/ring_aten.h"
+#include "common/aten.h"
 
 namespace cplib::ring {
 

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <sstream>
 
-#include "ring/ring_aten.h"
+#include "common/aten.h"
 
 namespace cplib::ring {
 namespace {

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "common/stable.h"
-#include "ring/ring_aten.h"
+#include "common/aten.h"
 
 #include "ring/ring_layout.h"
 

@@ -8,7 +8,7 @@
 #include <limits>
 
 #include "merge/merge_op.h"
-#include "ring/ring_aten.h"
+#include "common/aten.h"
 #include "ring/ring_forward.h"
 #include "ring/ring_heads.h"
 #include "ring/ring_rotate.h"

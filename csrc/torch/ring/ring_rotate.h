@@ -19,7 +19,7 @@
 #include "common/stable.h"
 
 #include "ring/ring.h"
-#include "ring/ring_aten.h"
+#include "common/aten.h"
 #include "ring/ring_plan.h"
 
 // Internal to the extension (torch's stable types are hidden).

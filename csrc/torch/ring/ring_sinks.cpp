@@ -4,7 +4,7 @@
 // then exact for q, k and v (cplib/_ring.py adds the sinks' own gradient).
 #include "common/format.h"
 #include "ring/ring.h"
-#include "ring/ring_aten.h"
+#include "common/aten.h"
 
 namespace cplib::ring {
 

@@ -11,7 +11,7 @@
 #include "common/format.h"
 #include "common/stable.h"
 #include "ring/ring.h"
-#include "ring/ring_aten.h"
+#include "common/aten.h"
 #include "ring/ring_block.h"
 #include "ring/ring_heads.h"
 #include "ulysses/ulysses.h"
@@ -20,7 +20,6 @@ namespace cplib::ulysses {
 
 namespace {
 
-namespace aten = ring::aten;
 
 // An empty (B, H, S, D) tensor whose memory is ordered as dims `order` (outermost first).
 Tensor empty_ordered(const std::vector<int64_t>& sizes, std::array<int64_t, 4> order,

@@ -11,7 +11,7 @@
 #include "comm/collectives.h"
 #include "comm/handshake.h"
 #include "common/format.h"
-#include "ulysses/ulysses_aten.h"
+#include "common/aten.h"
 
 namespace cplib::ulysses {
 namespace {
@@ -64,11 +64,11 @@ Geometry check(const Tensor& x, int64_t n, bool to_heads, int64_t repeat,
 Tensor send_view(const Tensor& x, const Geometry& g, bool to_heads) {
   const int64_t n = g.n;
   if (!to_heads)  // (N, Hn, B, S/N, D): rank j gets rows j of every head
-    return permuted(ops::view(x, {g.B, g.H, n, g.S / n, g.D}), {2, 1, 0, 3, 4});
+    return aten::permute(ops::view(x, {g.B, g.H, n, g.S / n, g.D}), {2, 1, 0, 3, 4});
   if (g.R == 1)  // (N, S, B, Hn, D): rank j gets heads j of every row
-    return permuted(ops::view(x, {g.B, n, g.H / n, g.S, g.D}), {1, 3, 0, 2, 4});
+    return aten::permute(ops::view(x, {g.B, n, g.H / n, g.S, g.D}), {1, 3, 0, 2, 4});
   // One repeated head per rank: rank j gets head j / R.
-  return expand(ops::unsqueeze(permuted(x, {1, 2, 0, 3}), 1), {g.H, g.R, g.S, g.B, g.D});
+  return aten::expand(ops::unsqueeze(aten::permute(x, {1, 2, 0, 3}), 1), {g.H, g.R, g.S, g.B, g.D});
 }
 
 // `dst` (fresh, contiguous) viewed as `src` and filled from it.
@@ -115,7 +115,7 @@ Pending start(const Group& group, const Tensor& x, const Geometry& g, bool to_he
     Tensor whole = x;
     int64_t offset = 0, row = 0;
     for (int64_t j = 0; j < n; ++j) {
-      const Tensor rows = permuted(ops::narrow(whole, 2, row, lengths[j]), {1, 0, 2, 3});
+      const Tensor rows = aten::permute(ops::narrow(whole, 2, row, lengths[j]), {1, 0, 2, 3});
       pack(ops::narrow(p.send, 0, offset, rows.numel()), rows);
       in_splits[j] = rows.numel();
       offset += rows.numel();
@@ -144,14 +144,14 @@ Tensor finish(Pending& p) {
       for (const int64_t l : p.lengths) total += l;
     }
     const int64_t hn = g.H * g.R / n;
-    return permuted(ops::view(p.recv, {total, g.B, hn, g.D}), {1, 2, 0, 3});
+    return aten::permute(ops::view(p.recv, {total, g.B, hn, g.D}), {1, 2, 0, 3});
   }
   // (H_out * R, B, S/N, D) -> (B, H_out, S/N, D)
   const int64_t s = p.lengths.empty() ? g.S / n : p.lengths[p.rank], h_out = g.H * n / g.R;
-  if (g.R == 1) return permuted(ops::view(p.recv, {h_out, g.B, s, g.D}), {1, 0, 2, 3});
+  if (g.R == 1) return aten::permute(ops::view(p.recv, {h_out, g.B, s, g.D}), {1, 0, 2, 3});
   const std::vector<int64_t> repeats_dim{1};
   const Tensor summed = ops::sum(ops::view(p.recv, {h_out, g.R, g.B, s, g.D}), Sizes(repeats_dim));
-  return permuted(summed, {1, 0, 2, 3});
+  return aten::permute(summed, {1, 0, 2, 3});
 }
 
 // Validates every tensor, then one handshake for the call: every rank

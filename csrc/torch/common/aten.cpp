@@ -1,6 +1,6 @@
-#include "ring/ring_aten.h"
+#include "common/aten.h"
 
-namespace cplib::ring::aten {
+namespace cplib::aten {
 namespace {
 
 using torch::headeronly::IntHeaderOnlyArrayRef;
@@ -83,6 +83,16 @@ Tensor flat(const Tensor& t) { return torch::stable::view(t, {-1}); }
 
 Tensor expand(const Tensor& t, const std::vector<int64_t>& sizes) {
   auto s = call("aten::expand", "", t, sizes, false);
+  return first(s);
+}
+
+Tensor permute(const Tensor& t, const std::vector<int64_t>& dims) {
+  auto s = call("aten::permute", "", t, dims);
+  return first(s);
+}
+
+Tensor movedim(const Tensor& t, int64_t source, int64_t destination) {
+  auto s = call("aten::movedim", "int", t, source, destination);
   return first(s);
 }
 
@@ -286,4 +296,4 @@ std::tuple<Tensor, Tensor, Tensor> cudnn_cuda_backward(
 }
 #endif
 
-}  // namespace cplib::ring::aten
+}  // namespace cplib::aten

@@ -1,6 +1,6 @@
-// The ATen ops the ring needs beyond torch::stable's, one typed wrapper each
-// (through the stable dispatcher call), and the small tensor helpers the
-// ring files share. Ops whose schema takes a Scalar are reached through
+// The ATen ops the native layer needs beyond torch::stable's, one typed
+// wrapper each (through the stable dispatcher call), and the small tensor
+// helpers the op files share. Ops whose schema takes a Scalar are reached through
 // Tensor overloads: the stable dispatcher call cannot pass a Scalar.
 #pragma once
 
@@ -14,7 +14,7 @@
 // Internal to the extension (torch's stable types are hidden).
 #pragma GCC visibility push(hidden)
 
-namespace cplib::ring::aten {
+namespace cplib::aten {
 
 // Grad mode off for the life of the guard: the ops below run inside a
 // kernel, yet each goes through the dispatcher from the top, autograd
@@ -59,6 +59,8 @@ Tensor narrow(const Tensor& t, int64_t dim, int64_t start, int64_t len);
 Tensor view(const Tensor& t, const std::vector<int64_t>& sizes);
 Tensor flat(const Tensor& t);  // view(-1)
 Tensor expand(const Tensor& t, const std::vector<int64_t>& sizes);
+Tensor permute(const Tensor& t, const std::vector<int64_t>& dims);
+Tensor movedim(const Tensor& t, int64_t source, int64_t destination);
 Tensor reshape(const Tensor& t, const std::vector<int64_t>& sizes);
 Tensor repeat(const Tensor& t, const std::vector<int64_t>& reps);
 Tensor to(const Tensor& t, ScalarType dtype);
@@ -123,6 +125,6 @@ std::tuple<Tensor, Tensor, Tensor> cudnn_cuda_backward(
     bool causal, std::optional<double> scale);
 #endif
 
-}  // namespace cplib::ring::aten
+}  // namespace cplib::aten
 
 #pragma GCC visibility pop
