@@ -195,3 +195,40 @@ def test_auto_asks_sdpa_and_refuses_the_math_backend():
     q = _meta(1, 2, 32, 64, dtype=torch.bfloat16)
     with pytest.raises(NotImplementedError, match="would pick backend 0"):
         ops._cuda_glue_probe(q, q, q, BACKENDS["auto"], True, False, True)
+
+
+# ---------------------------------------------------------------- on a GPU
+
+def _has_cuda_probe() -> bool:
+    return (torch.cuda.is_available() and
+            torch._C._dispatch_has_kernel_for_dispatch_key("cplib_c::_cuda_glue_probe", "CUDA"))
+
+
+@pytest.mark.skipif(not _has_cuda_probe(), reason="needs a CUDA GPU (none visible) and a CUDA build")
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("backend,masked", CASES, ids=[b + ("-masked" if m else "")
+                                                       for b, m in CASES])
+def test_block_on_cuda_matches_fp64_math(backend, masked, causal):
+    """The same probe on CUDA tensors: the kernels' out, lse and gradients
+    (grad_out = 1) against fp64 math on the same inputs."""
+    causal = causal and not masked
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, 4, 128, 64, generator=g, dtype=torch.float64) for _ in range(3))
+    dev = [t.to("cuda", torch.bfloat16) for t in (q, k, v)]
+    out, lse, dq, dk, dv = ops._cuda_glue_probe(*dev, BACKENDS[backend], causal, masked, True)
+    torch.cuda.synchronize()
+    qr, kr, vr = (t.to(torch.bfloat16).double().requires_grad_(True) for t in (q, k, v))
+    want, _ = torch.ops.aten._scaled_dot_product_attention_math(qr, kr, vr, None, 0.0, causal)
+    want.sum().backward()
+    scores = qr.detach() @ kr.detach().transpose(-1, -2) * 64 ** -0.5
+    if causal:
+        scores = scores.masked_fill(~torch.ones(128, 128, dtype=torch.bool).tril(), float("-inf"))
+    want_lse = torch.logsumexp(scores, dim=-1)
+
+    def rel(got, ref):
+        return ((got.double().cpu() - ref).norm() / ref.norm()).item()
+    errs = {"out": rel(out, want.detach()), "dq": rel(dq, qr.grad), "dk": rel(dk, kr.grad),
+            "dv": rel(dv, vr.grad)}
+    # bf16 inputs and outputs: a relative error of a few 1e-3 is rounding.
+    assert all(e < 2e-2 for e in errs.values()), errs
+    assert (lse.double().cpu() - want_lse).abs().max().item() < 2e-2
