@@ -147,8 +147,9 @@ def test_no_called_op_returns_a_sym_value(qualified):
         "call cannot convert a Sym return (\"Expected Tensor but got Int\"); call an op "
         "returning tensors only, or a Python op (cplib/_cuda_attention.py)")
     sym_args = {name for typ, name in args if _SYM.search(typ)}
-    assert sym_args <= SYM_ARGUMENTS.get(qualified, set()), (
-        f"{qualified} has Sym arguments {sorted(sym_args - SYM_ARGUMENTS.get(qualified, set()))} not "
+    unlisted = sorted(sym_args - SYM_ARGUMENTS.get(qualified, set()))
+    assert not unlisted, (
+        f"{qualified} has Sym arguments {unlisted} not "
         "listed in SYM_ARGUMENTS")
 
 
@@ -204,7 +205,8 @@ def _has_cuda_probe() -> bool:
             torch._C._dispatch_has_kernel_for_dispatch_key("cplib_c::_cuda_glue_probe", "CUDA"))
 
 
-@pytest.mark.skipif(not _has_cuda_probe(), reason="needs a CUDA GPU (none visible) and a CUDA build")
+@pytest.mark.skipif(not _has_cuda_probe(),
+                    reason="needs a CUDA GPU (none visible) and a CUDA build")
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("backend,masked", CASES, ids=[b + ("-masked" if m else "")
                                                        for b, m in CASES])
