@@ -16,7 +16,10 @@ parallelism, measured in the same run:
 B=1, H=16, D=128, bf16; each time is the median of 5 steps after 2 warm-ups,
 every rank's work included (barrier and device synchronisation around each
 step). Prints the tables, writes bench_ring_gpu.json and bench_ring_gpu.png
-(ratio against S) under benchmarks/out/ (or $CPLIB_BENCH_OUT).
+(ratio against S) under benchmarks/out/ (or $CPLIB_BENCH_OUT), and on a GPU
+benchmarks/results/gpu.json (--results): device, torch, commit, date and one
+row per ring variant (S, N, causal, backend, rotate, full_ms, cplib_ms,
+torch_ms, ratio_full, ratio_torch).
 
     python benchmarks/bench_ring_gpu.py                 # default rows, about 3 min on an H100
     python benchmarks/bench_ring_gpu.py --all           # S 8k..64k x N 2,4 x causal or not
@@ -373,6 +376,9 @@ def main() -> int:
     p.add_argument("--budget", type=float, default=0,
                    help="seconds; configurations not started by then are reported as skipped")
     p.add_argument("--out", help="output folder (default $CPLIB_BENCH_OUT or benchmarks/out)")
+    p.add_argument("--results", default=RESULTS_DEFAULT,
+                   help="where a CUDA run writes its results file (device, torch, commit, date, "
+                        f"one row per ring variant; default {RESULTS_DEFAULT}); '' for none")
     args = p.parse_args()
     if args.out:
         common.OUT_DIR = args.out
@@ -484,6 +490,8 @@ def main() -> int:
         pts = [(c["s"], c["cplib_over_torch"]) for c in rows if c["cplib_over_torch"]]
         if pts:
             series[f"cplib/torch {tag}"] = tuple(map(list, zip(*pts)))
+    if cuda and args.results:
+        print(f"results: {write_results(args.results, payload_rows, dev)}", flush=True)
     png = plot("bench_ring_gpu", "ring attention fwd+bwd: cplib (best) / baseline", "S",
                "time ratio (1.0 = baseline)", series) if series else "(no ratios to plot)"
     print(f"{machine()}\njson: {path}\npng: {png}\n"
@@ -492,6 +500,54 @@ def main() -> int:
         print("bench_ring_gpu: no cplib ring ran (every cell is an error)", flush=True)
         return 1
     return 0
+
+
+RESULTS_DEFAULT = os.path.join(HERE, "results", "gpu.json")
+
+
+def _commit() -> str:
+    """The measured commit: git's HEAD, else $CPLIB_COMMIT (a copy of the
+    tree without .git, as on a GPU machine), else "unknown"."""
+    import subprocess
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True,
+                              text=True, check=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return os.environ.get("CPLIB_COMMIT", "unknown")
+
+
+def results_rows(payload_rows: list[dict]) -> list[dict]:
+    """One row per measured cplib variant (backend/rotation): its time, the
+    fastest full SDPA call's and torch's ring's (best of its variants), and
+    the ratios. Cells that errored are left out (the log has them)."""
+    rows = []
+    for r in payload_rows:
+        full = min((v for v in r["full_ms"].values() if isinstance(v, float)), default=None)
+        theirs = min((v for v in r["torch_ms"].values() if isinstance(v, float)), default=None)
+        for key, ms in r["cplib_ms"].items():
+            if not isinstance(ms, float):
+                continue
+            backend, rotate = key.split("/")
+            rows.append(dict(S=r["s"], N=r["n"], causal=r["causal"], hq=r["hq"], hkv=r["hkv"],
+                             backend=backend, rotate=rotate, full_ms=full, cplib_ms=ms,
+                             torch_ms=theirs, ratio_full=ms / full if full else None,
+                             ratio_torch=ms / theirs if theirs else None))
+    return rows
+
+
+def write_results(path: str, payload_rows: list[dict], dev: torch.device) -> str:
+    """Writes the results file of a CUDA run (never called without a GPU:
+    the figures are this run's, or there is no file)."""
+    import datetime
+    import json
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    payload = dict(device=torch.cuda.get_device_name(dev), torch=torch.__version__,
+                   commit=_commit(),
+                   date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                   rows=results_rows(payload_rows))
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+    return path
 
 
 def _goals(rows: list[dict], merge: list[dict]) -> list[tuple[str, str, str]]:

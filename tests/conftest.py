@@ -9,6 +9,10 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+# Inductor compiles in-process: its default pool of one compile worker per core,
+# started by every test process and rank process, made the compile tests 3x
+# slower here and timed them out on a 16-core GPU machine running 12 workers.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 from harness import RankPool, run_threaded  # noqa: E402
 

@@ -22,10 +22,12 @@ def shard_seq(t: torch.Tensor, rank: int, n: int, load_balanced: bool) -> torch.
 
 def reference(q, k, v, cot, *, is_causal: bool, scale: float | None):
     """fp64 full-sequence SDPA: (out, lse, dq, dk, dv); lse is the logsumexp
-    of the scaled, masked scores."""
+    of the scaled, masked scores. The math kernel is named, not chosen by
+    SDPA: SDPA's backend flags are global to the process, and a rank thread
+    computing this reference must not depend on what another thread set."""
     q, k, v = (t.detach().double().requires_grad_(True) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
-                                         enable_gqa=True)
+    out, _ = torch.ops.aten._scaled_dot_product_attention_math(
+        q, k, v, None, 0.0, is_causal, None, scale=scale, enable_gqa=True)
     out.backward(cot.double())
     groups = q.shape[1] // k.shape[1]
     kx = k.detach().repeat_interleave(groups, dim=1)
@@ -53,3 +55,20 @@ def noncontiguous(t: torch.Tensor) -> torch.Tensor:
     out = t.transpose(1, 2).contiguous().transpose(1, 2)
     assert not out.is_contiguous() or out.shape[1] == 1 or out.shape[2] == 1
     return out
+
+
+def fused_sdpa(q, k, v, *, is_causal: bool, backend: str) -> torch.Tensor:
+    """SDPA's output through one named CUDA kernel ("flash", "efficient" or
+    "cudnn"), differentiable, k/v heads already matching q's; the kernel is
+    named instead of selected with sdpa_kernel, whose flags are global to
+    the process (so rank threads may call this)."""
+    if backend == "flash":
+        return torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, is_causal, False)[0]
+    if backend == "efficient":
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, True, 0.0, is_causal)[0]
+    if backend == "cudnn":
+        return torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, is_causal, False)[0]
+    raise ValueError(f"unknown backend {backend!r}")

@@ -18,7 +18,8 @@ import cplib
 from cplib._native import ops
 from cplib._ulysses import kv_head_repeat
 from harness import assert_close
-from ring_cases import case_tensors, global_tensor, noncontiguous, reference, shard_seq
+from ring_cases import (case_tensors, fused_sdpa, global_tensor, noncontiguous, reference,
+                        shard_seq)
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 
@@ -338,9 +339,8 @@ def test_ulysses_sdpa_threaded_group(threaded, world_size):
 
 
 def _check_cuda(dtype: torch.dtype, backend: str) -> list[str]:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    kernel = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-              "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+    # Runs in rank threads: kernels are named (fused_sdpa, backend=), never
+    # chosen through SDPA's process-global flags.
     rank, n, name = _world()
     dev = torch.device("cuda", 0)
     report = []
@@ -349,14 +349,13 @@ def _check_cuda(dtype: torch.dtype, backend: str) -> list[str]:
         q, k, v, cot = (global_tensor((b, h, s, d), dtype, 20 + i)
                         for i, h in enumerate((hq, hkv, hkv, hq)))
         ref = reference(q, k, v, cot, is_causal=causal, scale=None)
-        with sdpa_kernel([kernel]):
-            qs, ks, vs = (t.to(dev).requires_grad_(True) for t in (q, k, v))
-            kx, vx = (t.repeat_interleave(hq // hkv, dim=1) for t in (ks, vs))
-            F.scaled_dot_product_attention(qs, kx, vx, is_causal=causal).backward(cot.to(dev))
-            ql, kl, vl = (shard_seq(t, rank, n, False).to(dev).requires_grad_(True)
-                          for t in (q, k, v))
-            out, lse = cplib.ulysses_sdpa(ql, kl, vl, name, is_causal=causal, backend=backend)
-            out.backward(shard_seq(cot, rank, n, False).to(dev))
+        qs, ks, vs = (t.to(dev).requires_grad_(True) for t in (q, k, v))
+        kx, vx = (t.repeat_interleave(hq // hkv, dim=1) for t in (ks, vs))
+        fused_sdpa(qs, kx, vx, is_causal=causal, backend=backend).backward(cot.to(dev))
+        ql, kl, vl = (shard_seq(t, rank, n, False).to(dev).requires_grad_(True)
+                      for t in (q, k, v))
+        out, lse = cplib.ulysses_sdpa(ql, kl, vl, name, is_causal=causal, backend=backend)
+        out.backward(shard_seq(cot, rank, n, False).to(dev))
         torch.cuda.synchronize()
         assert torch.allclose(lse.cpu().double(), shard_seq(ref[1], rank, n, False), atol=2e-2)
         single = [qs.grad.cpu(), ks.grad.cpu(), vs.grad.cpu()]

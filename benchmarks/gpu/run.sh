@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # The GPU check: from a copy of the repository on a GPU machine,
 #   build    the extension in place with the system compiler (CC=/usr/bin/gcc
-#            CXX=/usr/bin/g++; a libstdc++ linked into _C.so makes every error
-#            message segfault), MAX_JOBS=16, against the installed torch;
-#   tests    the whole suite, the CUDA matrix included;
+#            CXX=/usr/bin/g++ unless CXX links libstdc++ dynamically; a libstdc++
+#            linked into _C.so makes every error message segfault), MAX_JOBS=16,
+#            against the installed torch;
+#   tests    the suite on 12 workers in at most 300 s: the tests that need a GPU
+#            first, then as much of the rest as fits (tests_summary.txt: counts,
+#            failing tests, what was left out; written even on a timeout);
 #   memcheck compute-sanitizer --tool memcheck over the CUDA kernels' checks;
 #   demo     examples/demo.py --device cuda (torchrun, NCCL, one rank);
 #   bench    benchmarks/bench_ring_gpu.py (the ring's speed table, JSON, PNG), told
 #            to stop starting new rows 30 s before its limit;
 # each stage under a time limit, every stage run even after a failure. Logs,
 # JSON and PNGs go to one folder ($OUT when set, else
-# benchmarks/out/gpu-check/): summary.txt, tests.log, bench_ring_gpu.{json,png,log},
+# benchmarks/out/gpu-check/): summary.txt, tests.log, tests_summary.txt, bench_ring_gpu.{json,png,log},
 # demo_loss.png and every log in gpu-check-logs.tar.gz. A summary is printed
 # last; the exit status is 0 only if every stage passed (2: no GPU visible).
 #
@@ -18,20 +21,36 @@
 #   benchmarks/gpu/run.sh --dry-run            # print what would run, run nothing
 #   benchmarks/gpu/run.sh --stages build,tests # some stages only
 #
-# Environment: PYTHON (python3), MAX_JOBS (16), CC / CXX (/usr/bin/gcc, /usr/bin/g++),
-# GPU_CHECK_BUDGET (seconds for all stages, 540), GPU_CHECK_TEST_WORKERS (pytest-xdist
-# workers, 4; 0 = one process), GPU_CHECK_BENCH_ARGS (extra bench_ring_gpu.py
+# Environment: PYTHON (python3), MAX_JOBS (16), CC / CXX (kept if CXX links libstdc++
+# dynamically, else /usr/bin/gcc, /usr/bin/g++: build_support/libstdcxx.py),
+# GPU_CHECK_BUDGET (seconds for all stages, 520), GPU_CHECK_TEST_WORKERS (pytest-xdist
+# workers, 12; 0 = one process), GPU_CHECK_TEST_CAP (the tests stage's limit, 300), GPU_CHECK_BENCH_ARGS (extra bench_ring_gpu.py
 # arguments, e.g. --all), GPU_CHECK_TESTS (the pytest paths, tests), CPLIB_QUICK_TESTS
-# (passed on to the suite).
+# (passed on to the suite; 1 unless set: the CPU-only matrices in their quick form).
 set -u -o pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$ROOT" || exit 1
 PY=${PYTHON:-python3}
-export CC=${CC:-/usr/bin/gcc} CXX=${CXX:-/usr/bin/g++} MAX_JOBS=${MAX_JOBS:-16}
+export MAX_JOBS=${MAX_JOBS:-16}
+# A compiler that links libstdc++ dynamically, whatever CXX the environment
+# exports: GPU images export CXX=/opt/gcc/bin/g++, which links it statically
+# (the build would be refused). build_support/libstdcxx.py keeps CXX when it
+# qualifies, else takes the system compiler (/usr/bin/g++ first).
+if CHOSEN=$("$PY" build_support/libstdcxx.py 2>&1); then
+  read -r CC CXX <<<"$(head -n 1 <<<"$CHOSEN")"
+  COMPILER_WHY=$(tail -n 1 <<<"$CHOSEN")
+  export CC CXX
+else
+  COMPILER_WHY="no compiler qualifies: $CHOSEN"
+  export CC=${CC:-/usr/bin/gcc} CXX=${CXX:-/usr/bin/g++}
+fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-BUDGET=${GPU_CHECK_BUDGET:-540}
-WORKERS=${GPU_CHECK_TEST_WORKERS:-4}
+BUDGET=${GPU_CHECK_BUDGET:-520}  # under one 540 s device call, with the stages' kill grace
+WORKERS=${GPU_CHECK_TEST_WORKERS:-12}
+# The tests stage: at most TEST_CAP s in all, no test started in its last
+# TEST_TAIL s, none running longer than TEST_TIMEOUT s.
+TEST_CAP=${GPU_CHECK_TEST_CAP:-300} TEST_TAIL=${GPU_CHECK_TEST_TAIL:-60} TEST_TIMEOUT=120
 OUT_DIR=${OUT:-$ROOT/benchmarks/out/gpu-check}
 ALL_STAGES="build tests memcheck demo bench"
 STAGES=$ALL_STAGES
@@ -163,26 +182,37 @@ EOF
   record build PASS "$SECS" "$(basename "$so") with $CXX, MAX_JOBS=$MAX_JOBS, CUDA=$cuda; bad input -> ValueError"
 }
 
+# The suite in at most TEST_CAP seconds on WORKERS xdist workers: the tests
+# that need a GPU first, then as much of the rest as fits; no test starts in
+# the last TEST_TAIL seconds (budget_plugin.py skips them as "left out"), and
+# a hard limit kills whatever still runs. Every result is written as it
+# arrives, so the counts and the failing tests' names survive a kill.
 stage_tests() {
-  local log=$LOGS/tests.log args=(-q -rfE -p no:cacheprovider --junitxml="$LOGS/junit.xml")
-  if "$PY" -c 'import pytest_timeout' 2>/dev/null; then args+=(--timeout 240); fi
-  if ((WORKERS > 0)) && "$PY" -c 'import xdist' 2>/dev/null; then args+=(-n "$WORKERS"); fi
+  local log=$LOGS/tests.log progress=$LOGS/tests-progress.jsonl
+  local args=(-q -rfE -p no:cacheprovider -p benchmarks.gpu.budget_plugin --junitxml="$LOGS/junit.xml")
+  local how="1 process"
+  if "$PY" -c 'import pytest_timeout' 2>/dev/null; then args+=(--timeout "$TEST_TIMEOUT"); fi
+  if ((WORKERS > 0)) && "$PY" -c 'import xdist' 2>/dev/null; then
+    args+=(-n "$WORKERS" --dist load); how="$WORKERS workers"
+  elif ((WORKERS > 0)); then
+    how="1 process (pytest-xdist missing)"
+  fi
   "$PY" -c 'import pytest' 2>/dev/null || ((DRY)) || { record tests FAIL 0 "pytest is not installed for $PY"; return; }
+  local left=$((DEADLINE - $(date +%s))) cap=$TEST_CAP
+  ((left < cap)) && cap=$left
+  rm -f "$progress" "$progress.collected"
   # shellcheck disable=SC2086  # GPU_CHECK_TESTS is a list of paths
-  run_limited tests 270 "$log" env CPLIB_TEST_RUN_TIMEOUT=200 CPLIB_TEST_RANK_TIMEOUT=90 \
+  # The CPU-only matrices in their quick form (CI runs them whole); inductor
+  # compiles in-process (tests/conftest.py sets that too).
+  run_limited tests "$cap" "$log" env CPLIB_TEST_RUN_TIMEOUT=200 CPLIB_TEST_RANK_TIMEOUT=90 \
+    CPLIB_QUICK_TESTS="${CPLIB_QUICK_TESTS:-1}" TORCHINDUCTOR_COMPILE_THREADS=1 \
+    CPLIB_TEST_PROGRESS="$progress" CPLIB_TEST_START_DEADLINE=$(($(date +%s) + cap - TEST_TAIL)) \
     "$PY" -m pytest "${args[@]}" ${GPU_CHECK_TESTS:-tests}
   ((DRY)) && return
+  "$PY" benchmarks/gpu/budget_plugin.py "$progress" >"$LOGS/tests-summary.txt" 2>&1
+  cp "$LOGS/tests-summary.txt" "$OUT_DIR/tests_summary.txt"
   local counts
-  counts=$("$PY" - "$LOGS/junit.xml" 2>/dev/null <<'EOF'
-import sys, xml.etree.ElementTree as ET
-root = ET.parse(sys.argv[1]).getroot()
-suites = [root] if root.tag == "testsuite" else list(root)
-n = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
-print(f"{n['tests'] - n['failures'] - n['errors'] - n['skipped']} passed, {n['failures']} failed, "
-      f"{n['errors']} errors, {n['skipped']} skipped")
-EOF
-)
-  [[ -n $counts ]] || counts="no junit report: $(why "$log")"
+  counts="$(head -n 1 "$LOGS/tests-summary.txt"); $how"
   if ((RC == 0)); then record tests PASS "$SECS" "$counts"
   else record tests FAIL "$SECS" "$counts; $(why "$log")"; fi
 }
@@ -211,7 +241,8 @@ stage_bench() {
   ((left < cap)) && cap=$left
   # shellcheck disable=SC2086  # GPU_CHECK_BENCH_ARGS is a list of arguments
   run_limited bench 240 "$log" env CPLIB_BENCH_OUT="$OUT_DIR" CPLIB_BENCH_REQUIRE_GPU=1 \
-    "$PY" benchmarks/bench_ring_gpu.py --budget $((cap > 60 ? cap - 30 : 30)) ${GPU_CHECK_BENCH_ARGS:-}
+    "$PY" benchmarks/bench_ring_gpu.py --budget $((cap > 60 ? cap - 30 : 30)) \
+    --results "$OUT_DIR/gpu.json" ${GPU_CHECK_BENCH_ARGS:-}
   ((DRY)) && return
   # bench_merge.py times the C merge on the CPU only; the CUDA merge kernel's
   # bandwidth is part of bench_ring_gpu.py.
@@ -281,6 +312,7 @@ GPU=0
 if ((DRY)); then
   GPU=1
   echo "gpu-check dry run: stages '$STAGES', output $OUT_DIR, budget ${BUDGET}s, PYTHON=$PY CC=$CC CXX=$CXX MAX_JOBS=$MAX_JOBS"
+  echo "compiler: $COMPILER_WHY"
 elif have_gpu; then
   GPU=1
 fi
@@ -297,7 +329,7 @@ fi
   command -v compute-sanitizer || echo "compute-sanitizer: not on PATH"
 } >"$LOGS/env.txt" 2>&1
 DEVICE=$("$PY" -c 'import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA GPU", "| torch", torch.__version__)' 2>&1 | tail -n 1)
-((DRY)) || note "device: $DEVICE; output: $OUT_DIR; budget ${BUDGET}s"
+((DRY)) || note "device: $DEVICE; output: $OUT_DIR; budget ${BUDGET}s; compiler: $COMPILER_WHY"
 ((GPU)) || note "no CUDA GPU visible: the GPU stages (memcheck, demo, bench) are skipped"
 
 for s in $ALL_STAGES; do
@@ -325,8 +357,8 @@ rm -rf "$LOGS"
 if [[ -f $OUT_DIR/bench_ring_gpu.log ]]; then
   echo; awk '/^### goals/{f=1} f' "$OUT_DIR/bench_ring_gpu.log" | head -n 40
 fi
-if [[ -f $OUT_DIR/tests.log ]] && grep -q '^FAILED\|^ERROR' "$OUT_DIR/tests.log"; then
-  echo; grep '^FAILED\|^ERROR' "$OUT_DIR/tests.log" | cut -c1-200 | head -n 30
+if [[ -f $OUT_DIR/tests_summary.txt ]]; then  # written even when the stage timed out
+  echo; tail -n +2 "$OUT_DIR/tests_summary.txt" | cut -c1-300 | head -n 30
 fi
 echo
 cat "$OUT_DIR/summary.txt"

@@ -223,7 +223,6 @@ std::tuple<Tensor, Tensor, Tensor> flash_cpu_backward(
   return {gq, gk, gv};
 }
 
-#ifdef CPLIB_WITH_CUDA
 int64_t fused_sdp_choice(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
                          std::optional<double> scale) {
   auto s = call("aten::_fused_sdp_choice", "", q, k, v, std::optional<Tensor>(), 0.0, causal,
@@ -233,12 +232,23 @@ int64_t fused_sdp_choice(const Tensor& q, const Tensor& k, const Tensor& v, bool
 
 std::tuple<Tensor, Tensor> flash_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
                                       bool causal, std::optional<double> scale) {
-  auto s = call<9>("aten::_scaled_dot_product_flash_attention", "", q, k, v, 0.0, causal, false,
-                   scale);
+  // _flash_attention_forward, not _scaled_dot_product_flash_attention: the
+  // latter returns max_q/max_k as SymInts, which the stable call cannot
+  // convert. Its layout is (B, L, H, D): transposed views in and out, as
+  // SDPA's own flash path does. All 17 arguments of torch 2.13's schema
+  // (block_table, num_splits added there; 2.11 reads the first 15).
+  const std::optional<int64_t> no_int;
+  const std::optional<Tensor> no_tensor;
+  auto s = call<5>("aten::_flash_attention_forward", "", torch::stable::transpose(q, 1, 2),
+                   torch::stable::transpose(k, 1, 2), torch::stable::transpose(v, 1, 2),
+                   no_tensor, no_tensor, q.size(2), k.size(2), 0.0, causal,
+                   /*return_debug_mask=*/false, scale, /*window_size_left=*/no_int,
+                   /*window_size_right=*/no_int, /*seqused_k=*/no_tensor,
+                   /*alibi_slopes=*/no_tensor, /*block_table=*/no_tensor, /*num_splits=*/no_int);
   Tensor out = ret<Tensor>(s[0]), lse = ret<Tensor>(s[1]);
-  // The other returns (sequence offsets, rng state, debug mask) are released.
-  for (const int i : {2, 3, 6, 7, 8}) (void)ret<Tensor>(s[i]);
-  return {out, lse};
+  // rng state, unused, debug mask: released.
+  for (const int i : {2, 3, 4}) (void)ret<Tensor>(s[i]);
+  return {torch::stable::transpose(out, 1, 2), lse};
 }
 
 std::tuple<Tensor, Tensor, Tensor> flash_cuda_backward(
@@ -277,10 +287,11 @@ std::tuple<Tensor, Tensor, Tensor> efficient_cuda_backward(
 
 std::tuple<Tensor, Tensor> cudnn_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
                                       bool causal, std::optional<double> scale) {
-  auto s = call<9>("aten::_scaled_dot_product_cudnn_attention", "", q, k, v,
-                   std::optional<Tensor>(), true, 0.0, causal, false, scale);
+  // Both of ATen's cuDNN forward ops return SymInts (max_q, max_k), which the
+  // stable call cannot convert: a Python op calls the ATen op and returns its
+  // tensors only (one Python round trip per call).
+  auto s = call<2>("cplib_c::_cudnn_attention", "", q, k, v, causal, scale);
   Tensor out = ret<Tensor>(s[0]), lse = ret<Tensor>(s[1]);
-  for (const int i : {2, 3, 6, 7, 8}) (void)ret<Tensor>(s[i]);
   return {out, lse};
 }
 
@@ -294,6 +305,5 @@ std::tuple<Tensor, Tensor, Tensor> cudnn_cuda_backward(
   Tensor gq = ret<Tensor>(s[0]), gk = ret<Tensor>(s[1]), gv = ret<Tensor>(s[2]);
   return {gq, gk, gv};
 }
-#endif
 
 }  // namespace cplib::aten

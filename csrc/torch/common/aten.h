@@ -101,9 +101,13 @@ std::tuple<Tensor, Tensor, Tensor> flash_cpu_backward(
     const Tensor& lse, bool causal, const std::optional<Tensor>& mask,
     std::optional<double> scale);
 
-#ifdef CPLIB_WITH_CUDA
+// CUDA's fused kernels. Compiled into every build (no CUDA runtime call):
+// the CPU build reaches them on meta tensors in the guard
+// (csrc/torch/ring/cuda_glue_probe.cpp), through the same conversions a GPU
+// run takes. None of the ops behind them returns a SymInt (see dispatch.h).
 int64_t fused_sdp_choice(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
                          std::optional<double> scale);
+// (B, H, L, D) in and out; lse (B, H, Lq) float32.
 std::tuple<Tensor, Tensor> flash_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
                                       bool causal, std::optional<double> scale);
 std::tuple<Tensor, Tensor, Tensor> flash_cuda_backward(
@@ -117,13 +121,13 @@ std::tuple<Tensor, Tensor, Tensor> efficient_cuda_backward(
     const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& bias,
     const Tensor& out, const Tensor& lse, const Tensor& seed, const Tensor& offset, bool causal,
     std::optional<double> scale);
+// Through cplib_c::_cudnn_attention (cplib/_cuda_attention.py): lse (B, H, Lq, 1).
 std::tuple<Tensor, Tensor> cudnn_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
                                       bool causal, std::optional<double> scale);
 std::tuple<Tensor, Tensor, Tensor> cudnn_cuda_backward(
     const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
     const Tensor& lse, const Tensor& seed, const Tensor& offset, int64_t max_q, int64_t max_k,
     bool causal, std::optional<double> scale);
-#endif
 
 }  // namespace cplib::aten
 

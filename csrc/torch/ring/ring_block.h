@@ -37,7 +37,9 @@ std::tuple<Tensor, Tensor, Tensor> block_backward_cpu(
     const Tensor& v, const Tensor& out, const Tensor& lse, bool causal,
     const Tensor& mask);
 
-#ifdef CPLIB_WITH_CUDA
+// The CUDA blocks: compiled into every build (the CPU build reaches them only
+// from the meta-tensor guard, cuda_glue_probe.cpp; the ring dispatches to
+// them for CUDA tensors in CUDA builds).
 // The backend every block of this ring uses: `backend` itself, or for auto
 // the one scaled_dot_product_attention would pick for the local shapes (so
 // torch.nn.attention.sdpa_kernel is honoured). Raises NotImplementedError
@@ -56,7 +58,6 @@ BlockResult block_forward_cuda_masked(const Config& cfg, const Tensor& q, const 
 std::tuple<Tensor, Tensor, Tensor> block_backward_cuda_masked(
     const Config& cfg, const Tensor& grad_out, const Tensor& q, const Tensor& k,
     const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& mask);
-#endif
 
 }  // namespace cplib::ring
 
