@@ -328,7 +328,10 @@ def context_parallel_unshard(mesh: DeviceMesh, buffers: list[torch.Tensor], seq_
     """Gathers sharded tensors (outputs, gradients) back into full sequences:
     the exact inverse of the sharding. Without ``load_balancer`` the layout
     follows ``_cp_options.enable_load_balance`` (head-tail when the length
-    divides evenly), as in torch. Not differentiable: see :func:`unshard`."""
+    divides evenly), as in torch. Not differentiable: see :func:`unshard`.
+    Shards whose lengths are not ``load_balancer``'s layout (every rank's
+    length is compared, after the handshake) raise the same ValueError on
+    every rank, before any communication."""
     if not buffers:
         return []
     plan = _check_unshard("context_parallel_unshard", mesh, buffers, seq_dims, load_balancer)
@@ -369,7 +372,8 @@ def unshard(mesh: DeviceMesh, buffers: Sequence[torch.Tensor], seq_dims: Sequenc
     layout; no global option is read), and differentiable, for losses
     computed on full sequences: the backward returns to each rank the
     gradient of its own shard. The loss is taken to be the same on every rank,
-    so gradients of replicated parameters are then summed over the group."""
+    so gradients of replicated parameters are then summed over the group.
+    Shard lengths are checked as in :func:`context_parallel_unshard`."""
     if not buffers:
         return []
     plan = _check_unshard("unshard", mesh, buffers, seq_dims, load_balancer)

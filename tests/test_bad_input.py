@@ -453,6 +453,25 @@ def test_every_rank_raises_alike(name):
     assert len({msg for _, msg, _ in outcome}) == 1 or name.startswith("usp/"), outcome
 
 
+def _unshard_without_handshake() -> None:
+    # A world of one makes no handshake: the shard is checked on its own.
+    from cplib._load_balancer import _HeadTailLoadBalancer
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    with pytest.raises(ValueError, match=r"buffer 0 has length 12 along seq_dim 1 on rank 0, but "
+                                         r"the load balancer's layout of seq_length=16 over 1 "
+                                         r"ranks gives it 16"):
+        cplib.unshard(mesh, [torch.randn(1, 12)], [1], _HeadTailLoadBalancer(16, 1, "cpu"))
+    full = torch.randn(1, 16)
+    torch.testing.assert_close(cplib.unshard(mesh, [full], [1],
+                                             _HeadTailLoadBalancer(16, 1, "cpu"))[0], full)
+
+
+def test_unshard_checks_its_own_length_without_handshake(threaded):
+    threaded(1, _unshard_without_handshake)
+
+
 # ---------------------------------------------------------------- no communication
 
 
@@ -500,3 +519,4 @@ def test_load_balancers_name_bad_arguments():
     # A valid one still shards as before.
     lb = AnyLengthPerDocumentLoadBalancer([0, 6, 16], 2, "cpu")
     assert sorted(lb._generate_indices()[0].tolist()) == list(range(16))
+
