@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._diffusers import applied_cp_plans
+from ._diffusers import _plan_of, applied_cp_plans
 from ._documents import cu_seqlens_from_position_ids
 from ._handshake import agreed, handshake, values_hash
 from ._load_balancer import (
@@ -115,13 +115,15 @@ def _documents(cu_seqlens: torch.Tensor | None, position_ids: torch.Tensor | Non
 
 
 def _agree_on_call(group_name: str, buffers: list, seq_dims: list, no_restore: list,
-                   rotate: _RotateMethod, ulysses_degree: int, load_balance, balanced: bool,
-                   documents: torch.Tensor | None, window: list[int] | None) -> None:
+                   modules: int, rotate: _RotateMethod, ulysses_degree: int, load_balance,
+                   balanced: bool, documents: torch.Tensor | None,
+                   window: list[int] | None) -> None:
     """The handshake of the entry: every rank must shard the same buffers the
     same way (a buffer that differs is named, with the ranks and values)."""
     fields = {f"buffer_seq_dims[{i}]": d % b.ndim
               for i, (b, d) in enumerate(zip(buffers, seq_dims))}
     fields["number of no_restore_buffers"] = len(no_restore)
+    fields["number of modules"] = modules
     fields["rotate_method (1 = alltoall, 2 = allgather, 3 = p2p)"] = rotate.value
     fields["ulysses_degree"] = ulysses_degree
     fields["load_balance (-1 = None, 0 = False, 1 = True, 2 = 'per_document')"] = (
@@ -246,6 +248,8 @@ def context_parallel(
                              f"model's _cp_plan cuts each input in rank order); "
                              f"load_balance={load_balance!r} does not apply; leave it None or "
                              "False")
+        for i, m in enumerate(modules):  # checked again on entry; here on every rank alike
+            _plan_of(m, i)
         balanced = _validate(buffers, seq_dims, no_restore, world_size,
                              True if per_document else (False if modules else load_balance),
                              ring_degree)
@@ -282,8 +286,8 @@ def context_parallel(
     (seq_dims, no_restore, rotate, ring_degree, per_document, balanced, seq_len, one_length,
      documents, sides, balancer, indices) = agreed("context_parallel", group.group_name,
                                                    buffers, check)
-    _agree_on_call(group.group_name, buffers, seq_dims, no_restore, rotate, ulysses_degree,
-                   load_balance, balanced, documents, sides)
+    _agree_on_call(group.group_name, buffers, seq_dims, no_restore, len(modules), rotate,
+                   ulysses_degree, load_balance, balanced, documents, sides)
 
     groups = usp_groups(group, ulysses_degree)  # collective the first time only
     with torch.no_grad():

@@ -19,7 +19,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._flex_allgather import flex_cp_allgather
-from ._native import check_mesh
+from ._handshake import agreed
+from ._native import check_mesh, group_name_of
 
 __all__ = ["_flex_input_hook", "_register_flex_input_hook"]
 
@@ -48,8 +49,14 @@ def _flex_input_hook(
             )
         return t
 
-    find(0)  # the query stays local, but must be there
-    key, value = flex_cp_allgather(find(1), find(2), seq_dim, group_name)
+    def inputs() -> tuple[torch.Tensor, torch.Tensor]:
+        find(0)  # the query stays local, but must be there
+        return find(1), find(2)
+
+    # A call rejected on one rank meets the others in their all-gather's handshake.
+    given = [t for t in (*args_list, *kwargs.values()) if isinstance(t, torch.Tensor)]
+    key, value = agreed("flex_cp_allgather", group_name_of(group_name), given, inputs)
+    key, value = flex_cp_allgather(key, value, seq_dim, group_name)
     for i, t in ((1, key), (2, value)):
         if i < len(args_list):
             args_list[i] = t

@@ -127,8 +127,16 @@ def group_name_of(group: GroupLike) -> str:
         name = group.group_name
     elif isinstance(group, str):
         name = group
+    elif isinstance(group, int) and not isinstance(group, bool) and \
+            group == dist.GroupMember.NON_GROUP_MEMBER:
+        # What dist.new_group returns on the ranks it leaves out.
+        raise ValueError(
+            f"cplib: group=GroupMember.NON_GROUP_MEMBER ({group}): this process is not a member "
+            "of the process group (dist.new_group returns that value on the ranks it leaves "
+            "out); call cplib's ops on the group's member ranks only")
     else:
-        raise ValueError(f"cplib: expected a process group or its name, got {type(group).__name__}")
+        raise ValueError(f"cplib: expected a process group or its name, got "
+                         f"{type(group).__name__} ({group!r})")
     if not torch.compiler.is_compiling():
         _register_handshake_group(name)
     return name
@@ -219,4 +227,14 @@ def check_mesh(mesh: DeviceMesh) -> dist.ProcessGroup:
             f"shape {tuple(mesh.shape)} (dims {names}); slice the context-parallel dimension, "
             f"e.g. {hint}"
         )
-    return mesh.get_group()
+    try:
+        group = mesh.get_group()
+    except Exception as exc:  # torch's "Could not resolve the process group ...": name it
+        names = getattr(mesh, "_dim_group_names", None) or ["?"]
+        raise ValueError(
+            f"cplib: the process group of the device mesh (registered as '{names[0]}', mesh "
+            f"{mesh.mesh.tolist()}) is not a live group: it was destroyed "
+            "(destroy_process_group) or never initialised on this rank; build the mesh from a "
+            "live group") from exc
+    group_name_of(group)  # its handshakes go where the ops' own go (see group_name_of)
+    return group

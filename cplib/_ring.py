@@ -393,7 +393,10 @@ def ring_sdpa(
     if attn_mask is not None:
         from ._key_padding import key_padding_inputs
 
-        q, k, v, scale, _ = key_padding_inputs("ring_sdpa", attn_mask, q, k, v, scale)
+        # A mask rejected on one rank is rejected on every rank (the handshake).
+        q, k, v, scale, _ = agreed("ring_sdpa", group_name_of(group), (q, k, v, attn_mask),
+                                   lambda: key_padding_inputs("ring_sdpa", attn_mask, q, k, v,
+                                                              scale))
         return ring_sdpa(q, k, v, group, is_causal=is_causal, load_balanced=load_balanced,
                          scale=scale, rotate=rotate, backend=backend, cu_seqlens=cu_seqlens,
                          window=window, seq_len=seq_len, per_document=per_document,

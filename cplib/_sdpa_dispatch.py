@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import inspect
 import types
-from typing import Any, Callable
+from collections.abc import Sequence
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ._documents import current_window
+from ._handshake import agreed, forward_error
+from ._native import group_name_of
 from ._options import RingConfig
 
 __all__ = [
@@ -28,7 +31,10 @@ __all__ = [
     "_enable_context_parallel_dispatcher",
     "_disable_context_parallel_dispatcher",
     "dispatcher_enabled",
+    "agreed_before_attention",
 ]
+
+T = TypeVar("T")
 
 _SDPA = torch._C._nn.scaled_dot_product_attention
 _MHA = F.multi_head_attention_forward
@@ -121,35 +127,71 @@ def context_extras(config: RingConfig, window=None) -> dict:
     return extras
 
 
+def agreed_before_attention(op: str, group_name: str, ulysses_group: str | None,
+                            tensors: Sequence, check: Callable[[], T]) -> T:
+    """``check()``'s result; an exception it raises is raised on every rank
+    of a context whose attention runs over ``group_name`` (the ring group) and
+    ``ulysses_group`` (USP; None without Ulysses): it travels in the handshake
+    the other ranks' routed attention starts with (the Ulysses group's, then
+    the ring group's, as ``usp_sdpa`` forwards its own errors), so that a rank
+    whose call is rejected here never leaves the others waiting."""
+    if torch.compiler.is_compiling():
+        return check()
+    # Registered as the ops register them, so that this handshake takes the
+    # collective theirs take (see group_name_of).
+    first = group_name_of(ulysses_group or group_name)
+    group_name_of(group_name)
+    try:
+        return agreed(op, first, tensors, check)
+    except Exception as exc:
+        if first != group_name:  # USP: the other Ulysses groups wait in the ring's
+            forward_error(op, group_name, exc)
+        raise
+
+
+def _agreed_in(config: RingConfig, op: str, tensors: Sequence, check: Callable[[], T]) -> T:
+    return agreed_before_attention(op, config.group_name,
+                                   config.ulysses_group if config.ulysses_degree > 1 else None,
+                                   tensors, check)
+
+
 def routed_sdpa(config: RingConfig, *args: Any, **kwargs: Any) -> torch.Tensor:
     """``scaled_dot_product_attention(*args, **kwargs)`` on this rank's
     sequence shards, computed over the whole sequence by the ring op."""
-    q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa = _sdpa_signature(*args, **kwargs)
-    _check_sdpa_args(q, k, v, attn_mask, dropout_p, enable_gqa)
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+
+    def check():
+        q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa = _sdpa_signature(*args,
+                                                                                      **kwargs)
+        _check_sdpa_args(q, k, v, attn_mask, dropout_p, enable_gqa)
+        return (q, k, v, attn_mask, is_causal, scale, sdpa_backend_hint(q.device),
+                current_window(config.window))
+
+    q, k, v, attn_mask, is_causal, scale, backend, window = _agreed_in(
+        config, "scaled_dot_product_attention", tensors, check)
     if config.ulysses_degree > 1:
-        return _routed_ulysses(config, q, k, v, bool(is_causal), scale, attn_mask)
+        return _routed_ulysses(config, q, k, v, bool(is_causal), scale, backend, window,
+                               attn_mask)
     from ._ring import ring_sdpa  # lives beside this module; imported when first needed
 
-    extras = context_extras(config, current_window(config.window))
+    extras = context_extras(config, window)
     if attn_mask is not None:
         extras["attn_mask"] = attn_mask
     out, _ = ring_sdpa(
         q, k, v, config.group_name, is_causal=bool(is_causal),
         load_balanced=config.load_balanced, scale=scale, rotate=config.rotate,
-        backend=sdpa_backend_hint(q.device), **extras,
+        backend=backend, **extras,
     )
     return out
 
 
-def _routed_ulysses(config: RingConfig, q, k, v, is_causal: bool, scale,
+def _routed_ulysses(config: RingConfig, q, k, v, is_causal: bool, scale, backend, window,
                     attn_mask=None) -> torch.Tensor:
     # Ulysses over the Ulysses group; the ring over the ring group unless it is one rank.
     # The lse is discarded here, so it is not exchanged back.
     from ._ulysses import ulysses_attention, usp_attention
 
-    backend = sdpa_backend_hint(q.device)
-    extras = dict(cu_seqlens=config.cu_seqlens, window=current_window(config.window),
-                  seq_len=config.seq_len)
+    extras = dict(cu_seqlens=config.cu_seqlens, window=window, seq_len=config.seq_len)
     if config.ulysses_degree == config.world_size:  # the layout is sequential: no per_document
         out, _ = ulysses_attention(q, k, v, config.ulysses_group, is_causal, scale, backend,
                                    attn_mask, False, **extras)
@@ -184,7 +226,9 @@ class CPDispatchMode(TorchFunctionMode):
         if func is _SDPA:
             return routed_sdpa(self.config, *args, **kwargs)
         if func is _MHA:
-            _check_mha(args, kwargs)
+            _agreed_in(self.config, "multi_head_attention_forward",
+                       [a for a in args if isinstance(a, torch.Tensor)],
+                       lambda: _check_mha(args, kwargs))
         if func in _CALLS_SDPA:
             if _redispatch is not None:
                 with self:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -155,7 +156,16 @@ def shard(mesh: DeviceMesh, buffers: Sequence[torch.Tensor] | Mapping[str, torch
         check_load_balancer(load_balancer)
         check_shardable([b for _, b, _ in tensors], [d for _, _, d in tensors], n,
                         any_length=_any_length(load_balancer))
-        return load_balancer._generate_indices() if load_balancer is not None else None
+        if load_balancer is None:
+            return None
+        indices = load_balancer._generate_indices()
+        for i, b, d in tensors:
+            if b.shape[d] != indices.shape[-1]:
+                raise ValueError(
+                    f"cplib.shard: buffer {i} has length {b.shape[d]} along seq_dim {d} (shape "
+                    f"{tuple(b.shape)}), but the load balancer rearranges a sequence of "
+                    f"seq_length={indices.shape[-1]}")
+        return indices
 
     indices = agreed("shard", group.group_name, [b for _, b, _ in tensors], check)
     handshake(group.group_name, "shard", {f"buffer {i}": b for i, b, _ in tensors},
@@ -207,18 +217,46 @@ def _gathered_lengths(t: torch.Tensor, seq_dim: int, group: dist.ProcessGroup) -
     return [int(p.item()) for p in parts]
 
 
+def _balanced_lengths(load_balancer: _LoadBalancer, indices: torch.Tensor, n: int) -> list[int]:
+    """Every rank's shard length in ``load_balancer``'s layout over ``n``
+    ranks; its sequence length is the length its ``indices`` permute."""
+    total = int(indices.shape[-1])
+    lengths = shard_lengths(total, n, load_balancer)
+    if lengths is not None:
+        return list(lengths)
+    if total % n:
+        raise ValueError(f"cplib: the load balancer's sequence length {total} cannot be cut "
+                         f"into {n} equal shards")
+    return [total // n] * n
+
+
+def _check_layout(op: str, i: int, seq_dim: int, rank: int, expected: list[int],
+                  gathered: list[int] | None, own: int) -> None:
+    """ValueError naming the lengths when buffer ``i``'s shards are not the
+    load balancer's layout: from every rank's lengths (the handshake's, the
+    same on every rank, so every rank raises alike), else from this rank's."""
+    total = sum(expected)
+    if gathered is not None:
+        if gathered != expected:
+            raise ValueError(
+                f"cplib.{op}: buffer {i}'s shards have lengths {gathered} along seq_dim "
+                f"{seq_dim} (rank order, {sum(gathered)} in all), but the load balancer's "
+                f"layout of seq_length={total} over {len(expected)} ranks needs {expected}")
+    elif own != expected[rank]:
+        raise ValueError(
+            f"cplib.{op}: buffer {i} has length {own} along seq_dim {seq_dim} on rank {rank}, "
+            f"but the load balancer's layout of seq_length={total} over {len(expected)} ranks "
+            f"gives it {expected[rank]} (all ranks: {expected})")
+
+
 def _layout(group: dist.ProcessGroup, t: torch.Tensor, seq_dim: int,
-            load_balancer: _LoadBalancer | None,
-            gathered: list[int] | None = None) -> list[int] | None:
-    """Shard lengths of ``t``'s layout, or None when they are all equal.
-    ``gathered``: every rank's length of ``t``, from the handshake."""
-    n = dist.get_world_size(group)
-    seq_length = getattr(load_balancer, "seq_length", None)
-    if load_balancer is not None and seq_length is not None:
-        return shard_lengths(seq_length, n, load_balancer)
-    if load_balancer is not None:
-        return None
-    lengths = gathered if gathered is not None else _gathered_lengths(t, seq_dim, group)
+            expected: list[int] | None, gathered: list[int] | None) -> list[int] | None:
+    """Shard lengths of ``t``'s layout, or None when they are all equal:
+    ``expected`` (a load balancer's, already checked), else ``gathered``
+    (every rank's length of ``t``, from the handshake), else gathered now."""
+    lengths = expected
+    if lengths is None:
+        lengths = gathered if gathered is not None else _gathered_lengths(t, seq_dim, group)
     return None if len(set(lengths)) == 1 else lengths
 
 
@@ -232,13 +270,26 @@ def _default_restore_indices(mesh: DeviceMesh, length: int,
     return balancer._generate_indices(restore=True) if balancer else None
 
 
+@dataclass
+class _UnshardPlan:
+    """What unshard needs after its checks and handshake (every rank alike)."""
+
+    group: dist.ProcessGroup
+    dims: list[int]  # each buffer's seq dim, normalised
+    layouts: list[list[int] | None]  # each buffer's shard lengths; None: equal
+    forward: torch.Tensor | None  # the load balancer's indices, and their inverse
+    restore: torch.Tensor | None
+
+
 def _check_unshard(op: str, mesh: DeviceMesh, buffers: Sequence[torch.Tensor],
                    seq_dims: Sequence[int],
-                   load_balancer: _LoadBalancer | None) -> tuple[dist.ProcessGroup, list]:
-    """The group and, per buffer, every rank's length along its seq dim
-    (None per buffer when the handshake is off), after checks and the
-    handshake (all ranks raise alike)."""
+                   load_balancer: _LoadBalancer | None) -> _UnshardPlan:
+    """The checks, the handshake (which carries every rank's lengths) and the
+    layout of every buffer, before any collective that trusts it: a bad
+    argument, ranks that disagree, or shard lengths that are not the load
+    balancer's layout raise the same error on every rank."""
     group = check_mesh(mesh)
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
 
     def check():
         if len(buffers) != len(seq_dims):
@@ -246,8 +297,13 @@ def _check_unshard(op: str, mesh: DeviceMesh, buffers: Sequence[torch.Tensor],
         for i, (b, d) in enumerate(zip(buffers, seq_dims)):
             _check_seq_dim(b, d, f"buffer {i}")
         check_load_balancer(load_balancer)
+        if load_balancer is None:
+            return None, None, None
+        forward = load_balancer._generate_indices()
+        return forward, load_balancer._generate_indices(restore=True), \
+            _balanced_lengths(load_balancer, forward, n)
 
-    agreed(op, group.group_name, list(buffers), check)
+    forward, restore, expected = agreed(op, group.group_name, list(buffers), check)
     dims = [d % b.ndim for b, d in zip(buffers, seq_dims)]
     # Shards may differ in length: the description leaves it out (a view of
     # no rows) and the lengths travel as the call's local lengths.
@@ -257,9 +313,13 @@ def _check_unshard(op: str, mesh: DeviceMesh, buffers: Sequence[torch.Tensor],
                       {**{f"seq_dims[{i}]": d for i, d in enumerate(dims)},
                        **describe_load_balancer(load_balancer)},
                       [b.shape[d] for b, d in zip(buffers, dims)])
-    per_buffer = [None if table is None else [row[i] for row in table]
-                  for i in range(len(buffers))]
-    return group, per_buffer
+    layouts = []
+    for i, (b, d) in enumerate(zip(buffers, dims)):
+        gathered = None if table is None else [row[i] for row in table]
+        if expected is not None:
+            _check_layout(op, i, d, rank, expected, gathered, b.shape[d])
+        layouts.append(_layout(group, b, d, expected, gathered))
+    return _UnshardPlan(group, dims, layouts, forward, restore)
 
 
 @torch.no_grad()
@@ -268,21 +328,21 @@ def context_parallel_unshard(mesh: DeviceMesh, buffers: list[torch.Tensor], seq_
     """Gathers sharded tensors (outputs, gradients) back into full sequences:
     the exact inverse of the sharding. Without ``load_balancer`` the layout
     follows ``_cp_options.enable_load_balance`` (head-tail when the length
-    divides evenly), as in torch. Not differentiable: see :func:`unshard`."""
+    divides evenly), as in torch. Not differentiable: see :func:`unshard`.
+    Shards whose lengths are not ``load_balancer``'s layout (every rank's
+    length is compared, after the handshake) raise the same ValueError on
+    every rank, before any communication."""
     if not buffers:
         return []
-    group, gathered = _check_unshard("context_parallel_unshard", mesh, buffers, seq_dims,
-                                     load_balancer)
+    plan = _check_unshard("context_parallel_unshard", mesh, buffers, seq_dims, load_balancer)
     out = []
-    for b, d, g in zip(buffers, seq_dims, gathered):
-        d = d % b.ndim
-        lengths = _layout(group, b, d, load_balancer, g)
+    for b, d, lengths in zip(buffers, plan.dims, plan.layouts):
         if load_balancer is not None:
-            restore = load_balancer._generate_indices(restore=True)
+            restore = plan.restore
         else:
             total = sum(lengths) if lengths is not None else b.shape[d] * mesh.size()
             restore = _default_restore_indices(mesh, total, b.device)
-        full = _gather(b.contiguous(), d, group, lengths)
+        full = _gather(b.contiguous(), d, plan.group, lengths)
         out.append(full if restore is None else rearrange(full, d, restore))
     return out
 
@@ -312,14 +372,10 @@ def unshard(mesh: DeviceMesh, buffers: Sequence[torch.Tensor], seq_dims: Sequenc
     layout; no global option is read), and differentiable, for losses
     computed on full sequences: the backward returns to each rank the
     gradient of its own shard. The loss is taken to be the same on every rank,
-    so gradients of replicated parameters are then summed over the group."""
+    so gradients of replicated parameters are then summed over the group.
+    Shard lengths are checked as in :func:`context_parallel_unshard`."""
     if not buffers:
         return []
-    group, gathered = _check_unshard("unshard", mesh, buffers, seq_dims, load_balancer)
-    forward = restore = None
-    if load_balancer is not None:
-        forward = load_balancer._generate_indices()
-        restore = load_balancer._generate_indices(restore=True)
-    return [_Unshard.apply(b, d % b.ndim, group, restore, forward,
-                           _layout(group, b, d % b.ndim, load_balancer, g))
-            for b, d, g in zip(buffers, seq_dims, gathered)]
+    plan = _check_unshard("unshard", mesh, buffers, seq_dims, load_balancer)
+    return [_Unshard.apply(b, d, plan.group, plan.restore, plan.forward, lengths)
+            for b, d, lengths in zip(buffers, plan.dims, plan.layouts)]

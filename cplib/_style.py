@@ -17,10 +17,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from ._flex_hook import _flex_input_hook, _register_flex_input_hook
+from ._handshake import agreed, handshake
 from ._options import RingConfig, _cp_options, rotate_method_name
-from ._sdpa_dispatch import CPDispatchMode, dispatcher_enabled
+from ._sdpa_dispatch import CPDispatchMode, agreed_before_attention, dispatcher_enabled
 from ._native import check_mesh
-from ._usp import UspGroups, usp_groups
+from ._usp import UspGroups, check_degrees, usp_groups
 
 __all__ = ["_ContextParallel", "attention_documents"]
 
@@ -58,29 +59,47 @@ class _ContextParallel(ParallelStyle):
         self.ulysses_degree = ulysses_degree
 
     def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        from ._ring import window_arg
+
         group = check_mesh(mesh)
-        if self.attention_type == self.AttentionType.SDPA:
-            if self.seq_dim not in (2, -2):
-                raise NotImplementedError(
-                    f"cplib: SDPA context parallelism shards (batch, heads, seq, dim) tensors "
-                    f"on dim 2; got seq_dim={self.seq_dim}"
-                )
+        sdpa = self.attention_type == self.AttentionType.SDPA
+
+        def check() -> None:
+            if sdpa:
+                if self.seq_dim not in (2, -2):
+                    raise NotImplementedError(
+                        f"cplib: SDPA context parallelism shards (batch, heads, seq, dim) "
+                        f"tensors on dim 2; got seq_dim={self.seq_dim}")
+                check_degrees(dist.get_world_size(group), self.ulysses_degree)
+            elif self.attention_type == self.AttentionType.FLEX:
+                if self.window is not None:
+                    raise NotImplementedError(
+                        f"cplib: window={self.window!r} applies to SDPA attention; FLEX "
+                        "attention takes its window from the block mask")
+                if self.ulysses_degree != 1:
+                    raise NotImplementedError(
+                        f"cplib: ulysses_degree={self.ulysses_degree} applies to SDPA "
+                        "attention; FLEX attention gathers keys and values instead")
+            else:
+                raise ValueError(f"cplib: unknown attention type {self.attention_type!r}")
+
+        # Every rank parallelizes alike, before the first collective
+        # (usp_groups) or the first forward: one error on every rank, or none.
+        agreed("_ContextParallel", group.group_name, [], check)
+        sides = window_arg(self.window) or [-1, -1]
+        seq_dim = self.seq_dim if isinstance(self.seq_dim, int) else -99  # FLEX checks it later
+        handshake(group.group_name, "_ContextParallel",
+                  fields={"attention_type (1 = SDPA)": int(sdpa),
+                          "seq_dim": 2 if sdpa else seq_dim,
+                          "ulysses_degree": self.ulysses_degree,
+                          "window is not None": int(self.window is not None),
+                          "window[0]": sides[0], "window[1]": sides[1]})
+        if sdpa:
             groups = usp_groups(group, self.ulysses_degree)  # collective, once per mesh
             module.forward = functools.partial(_sdpa_forward, module.forward, group, groups,
                                                self.window)
             return module
-        if self.attention_type == self.AttentionType.FLEX:
-            if self.window is not None:
-                raise NotImplementedError(
-                    f"cplib: window={self.window!r} applies to SDPA attention; FLEX attention "
-                    "takes its window from the block mask")
-            if self.ulysses_degree != 1:
-                raise NotImplementedError(
-                    f"cplib: ulysses_degree={self.ulysses_degree} applies to SDPA attention; "
-                    "FLEX attention gathers keys and values instead"
-                )
-            return _register_flex_input_hook(module, mesh, self.seq_dim)
-        raise ValueError(f"cplib: unknown attention type {self.attention_type!r}")
+        return _register_flex_input_hook(module, mesh, self.seq_dim)
 
     def flex_input_fn(self, module: nn.Module | None, args: Any, kwargs: Any,
                       mesh: DeviceMesh) -> Any:
@@ -126,17 +145,24 @@ def attention_documents(cu_seqlens: torch.Tensor | None = None, *,
 
 def _sdpa_forward(forward: Any, group: dist.ProcessGroup, groups: UspGroups, window: Any,
                   *args: Any, **kwargs: Any) -> Any:
-    if not dispatcher_enabled():
-        raise RuntimeError(
-            "cplib: this module was parallelized with _ContextParallel but the context "
-            "parallel dispatcher is off; call cplib._enable_context_parallel_dispatcher() first"
-        )
     cu_seqlens, per_document = _documents[-1] if _documents else (None, False)
-    config = RingConfig(groups.ring_group or group.group_name, dist.get_world_size(group),
-                        _cp_options.enable_load_balance or per_document,
-                        rotate_method_name(_cp_options.rotate_method), groups.ulysses_degree,
-                        groups.ulysses_group,
-                        seq_len=None if cu_seqlens is None else int(cu_seqlens[-1]),
-                        cu_seqlens=cu_seqlens, window=window, per_document=per_document)
+
+    def check() -> RingConfig:
+        if not dispatcher_enabled():
+            raise RuntimeError(
+                "cplib: this module was parallelized with _ContextParallel but the context "
+                "parallel dispatcher is off; call cplib._enable_context_parallel_dispatcher() "
+                "first")
+        return RingConfig(groups.ring_group or group.group_name, dist.get_world_size(group),
+                          _cp_options.enable_load_balance or per_document,
+                          rotate_method_name(_cp_options.rotate_method), groups.ulysses_degree,
+                          groups.ulysses_group,
+                          seq_len=None if cu_seqlens is None else int(cu_seqlens[-1]),
+                          cu_seqlens=cu_seqlens, window=window, per_document=per_document)
+
+    # An error here meets the handshake the other ranks' SDPA calls start with.
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    config = agreed_before_attention("_ContextParallel", groups.ring_group or group.group_name,
+                                     groups.ulysses_group, tensors, check)
     with CPDispatchMode(config):
         return forward(*args, **kwargs)

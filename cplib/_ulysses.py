@@ -360,14 +360,16 @@ def ulysses_attention(q, k, v, group: GroupLike, is_causal: bool, scale: float |
     """:func:`ulysses_sdpa`; without ``need_lse`` the lse is not exchanged
     back (None)."""
     op = "ulysses_sdpa"
+    name = group_name_of(group)
     if attn_mask is not None:
         from ._key_padding import key_padding_inputs
 
-        q, k, v, scale, _ = key_padding_inputs(op, attn_mask, q, k, v, scale)
+        # A mask rejected on one rank is rejected on every rank (the handshake).
+        q, k, v, scale, _ = agreed(op, name, (q, k, v, attn_mask),
+                                   lambda: key_padding_inputs(op, attn_mask, q, k, v, scale))
     if cu_seqlens is not None or window is not None or seq_len is not None:
-        return usp_attention(q, k, v, group, _self_group(), is_causal, False, scale, "p2p",
+        return usp_attention(q, k, v, name, _self_group(), is_causal, False, scale, "p2p",
                              backend, None, need_lse, sinks, cu_seqlens, window, seq_len)
-    name = group_name_of(group)
 
     def args():
         _check_qkv(op, q, k, v)
@@ -457,11 +459,18 @@ def usp_attention(q, k, v, ulysses_group: GroupLike, ring_group: GroupLike, is_c
     """:func:`usp_sdpa`; without ``need_lse`` the lse is not exchanged back
     (None)."""
     op = "usp_sdpa"
+    uname, rname = group_name_of(ulysses_group), group_name_of(ring_group)
     if attn_mask is not None:
         from ._key_padding import key_padding_inputs
 
-        q, k, v, scale, _ = key_padding_inputs(op, attn_mask, q, k, v, scale)
-    uname, rname = group_name_of(ulysses_group), group_name_of(ring_group)
+        # A rejected mask travels as the errors of to_heads() below do.
+        try:
+            q, k, v, scale, _ = agreed(op, uname, (q, k, v, attn_mask),
+                                       lambda: key_padding_inputs(op, attn_mask, q, k, v, scale))
+        except Exception as exc:
+            if not torch.compiler.is_compiling():
+                forward_error(op, rname, exc)
+            raise
     masked = dict(cu_seqlens=cu_seqlens, window=window, seq_len=seq_len,
                   per_document=bool(per_document))
     even = cu_seqlens is None and window is None and seq_len is None and not per_document

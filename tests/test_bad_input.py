@@ -150,6 +150,125 @@ def _cp_on(bad_rank, **bad):
     return case
 
 
+def _balancer(seq_length: int):
+    from cplib._load_balancer import _HeadTailLoadBalancer
+    return _HeadTailLoadBalancer(seq_length, 2, "cpu")
+
+
+def _unshard_lengths(*per_rank, seq_length=16, entry=cplib.unshard):
+    """Unshard of a (1, per_rank[rank]) shard with a head-tail balancer of
+    ``seq_length``: lengths that are not its layout."""
+    def case(rank, g):
+        entry(_mesh(g), [torch.randn(1, per_rank[rank])], [1], _balancer(seq_length))
+    return case
+
+
+def _shard_balanced(rank, g):
+    cplib.shard(_mesh(g), [torch.arange(12).view(1, -1)], [1], _balancer(16))
+
+
+def _cp_sdpa_on(bad_rank, ulysses_degree=1, **bad):
+    """F.scaled_dot_product_attention inside context_parallel, with ``bad``
+    arguments on ``bad_rank`` only (rejected before the ring's handshake)."""
+    def case(rank, g):
+        import torch.nn.functional as F
+
+        kw = bad if rank == bad_rank else {}
+        q = torch.randn(1, 4, 16, 4)
+        with cplib.context_parallel(_mesh(g), buffers=[q], buffer_seq_dims=[2],
+                                    ulysses_degree=ulysses_degree):
+            F.scaled_dot_product_attention(q, q, q, **kw)
+    return case
+
+
+def _cp_mha_need_weights_on_rank_1(rank, g):
+    mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    x = torch.randn(1, 16, 8)
+    with cplib.context_parallel(_mesh(g), buffers=[x], buffer_seq_dims=[1]):
+        mha(x, x, x, need_weights=rank == 1)
+
+
+class _Attention(torch.nn.Module):
+    def forward(self, q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+
+def _style(seq_dim=2, ulysses_degree=1, flex=False):
+    kind = cplib._ContextParallel.AttentionType
+    return cplib._ContextParallel(seq_dim=seq_dim, ulysses_degree=ulysses_degree,
+                                  attention_type=kind.FLEX if flex else kind.SDPA)
+
+
+def _style_on(bad_rank, **bad):
+    """parallelize_module with ``bad`` style arguments on ``bad_rank``, then a
+    forward (which the style's checks must stop on every rank)."""
+    def case(rank, g):
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        attn = parallelize_module(_Attention(), _mesh(g),
+                                  _style(**(bad if rank == bad_rank else {})))
+        q = torch.randn(1, 2, 8, 4)
+        cplib._enable_context_parallel_dispatcher()
+        try:
+            attn(q, q, q)
+        finally:
+            cplib._disable_context_parallel_dispatcher()
+    return case
+
+
+def _style_dispatcher_on_rank_0(rank, g):
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    attn = parallelize_module(_Attention(), _mesh(g), _style())
+    q = torch.randn(1, 2, 8, 4)
+    if rank == 0:
+        cplib._enable_context_parallel_dispatcher()
+    try:
+        attn(q, q, q)
+    finally:
+        cplib._disable_context_parallel_dispatcher()
+
+
+def _flex_style_no_key_on_rank_1(rank, g):
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    probe = parallelize_module(_Attention(), _mesh(g), _style(flex=True))
+    q = torch.randn(1, 2, 4, 4)
+    probe(q, None if rank == 1 else q, q)
+
+
+def _mask_on(entry, bad_rank):
+    """A mask that is not a key padding (it varies with the query) on
+    ``bad_rank``; a key-padding one elsewhere."""
+    def case(rank, g):
+        q, k, v = _qkv(rank)
+        mask = torch.ones(1, 1, 8, 8, dtype=torch.bool) if rank == bad_rank else \
+            torch.ones(1, 1, 1, 8, dtype=torch.bool)
+        entry(q, k, v, g, attn_mask=mask)
+    return case
+
+
+def _cp_modules_on_rank_1(rank, g):
+    buf = torch.arange(16).view(1, -1)
+    with cplib.context_parallel(_mesh(g), buffers=[buf], buffer_seq_dims=[1],
+                                modules=[torch.nn.Linear(2, 2)] if rank == 1 else None):
+        pass
+
+
+def _ring_non_member(rank, g):
+    # Each rank passes the group made of the other one: new_group returns
+    # GroupMember.NON_GROUP_MEMBER (an int) to the ranks it leaves out.
+    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    _ring(rank, groups[1 - rank])
+
+
+def _shard_destroyed_mesh(rank, g):
+    doomed = dist.new_group(list(range(dist.get_world_size())))
+    mesh = _mesh(doomed)
+    dist.destroy_process_group(doomed)
+    cplib.shard(mesh, [torch.arange(16).view(1, -1)], [1])
+
+
 # (name, world size, case, exception class, text every rank's message contains)
 CASES = [
     # ring_sdpa: the same bad input everywhere
@@ -240,6 +359,16 @@ CASES = [
     ("unshard/one/seq-dim", 2, _unshard_on(1, seq_dim=7), ValueError, "out of range"),
     ("unshard/disagree/features", 2, _unshard_on(1, features=5), ValueError,
      "disagree on buffer 0.size(2)"),
+    # Shard lengths that are not the load balancer's layout: every rank raises
+    # before the all-gather (gloo aborted on one rank, the other returned zeros).
+    ("unshard/disagree/length-vs-balancer", 2, _unshard_lengths(8, 6), ValueError,
+     "shards have lengths [8, 6] along seq_dim 1"),
+    ("unshard/same/length-vs-balancer", 2, _unshard_lengths(6, 6), ValueError,
+     "layout of seq_length=16 over 2 ranks needs [8, 8]"),
+    ("cp-unshard/disagree/length-vs-balancer", 2,
+     _unshard_lengths(8, 6, entry=cplib.context_parallel_unshard), ValueError,
+     "context_parallel_unshard: buffer 0's shards have lengths [8, 6]"),
+    ("shard/same/length-vs-balancer", 2, _shard_balanced, ValueError, "seq_length=16"),
     # context_parallel
     ("cp/same/ulysses-degree", 2, _cp_on(None, ulysses_degree=3), ValueError, "ulysses_degree"),
     ("cp/one/load-balance", 2, _cp_on(1, load_balance="x"), ValueError, "load_balance='x'"),
@@ -250,6 +379,35 @@ CASES = [
      "disagree on buffer 0.size(1) (rank 0: 16, rank 1: 12)"),
     ("cp/disagree/rotate", 2, _cp_on(1, rotate_method="allgather"), ValueError,
      "disagree on rotate_method"),
+    ("cp/one/modules", 2, _cp_modules_on_rank_1, ValueError, "has no _cp_plan"),
+    # Arguments the Python wrappers reject on one rank, before the op the
+    # other ranks are in: the error travels in that op's handshake.
+    ("cp-sdpa/one/dropout", 2, _cp_sdpa_on(1, dropout_p=0.5), NotImplementedError,
+     "invalid input on rank 1: cplib: context-parallel SDPA does not support dropout "
+     "(dropout_p=0.5)"),
+    ("cp-sdpa/one/query-mask", 2, _cp_sdpa_on(1, attn_mask=torch.ones(16, 16, dtype=torch.bool)),
+     NotImplementedError, "attn_mask (got (16, 16))"),
+    ("usp/one/cp-dropout", 4, _cp_sdpa_on(3, ulysses_degree=2, dropout_p=0.5),
+     NotImplementedError, "dropout_p=0.5"),
+    ("cp-mha/one/need-weights", 2, _cp_mha_need_weights_on_rank_1, NotImplementedError,
+     "need_weights=False"),
+    ("ring/one/query-mask", 2, _mask_on(cplib.ring_sdpa, 1), NotImplementedError,
+     "attn_mask (got (1, 1, 8, 8))"),
+    ("ulysses/one/query-mask", 2, _mask_on(cplib.ulysses_sdpa, 1), NotImplementedError,
+     "attn_mask (got (1, 1, 8, 8))"),
+    ("style/one/seq-dim", 2, _style_on(1, seq_dim=1), NotImplementedError, "seq_dim=1"),
+    ("style/disagree/ulysses-degree", 2, _style_on(1, ulysses_degree=2), ValueError,
+     "disagree on ulysses_degree (rank 0: 1, rank 1: 2)"),
+    ("style/one/dispatcher-off", 2, _style_dispatcher_on_rank_0, RuntimeError,
+     "invalid input on rank 1: cplib: this module was parallelized with _ContextParallel but "
+     "the context parallel dispatcher is off"),
+    ("flex-style/one/key-missing", 2, _flex_style_no_key_on_rank_1, ValueError,
+     "needs `key` as a tensor"),
+    # Groups this rank cannot use, named
+    ("ring/same/not-a-member", 2, _ring_non_member, ValueError,
+     "group=GroupMember.NON_GROUP_MEMBER (-100): this process is not a member"),
+    ("shard/same/destroyed-mesh", 2, _shard_destroyed_mesh, ValueError,
+     "the process group of the device mesh (registered as '"),
 ]
 
 _BY_NAME = {c[0]: c for c in CASES}
@@ -293,6 +451,25 @@ def test_every_rank_raises_alike(name):
         assert text in msg, f"rank {rank}: {msg!r} lacks {text!r}"
         assert seconds < _QUICK_S, f"rank {rank} took {seconds:.1f} s: {msg}"
     assert len({msg for _, msg, _ in outcome}) == 1 or name.startswith("usp/"), outcome
+
+
+def _unshard_without_handshake() -> None:
+    # A world of one makes no handshake: the shard is checked on its own.
+    from cplib._load_balancer import _HeadTailLoadBalancer
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    with pytest.raises(ValueError, match=r"buffer 0 has length 12 along seq_dim 1 on rank 0, but "
+                                         r"the load balancer's layout of seq_length=16 over 1 "
+                                         r"ranks gives it 16"):
+        cplib.unshard(mesh, [torch.randn(1, 12)], [1], _HeadTailLoadBalancer(16, 1, "cpu"))
+    full = torch.randn(1, 16)
+    torch.testing.assert_close(cplib.unshard(mesh, [full], [1],
+                                             _HeadTailLoadBalancer(16, 1, "cpu"))[0], full)
+
+
+def test_unshard_checks_its_own_length_without_handshake(threaded):
+    threaded(1, _unshard_without_handshake)
 
 
 # ---------------------------------------------------------------- no communication
@@ -342,3 +519,4 @@ def test_load_balancers_name_bad_arguments():
     # A valid one still shards as before.
     lb = AnyLengthPerDocumentLoadBalancer([0, 6, 16], 2, "cpu")
     assert sorted(lb._generate_indices()[0].tolist()) == list(range(16))
+
