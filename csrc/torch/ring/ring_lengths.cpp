@@ -35,19 +35,25 @@ std::vector<int64_t> gather_local_lengths(const Group& group, const std::vector<
 
 void learn_local_lengths(const char* op, Config& cfg, const Tensor& q, const Tensor& k,
                          const Extras& ex, const Handshake& hs) {
-  if (ex.seq_len || ex.per_document || cfg.size == 1) return;
-  const int64_t n = cfg.size;
-  std::vector<int64_t> lq(n), lk(n);
-  if (hs.exchanged()) {
-    for (int64_t r = 0; r < n; ++r) {
-      const std::vector<int64_t> mine = hs.lengths(r);  // {q rows, k/v rows}
-      lq[r] = mine.at(0), lk[r] = mine.at(1);
-    }
-  } else {
-    const std::vector<int64_t> table =
-        gather_local_lengths(cfg.group, {q.size(2), k.size(2)}, q.device());
-    for (int64_t r = 0; r < n; ++r) lq[r] = table[2 * r], lk[r] = table[2 * r + 1];
+  std::vector<int64_t> table;
+  for (int64_t r = 0; hs.exchanged() && r < cfg.size; ++r) {
+    const std::vector<int64_t> mine = hs.lengths(r);  // {q rows, k/v rows}
+    table.insert(table.end(), mine.begin(), mine.end());
   }
+  learn_local_lengths(op, cfg, q, k, ex, table);
+}
+
+void learn_local_lengths(const char* op, Config& cfg, const Tensor& q, const Tensor& k,
+                         const Extras& ex, std::vector<int64_t>& table) {
+  if (ex.seq_len || ex.per_document || cfg.size == 1) {
+    table.clear();
+    return;
+  }
+  const int64_t n = cfg.size;
+  if (static_cast<int64_t>(table.size()) != 2 * n)
+    table = gather_local_lengths(cfg.group, {q.size(2), k.size(2)}, q.device());
+  std::vector<int64_t> lq(n), lk(n);
+  for (int64_t r = 0; r < n; ++r) lq[r] = table[2 * r], lk[r] = table[2 * r + 1];
   if (all_equal(lq) && all_equal(lk)) return;
   const bool positional = cfg.causal || cfg.load_balanced || ex.cu_seqlens || ex.window;
   CPLIB_CHECK_VALUE(!positional, "cplib.", op, ": the ranks' local lengths differ (q ", list(lq),

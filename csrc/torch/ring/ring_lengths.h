@@ -29,6 +29,11 @@ std::vector<int64_t> gather_local_lengths(const Group& group, const std::vector<
 // alike on every rank).
 void learn_local_lengths(const char* op, Config& cfg, const Tensor& q, const Tensor& k,
                          const Extras& ex, const Handshake& hs);
+// The same from `table`, every rank's {q rows, k/v rows} rank-major (a
+// handshake's, or the forward's for a backward it covers); gathered into it
+// when empty and needed, cleared when not needed.
+void learn_local_lengths(const char* op, Config& cfg, const Tensor& q, const Tensor& k,
+                         const Extras& ex, std::vector<int64_t>& table);
 
 }  // namespace cplib::ring
 
