@@ -180,3 +180,16 @@ def register_group(group: GroupLike | DeviceMesh) -> None:
         forget_routes()  # groups over these ranks registered before: now on it too
     _native.forget_route(pg.group_name)
     _native._register_handshake_group(pg.group_name)
+
+
+def register_groups(*groups: GroupLike | None) -> None:
+    """:func:`register_group` for each distinct group given (None skipped), in
+    the order given: the same order on every rank, as new_group needs."""
+    seen: list[str] = []
+    for g in groups:
+        if g is None:
+            continue
+        name = g if isinstance(g, str) else g.group_name
+        if name not in seen:
+            seen.append(name)
+            register_group(g)

@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from ._flex_hook import _flex_input_hook, _register_flex_input_hook
 from ._options import RingConfig, _cp_options, rotate_method_name
 from ._sdpa_dispatch import CPDispatchMode, dispatcher_enabled
+from ._handshake import register_groups
 from ._native import check_mesh
 from ._usp import UspGroups, usp_groups
 
@@ -66,6 +67,7 @@ class _ContextParallel(ParallelStyle):
                     f"on dim 2; got seq_dim={self.seq_dim}"
                 )
             groups = usp_groups(group, self.ulysses_degree)  # collective, once per mesh
+            register_groups(group, groups.ulysses_group, groups.ring_group)  # CPU side groups
             module.forward = functools.partial(_sdpa_forward, module.forward, group, groups,
                                                self.window)
             return module

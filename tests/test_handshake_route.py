@@ -161,3 +161,42 @@ def _no_handshake_when_off() -> int:
 
 def test_switched_off_makes_none(ranks):
     assert ranks(2).run(_no_handshake_when_off) == [0, 0]
+
+
+def _handshakes_of_other_ops() -> dict:
+    rank, world = dist.get_rank(), dist.group.WORLD
+    torch.manual_seed(rank)
+    counts = {}
+
+    def count(step):
+        ops.handshake_debug_count(True)
+        step()
+        return ops.handshake_debug_count(True)
+
+    q, k, v = (torch.randn(1, 4, 8, 8, requires_grad=True) for _ in range(3))
+
+    def ulysses():
+        out, _ = cplib.ulysses_sdpa(q, k, v, world, is_causal=True)
+        out.sum().backward()
+
+    def flex():
+        gk, gv = cplib.flex_cp_allgather(k, v, 2, world)
+        (gk.sum() + gv.sum()).backward()
+
+    x = torch.randn(1, 3, 8, 8, requires_grad=True)
+    w = torch.randn(4, 3, 3, 3, requires_grad=True)
+
+    def conv():
+        cplib.tp_conv(x, w, padding=1).sum().backward()
+
+    for name, step in (("ulysses", ulysses), ("flex", flex), ("tp_conv", conv)):
+        counts[name] = count(step)
+    # The public backward ops, called directly, still handshake.
+    counts["flex direct backward"] = count(lambda: ops.flex_cp_allgather_backward(
+        torch.ones(1, 4, 16, 8), torch.ones(1, 4, 16, 8), 2, world.group_name))
+    return counts
+
+
+def test_one_handshake_per_forward_and_backward_of_other_ops(ranks):
+    for r in ranks(2).run(_handshakes_of_other_ops):
+        assert r == {"ulysses": 1, "flex": 1, "tp_conv": 1, "flex direct backward": 1}, r
