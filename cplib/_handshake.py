@@ -45,11 +45,19 @@ def handshake_enabled() -> bool:
     return os.environ.get(_ENV) != "0"
 
 
+_TRACING_MODES = tuple(getattr(torch._C._TorchDispatchModeKey, key)
+                       for key in ("FAKE", "PROXY")
+                       if hasattr(torch._C._TorchDispatchModeKey, key))
+
+
 def tracing(tensors: Sequence = ()) -> bool:
-    """A trace, which never communicates: fake tensors among ``tensors``, or
-    a torch dispatch mode (FakeTensorMode, make_fx) active, or compiling."""
+    """A trace, which never communicates: fake tensors among ``tensors``, a
+    FakeTensorMode or make_fx's proxy mode active, or compiling. (Other
+    dispatch modes, a FlopCounterMode say, run the ops for real.)"""
     from torch._subclasses.fake_tensor import is_fake
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+    if torch.compiler.is_compiling():
+        return True
+    if any(torch._C._get_dispatch_mode(key) is not None for key in _TRACING_MODES):
         return True
     return any(isinstance(t, torch.Tensor) and is_fake(t) for t in tensors)
 

@@ -28,7 +28,11 @@ std::vector<int64_t> gather_local_lengths(const Group& group, const std::vector<
                                           const Device& device) {
   const int64_t n = group.size, w = static_cast<int64_t>(local.size());
   if (n == 1 || w == 0) return local;
-  const Tensor out = all_gather_dim0(group, aten::from_host(local, device));
+  // In host memory where the group (or its handshake side group) takes CPU
+  // tensors: no wait for the GPU; `device` only for a group that does not.
+  const HandshakeRoute route = handshake_route(group);
+  const Device on = route.device.type() == DeviceType::CPU ? route.device : device;
+  const Tensor out = all_gather_dim0(route.via, aten::from_host(local, on));
   wait(out);
   return aten::to_host(out);
 }

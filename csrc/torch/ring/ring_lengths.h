@@ -16,7 +16,9 @@
 namespace cplib::ring {
 
 // One small all-gather: `local` (the same count of values on every rank) from
-// every rank, rank-major. Collective over `group`; on `device` (NCCL needs CUDA).
+// every rank, rank-major. Collective over `group`, in host memory over the
+// group's handshake route (see comm/handshake.h); on `device` only for an
+// NCCL group without a CPU side group.
 std::vector<int64_t> gather_local_lengths(const Group& group, const std::vector<int64_t>& local,
                                           const Device& device);
 
