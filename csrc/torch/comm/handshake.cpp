@@ -2,10 +2,10 @@
 
 #include "common/format.h"
 
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <atomic>
 #include <mutex>
 #include <sstream>
 #include <unordered_map>

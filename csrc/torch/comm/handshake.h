@@ -92,9 +92,6 @@ class Handshake {
   // then the verdict: the same exception on every rank, or a normal return.
   // Off, or in a world of one, this rank's own error is rethrown as it was.
   void exchange(const Group& group);
-  // The tensors' device no longer matters (the record's device is the
-  // route's); kept for the call sites.
-  void exchange(const Group& group, const Device&) { exchange(group); }
 
   // After exchange: rank r's local lengths (only this rank's, as rank 0's,
   // when nothing was exchanged).
