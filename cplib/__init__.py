@@ -6,6 +6,7 @@ import logging
 
 from . import _native  # noqa: F401  (loads cplib._C and its ops)
 from ._consistency import consistency_checks, consistency_checks_enabled, set_consistency_checks
+from ._handshake import register_group
 from ._context_parallel import ContextParallelHandle, context_parallel
 from ._flex_allgather import flex_cp_allgather
 from ._flex_mask import _create_cp_block_mask, _create_cp_block_mask as create_cp_block_mask
@@ -86,6 +87,7 @@ __all__ = [
     "consistency_checks",
     "consistency_checks_enabled",
     "set_consistency_checks",
+    "register_group",
     "ring_sdpa",
     "ring_pass_auto",
     "decode_sdpa",

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ._diffusers import _plan_of, applied_cp_plans
 from ._documents import cu_seqlens_from_position_ids
-from ._handshake import agreed, handshake, values_hash
+from ._handshake import agreed, handshake, register_groups, values_hash
 from ._load_balancer import (
     AnyLengthHeadTailLoadBalancer,
     AnyLengthPerDocumentLoadBalancer,
@@ -290,6 +290,8 @@ def context_parallel(
                    ulysses_degree, load_balance, balanced, documents, sides)
 
     groups = usp_groups(group, ulysses_degree)  # collective the first time only
+    # The handshake's CPU side groups on NCCL (collective the first time only).
+    register_groups(group, groups.ulysses_group, groups.ring_group)
     with torch.no_grad():
         shards = [shard_tensor(b, d, rank, world_size, indices,
                                shard_lengths(b.shape[d], world_size, balancer))

@@ -70,7 +70,8 @@ def _grads_or_zeros(ctx, grads):
 
 def _allgather_backward(ctx, grad_k, grad_v):
     gk, gv = _grads_or_zeros(ctx, (grad_k, grad_v))
-    dk, dv = ops.flex_cp_allgather_backward(gk, gv, ctx.seq_dim, ctx.group_name)
+    # Covered by the forward's handshake: none of its own (one per fwd+bwd).
+    dk, dv = ops.flex_cp_allgather_backward_covered(gk, gv, ctx.seq_dim, ctx.group_name)
     return dk, dv, None, None
 
 
@@ -84,9 +85,10 @@ def _reduce_scatter_backward(ctx, grad_k, grad_v):
 torch.library.register_autograd(
     "cplib_c::flex_cp_allgather", _allgather_backward, setup_context=_setup
 )
-torch.library.register_autograd(
-    "cplib_c::flex_cp_allgather_backward", _reduce_scatter_backward, setup_context=_setup
-)
+torch.library.register_fake("cplib_c::flex_cp_allgather_backward_covered",
+                            _allgather_backward_fake)
+for _op in ("cplib_c::flex_cp_allgather_backward", "cplib_c::flex_cp_allgather_backward_covered"):
+    torch.library.register_autograd(_op, _reduce_scatter_backward, setup_context=_setup)
 
 
 def flex_cp_allgather(

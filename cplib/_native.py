@@ -142,32 +142,83 @@ def group_name_of(group: GroupLike) -> str:
     return name
 
 
-_handshake_groups: set[str] = set()
+# The handshake's routes (csrc/torch/comm/handshake.h: HandshakeRoute): for
+# each group name, the group its handshakes travel on, in host memory.
+_routes: dict[str, str] = {}
+# cplib's CPU (gloo) side groups of groups whose backend takes no CPU
+# tensors (NCCL), by their global ranks in group order; made by
+# cplib.register_group, where every rank of the group is known to be.
+side_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def carries_host_tensors(pg: dist.ProcessGroup) -> bool:
+    """Whether ``pg``'s collectives take CPU tensors: gloo, a
+    "cpu:gloo,cuda:nccl" group, torch's threaded test group; not NCCL."""
+    try:
+        pg._get_backend(torch.device("cpu"))
+        return True
+    except Exception:  # no CPU backend: NCCL and other device-only backends,
+        pass           # or a Python group (the threaded one) that takes any tensor
+    return str(dist.get_backend(pg)).lower() not in ("nccl", "xccl", "hccl")
 
 
 def _register_handshake_group(name: str) -> None:
-    """Handshakes of a group run over the first live group with the same
-    ranks (in order) and backend, so that ranks passing different group
-    objects for those ranks meet in one collective and are told so, instead
-    of each waiting in its own."""
-    if name in _handshake_groups:
+    """Handshakes of a group run in host memory over the first live group
+    with the same ranks (in order) that takes CPU tensors, so that ranks
+    passing different group objects for those ranks meet in one collective
+    and are told so, instead of each waiting in its own; for an NCCL group,
+    over its side group (cplib.register_group). An NCCL group without one
+    falls back to a CUDA buffer read back to the host, and says so once."""
+    if name in _routes:
         return
     c10d = dist.distributed_c10d
     try:
         pg = c10d._resolve_process_group(name)
-        key = (c10d.get_process_group_ranks(pg), dist.get_backend(pg))
+        ranks = c10d.get_process_group_ranks(pg)
     except Exception:  # unknown here: the op raises, naming it
         return
-    _handshake_groups.add(name)
+    side = side_groups.get(tuple(ranks))
+    if side is not None and not carries_host_tensors(pg):
+        _routes[name] = side.group_name
+        ops.handshake_set_route(name, side.group_name, 1, True)
+        return
+    host = carries_host_tensors(pg)
+    via = name
     for other, other_name in list(c10d._world.pg_names.items()):
         if other_name == name:
-            return
+            break
         try:
-            if (c10d.get_process_group_ranks(other), dist.get_backend(other)) == key:
-                ops.handshake_group(name, other_name)
-                return
+            if c10d.get_process_group_ranks(other) == ranks and (
+                    carries_host_tensors(other) if host else
+                    dist.get_backend(other) == dist.get_backend(pg)):
+                via = other_name
+                break
         except Exception:  # not a member, or gone
             continue
+    _routes[name] = via
+    ops.handshake_set_route(name, via, int(host), False)
+    if not host and pg.size() > 1:
+        import warnings
+        warnings.warn(
+            f"cplib: process group '{name}' ({dist.get_backend(pg)}) takes no CPU tensors and "
+            "has no CPU side group, so cplib's handshake goes through a GPU buffer and waits "
+            "for the GPU before every communicating op; call cplib.register_group(group) on "
+            "every rank of it once, after creating it (context_parallel does this itself)",
+            stacklevel=3)
+
+
+def forget_route(name: str) -> None:
+    """Chooses ``name``'s route again at its next registration."""
+    _routes.pop(name, None)
+
+
+def forget_routes() -> None:
+    """Chooses every known group's route again (after a side group was made;
+    groups that are gone are dropped)."""
+    names = list(_routes)
+    _routes.clear()
+    for name in names:
+        _register_handshake_group(name)
 
 
 def reject_mixed_meta(op: str, **tensors) -> None:

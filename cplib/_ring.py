@@ -11,7 +11,7 @@ from typing import Literal
 
 import torch
 
-from ._handshake import agreed
+from ._handshake import agreed, can_handshake, tracing
 from ._native import GroupLike, group_name_of, group_size, ops, reject_mixed_meta, \
     reject_real_in_fake
 from ._seq_layout import local_length
@@ -238,14 +238,41 @@ def check_sinks(op: str, q, sinks) -> None:
                          f"float32/float64, got {sinks.dtype}")
 
 
+def _meta_call(group_name, tensors) -> bool:
+    """Plain meta tensors (not fake, no trace) on a real group of more than
+    one rank: the call handshakes like a real one, so that a rank on meta
+    tensors beside ranks on real ones raises with them (under FakeTensorMode
+    or torch.compile nothing communicates)."""
+    return (isinstance(tensors[0], torch.Tensor) and tensors[0].device.type == "meta"
+            and not tracing(tensors) and isinstance(group_name, str)
+            and can_handshake(group_name, tensors, meta_joins=True))
+
+
+def _fake_checks(op: str, group_name, tensors, describe, checks) -> None:
+    """``checks()``, and on plain meta tensors the handshake (``describe()``;
+    a failing check travels in it, see _meta_call)."""
+    if not _meta_call(group_name, tensors):
+        checks()
+        return
+    agreed(op, group_name, tensors, checks, meta_joins=True)
+    describe()
+
+
 @torch.library.register_fake("cplib_c::ring_sdpa")
 def _ring_sdpa_fake(q, k, v, group_name, is_causal, load_balanced, scale, backend, rotate,
                     cu_seqlens=None, window=None, seq_len=None, per_document=False, sinks=None,
                     q_positions=None, kv_positions=None, ring_pass=0):
     reject_real_in_fake("ring_sdpa", q, k, v, cu_seqlens, sinks, q_positions, kv_positions)
-    _check("ring_sdpa", q, k, v, group_name, is_causal, load_balanced, scale, backend, rotate,
-           cu_seqlens, window, seq_len, per_document, q_positions, kv_positions, ring_pass)
-    check_sinks("ring_sdpa", q, sinks)
+
+    def checks():
+        _check("ring_sdpa", q, k, v, group_name, is_causal, load_balanced, scale, backend,
+               rotate, cu_seqlens, window, seq_len, per_document, q_positions, kv_positions,
+               ring_pass)
+        check_sinks("ring_sdpa", q, sinks)
+
+    _fake_checks("ring_sdpa", group_name, (q, k, v), lambda: ops.ring_describe_call(
+        "ring_sdpa", [q, k, v], group_name, is_causal, load_balanced, scale, backend, rotate,
+        cu_seqlens, window, seq_len, per_document, q_positions, kv_positions, ring_pass), checks)
     b, h, s, _ = q.shape
     out = q.new_empty((b, h, s, v.shape[3]))
     lse = q.new_empty((b, h, s), dtype=_acc_dtype(q.dtype))
@@ -257,6 +284,27 @@ def _ring_sdpa_backward_fake(grad_out, q, k, v, out, lse, group_name, is_causal,
                              scale, backend, rotate, cu_seqlens=None, window=None, seq_len=None,
                              per_document=False, q_positions=None, kv_positions=None,
                              ring_pass=0):
+    reject_real_in_fake("ring_sdpa_backward", grad_out, q, k, v, out, lse, cu_seqlens, q_positions,
+                        kv_positions)
+
+    def checks():
+        _check("ring_sdpa_backward", q, k, v, group_name, is_causal, load_balanced, scale,
+               backend, rotate, cu_seqlens, window, seq_len, per_document, q_positions,
+               kv_positions)
+
+    _fake_checks("ring_sdpa_backward", group_name, (q, k, v), lambda: ops.ring_describe_call(
+        "ring_sdpa_backward", [grad_out, q, k, v, out, lse], group_name, is_causal,
+        load_balanced, scale, backend, rotate, cu_seqlens, window, seq_len, per_document,
+        q_positions, kv_positions, ring_pass), checks)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+@torch.library.register_fake("cplib_c::ring_sdpa_backward_covered")
+def _ring_sdpa_backward_covered_fake(grad_out, q, k, v, out, lse, group_name, is_causal,
+                                     load_balanced, scale, backend, rotate, cu_seqlens, window,
+                                     seq_len, per_document, q_positions, kv_positions, ring_pass,
+                                     agreed_lengths):
+    # Covered by its forward's handshake: checks only, nothing communicates.
     reject_real_in_fake("ring_sdpa_backward", grad_out, q, k, v, out, lse, cu_seqlens, q_positions,
                         kv_positions)
     _check("ring_sdpa_backward", q, k, v, group_name, is_causal, load_balanced, scale, backend,
@@ -275,15 +323,26 @@ def sinks_grad(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     return -(delta * prob).sum((0, 2)).to(sinks.dtype)
 
 
-def attention_autograd(backward_op, forward_op):
+def attention_autograd(backward_op, forward_op, covered_backward_op=None, agreed_lengths=None):
     """(setup_context, backward) for an attention op returning (out, lse)
     whose inputs are q, k, v and then non-tensor arguments, and whose
     ``backward_op(grad_out, q, k, v, out, lse, *args)`` gives (dq, dk, dv).
     A ``sinks`` argument of ``forward_op`` (found by name in its schema) is
     left out of ``args``: the backward kernel run with the sunk (out, lse) is
-    already exact, and the sinks' own gradient is :func:`sinks_grad`."""
-    names = [a.name for a in forward_op.default._schema.arguments]
+    already exact, and the sinks' own gradient is :func:`sinks_grad`.
+
+    ``covered_backward_op`` (same arguments by name, plus ``agreed_lengths``,
+    what ``agreed_lengths()`` returns right after the forward): the backward
+    without a handshake of its own, which its forward's covers (one handshake
+    per fwd+bwd). Used for real tensors; traced and fake ones (compile) keep
+    ``backward_op``, which handshakes when it runs."""
+    arguments = forward_op.default._schema.arguments
+    names = [a.name for a in arguments]
     sinks_at = names.index("sinks") - 3 if "sinks" in names else None
+    # The backward's arguments after (grad_out, q, k, v, out, lse), by name,
+    # with the forward's defaults for those a caller left out.
+    arg_names = [a.name for a in arguments[3:] if a.name != "sinks"]
+    defaults = {a.name: a.default_value for a in arguments if a.has_default_value()}
 
     def setup(ctx, inputs, output):
         q, k, v, *args = inputs
@@ -294,6 +353,10 @@ def attention_autograd(backward_op, forward_op):
             sinks = args[sinks_at]
             args = args[:sinks_at] + args[sinks_at + 1:]
         ctx.args = args
+        ctx.agreed = None
+        if covered_backward_op is not None and not tracing((q,)):
+            # Plain meta tensors: the forward's fake kernel handshook (if due).
+            ctx.agreed = [] if q.device.type == "meta" else agreed_lengths()
         ctx.has_sinks = sinks is not None
         ctx.save_for_backward(q, k, v, out, lse, *([sinks] if sinks is not None else []))
         # As for ATen's fused attention kernels, the log-sum-exp is an
@@ -304,7 +367,14 @@ def attention_autograd(backward_op, forward_op):
         q, k, v, out, lse, *sinks = ctx.saved_tensors
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        dq, dk, dv = backward_op(grad_out, q, k, v, out, lse, *ctx.args)
+        if ctx.agreed is not None:
+            kwargs = dict(defaults)
+            kwargs.update(zip(arg_names, ctx.args))
+            kwargs = {n: kwargs[n] for n in arg_names}
+            dq, dk, dv = covered_backward_op(grad_out, q, k, v, out, lse, **kwargs,
+                                             agreed_lengths=ctx.agreed)
+        else:
+            dq, dk, dv = backward_op(grad_out, q, k, v, out, lse, *ctx.args)
         grads = [None] * len(ctx.args)
         if ctx.sinks_at is not None:
             ds = None
@@ -316,7 +386,9 @@ def attention_autograd(backward_op, forward_op):
     return setup, backward
 
 
-_setup, _backward = attention_autograd(ops.ring_sdpa_backward, ops.ring_sdpa)
+_setup, _backward = attention_autograd(ops.ring_sdpa_backward, ops.ring_sdpa,
+                                       ops.ring_sdpa_backward_covered,
+                                       lambda: list(ops.ring_agreed_lengths()))
 torch.library.register_autograd("cplib_c::ring_sdpa", _backward, setup_context=_setup)
 
 
@@ -389,6 +461,16 @@ def ring_sdpa(
     of this rank's keys, broadcastable to (B, 1, 1, S_local); it travels with
     its K/V block (cplib/_key_padding.py). Other shapes raise
     NotImplementedError.
+
+    Every call begins with cplib's handshake (see
+    :func:`cplib.consistency_checks`): every rank raises the same error, or
+    none does; its backward through autograd is covered by it (one handshake
+    per fwd+bwd). Plain meta tensors on a real process group compute shapes
+    only but take part in the handshake, so a rank on meta tensors beside
+    ranks on real ones raises the same ValueError naming the device on every
+    rank; under FakeTensorMode or torch.compile nothing communicates. On an
+    NCCL group, call :func:`cplib.register_group` once on every rank so that
+    the handshake runs in host memory (no wait for the GPU).
     """
     if attn_mask is not None:
         from ._key_padding import key_padding_inputs
@@ -422,7 +504,7 @@ def ring_sdpa(
                 RING_PASS_CODES["kv" if wants_grad else ring_pass])
 
     rotate_code, backend_code, scale, window, seq_len, pass_code = agreed(
-        "ring_sdpa", name, (q, k, v, cu_seqlens), args)
+        "ring_sdpa", name, (q, k, v, cu_seqlens), args, meta_joins=True)
     out = ops.ring_sdpa(q, k, v, name, bool(is_causal), bool(load_balanced), scale,
                         backend_code, rotate_code, cu_seqlens, window, seq_len,
                         bool(per_document), sinks, q_positions, kv_positions, pass_code)

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from ._flex_hook import _flex_input_hook, _register_flex_input_hook
-from ._handshake import agreed, handshake
+from ._handshake import agreed, handshake, register_groups
 from ._options import RingConfig, _cp_options, rotate_method_name
 from ._sdpa_dispatch import CPDispatchMode, agreed_before_attention, dispatcher_enabled
 from ._native import check_mesh
@@ -96,6 +96,7 @@ class _ContextParallel(ParallelStyle):
                           "window[0]": sides[0], "window[1]": sides[1]})
         if sdpa:
             groups = usp_groups(group, self.ulysses_degree)  # collective, once per mesh
+            register_groups(group, groups.ulysses_group, groups.ring_group)  # CPU side groups
             module.forward = functools.partial(_sdpa_forward, module.forward, group, groups,
                                                self.window)
             return module

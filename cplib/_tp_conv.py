@@ -147,6 +147,10 @@ def _tp_convolution_backward_fake(grad_out, x, w, stride, padding, dilation, gro
     return gi, gw, gb
 
 
+torch.library.register_fake("cplib_c::tp_convolution_backward_covered",
+                            _tp_convolution_backward_fake)
+
+
 def _setup(ctx, inputs, output):
     x, w, b, stride, padding, dilation, groups, shard_dim, group_name = inputs
     ctx.save_for_backward(x, w)
@@ -158,7 +162,9 @@ def _backward(ctx, grad_out):
     x, w = ctx.saved_tensors
     need = ctx.needs_input_grad
     mask = [need[0], need[1], ctx.has_bias and need[2]]
-    gi, gw, gb = ops.tp_convolution_backward(grad_out.contiguous(), x, w, *ctx.args, mask)
+    # Covered by the forward's handshake: none of its own (one per fwd+bwd).
+    gi, gw, gb = ops.tp_convolution_backward_covered(grad_out.contiguous(), x, w, *ctx.args,
+                                                     mask)
     return gi, gw, gb, None, None, None, None, None, None
 
 

@@ -128,6 +128,14 @@ def _reshard_fake(x, group_name, to_heads, head_repeat, lengths=None):
     return x.new_empty_strided(sizes, _strides(sizes, order))
 
 
+# ulysses_reshard_covered (and ulysses_reshard_qkv_covered below): the same
+# exchange without a handshake, for calls another op's handshake covers: the
+# backward through autograd (covered by its forward's: one handshake per
+# fwd+bwd) and the exchanges back inside ulysses_sdpa / usp_sdpa (covered by
+# the exchange to heads of the same call).
+torch.library.register_fake("cplib_c::ulysses_reshard_covered", _reshard_fake)
+
+
 def _reshard_setup(ctx, inputs, output):
     _, ctx.group_name, ctx.to_heads, ctx.head_repeat, *rest = inputs
     ctx.lengths = rest[0] if rest else None
@@ -136,12 +144,12 @@ def _reshard_setup(ctx, inputs, output):
 def _reshard_backward(ctx, grad):
     # The adjoint of an exchange is the exchange back; with repeated heads the
     # way back sums the copies of each head.
-    return ops.ulysses_reshard(grad, ctx.group_name, not ctx.to_heads, ctx.head_repeat,
-                               ctx.lengths), None, None, None, None
+    return ops.ulysses_reshard_covered(grad, ctx.group_name, not ctx.to_heads, ctx.head_repeat,
+                                       ctx.lengths), None, None, None, None
 
 
-torch.library.register_autograd("cplib_c::ulysses_reshard", _reshard_backward,
-                                setup_context=_reshard_setup)
+for _op in ("cplib_c::ulysses_reshard", "cplib_c::ulysses_reshard_covered"):
+    torch.library.register_autograd(_op, _reshard_backward, setup_context=_reshard_setup)
 
 
 @torch.library.register_fake("cplib_c::ulysses_reshard_qkv")
@@ -165,13 +173,15 @@ def _reshard_qkv_backward(ctx, gq, gk, gv):
     # An output without a gradient still takes part in the exchange back.
     grads = [torch.zeros(shape, dtype=dtype, device=device) if g is None else g
              for g, (shape, dtype, device) in zip((gq, gk, gv), ctx.outputs)]
-    dq, dk, dv = ops.ulysses_reshard_qkv(*grads, ctx.group_name, not ctx.to_heads, ctx.repeat,
-                                         ctx.lengths)
+    dq, dk, dv = ops.ulysses_reshard_qkv_covered(*grads, ctx.group_name, not ctx.to_heads,
+                                                 ctx.repeat, ctx.lengths)
     return dq, dk, dv, None, None, None, None
 
 
-torch.library.register_autograd("cplib_c::ulysses_reshard_qkv", _reshard_qkv_backward,
-                                setup_context=_reshard_qkv_setup)
+torch.library.register_fake("cplib_c::ulysses_reshard_qkv_covered", _reshard_qkv_fake)
+for _op in ("cplib_c::ulysses_reshard_qkv", "cplib_c::ulysses_reshard_qkv_covered"):
+    torch.library.register_autograd(_op, _reshard_qkv_backward,
+                                    setup_context=_reshard_qkv_setup)
 
 
 def ulysses_reshard(x: torch.Tensor, group: GroupLike, *, to_heads: bool,
@@ -306,11 +316,13 @@ def _local_sinks(op: str, q, sinks, group_name: str, degree: int):
 
 
 def _to_seq(out_h, lse_h, group_name: str, lengths=None, need_lse: bool = True):
-    out = ops.ulysses_reshard(out_h, group_name, False, 1, lengths)
+    # Covered by the same call's exchange to heads: no handshake of their own.
+    out = ops.ulysses_reshard_covered(out_h, group_name, False, 1, lengths)
     if not need_lse:  # SDPA inside a context discards it: one exchange fewer
         return out, None
     # lse as ring_sdpa returns it: contiguous (B, H, S_local), not differentiable.
-    lse = ops.ulysses_reshard(lse_h.unsqueeze(-1), group_name, False, 1, lengths).squeeze(-1)
+    lse = ops.ulysses_reshard_covered(lse_h.unsqueeze(-1), group_name, False, 1,
+                                      lengths).squeeze(-1)
     return out, lse.contiguous()
 
 

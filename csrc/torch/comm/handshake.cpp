@@ -2,8 +2,7 @@
 
 #include "common/format.h"
 
-#include <torch/csrc/stable/accelerator.h>
-
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -53,20 +52,20 @@ std::string get_string(const int64_t* slots, int64_t bytes) {
   return std::string(p, strnlen(p, static_cast<size_t>(bytes)));
 }
 
-std::mutex g_via_mutex;
-std::unordered_map<std::string, std::string> g_via;
+struct RouteEntry {
+  std::string via;
+  int64_t on_host = -1;
+  bool side = false;
+};
 
-std::string via_of(std::string_view group_name) {
-  std::lock_guard<std::mutex> lock(g_via_mutex);
-  auto it = g_via.find(std::string(group_name));
-  return it == g_via.end() ? std::string(group_name) : it->second;
-}
+std::mutex g_route_mutex;
+std::unordered_map<std::string, RouteEntry> g_routes;
+std::atomic<int64_t> g_handshakes{0};
 
-// NCCL groups gather device buffers; every other backend host memory.
-Device record_device(const Group& g, const Device& hint) {
-  if (hint.type() == DeviceType::CUDA) return hint;
-  if (g.nccl) return Device(DeviceType::CUDA, torch::stable::accelerator::getCurrentDeviceIndex());
-  return Device(DeviceType::CPU);
+RouteEntry route_entry(const std::string& group_name) {
+  std::lock_guard<std::mutex> lock(g_route_mutex);
+  auto it = g_routes.find(group_name);
+  return it == g_routes.end() ? RouteEntry{group_name, -1, false} : it->second;
 }
 
 Tensor to_host_int64(const Tensor& t) {
@@ -125,9 +124,36 @@ bool handshake_enabled() {
   return v == nullptr || std::strcmp(v, "0") != 0;
 }
 
-void register_handshake_group(const std::string& group_name, const std::string& via) {
-  std::lock_guard<std::mutex> lock(g_via_mutex);
-  g_via[group_name] = via;
+void register_handshake_group(const std::string& group_name, const std::string& via,
+                              int64_t on_host, bool side) {
+  std::lock_guard<std::mutex> lock(g_route_mutex);
+  g_routes[group_name] = RouteEntry{via, on_host, side};
+}
+
+int64_t handshake_count(bool reset) {
+  return reset ? g_handshakes.exchange(0) : g_handshakes.load();
+}
+
+HandshakeRoute handshake_route(const Group& group) {
+  const RouteEntry e = route_entry(group.name);
+  HandshakeRoute r{group, Device(DeviceType::CPU)};
+  if (e.via != group.name) {
+    // Over the same ranks in the same order: rank and size are the group's.
+    r.via = Group{e.via, group.rank, group.size, e.on_host == 0};
+    if (!e.side) {
+      try {  // a first group over these ranks: it may have been destroyed since
+        r.via = resolve_group(e.via);
+      } catch (const Error&) {
+        r.via = group;
+      }
+    }
+  }
+  // Unregistered (a direct op call), or back on the group itself: every
+  // backend but NCCL takes CPU tensors.
+  const bool fell_back = r.via.name == group.name && e.via != group.name;
+  const bool on_host = e.on_host == -1 || fell_back ? !r.via.nccl : e.on_host == 1;
+  if (!on_host) r.device = Device(DeviceType::CUDA);  // no index: the current device
+  return r;
 }
 
 void CallSignature::add(std::string name, int64_t value, FieldKind kind) {
@@ -155,6 +181,8 @@ void CallSignature::add_meta(const std::string& name, const Tensor& t, int64_t s
 
 void CallSignature::add_values_hash(const std::string& name, const Tensor& t) {
   if (!t.defined()) return add_values_hash(name, std::vector<int64_t>{});
+  if (t.device().type() == DeviceType::Meta)  // no values to read
+    return add_values_hash(name, std::vector<int64_t>{-1, t.numel()});
   const Tensor host = to_host_int64(t);
   const int64_t* p = host.const_data_ptr<int64_t>();
   add_values_hash(name, std::vector<int64_t>(p, p + host.numel()));
@@ -201,7 +229,7 @@ std::vector<int64_t> Handshake::lengths(int64_t rank) const {
   return std::vector<int64_t>(rec + kLengths, rec + kLengths + rec[kLengthCount]);
 }
 
-void Handshake::exchange(const Group& group, const Device& hint) {
+void Handshake::exchange(const Group& group) {
   const std::string& group_name = group.name;
   ranks_ = group.size;
   if (!handshake_enabled() || ranks_ == 1) {
@@ -229,24 +257,22 @@ void Handshake::exchange(const Group& group, const Device& hint) {
   if (nf >= kFields) mine[kFieldSlots + kFields - 1] = static_cast<int64_t>(tail);
   if (failed()) put_string(&mine[kMessage], kMessageBytes, message_);
 
-  // The all-gather, over the group registered for this one's handshakes.
-  Group via = group;
-  const std::string via_name = via_of(group_name);
-  if (via_name != group_name) {
-    try {
-      via = resolve_group(via_name);
-    } catch (const Error&) {
-      via = group;  // destroyed since: the group itself
-    }
-  }
-  const Device device = record_device(via, hint);
-  Tensor in = torch::stable::empty({kWidth}, ScalarType::Long, std::nullopt, Device(DeviceType::CPU));
-  std::memcpy(in.mutable_data_ptr(), mine.data(), mine.size() * sizeof(int64_t));
-  if (device.type() != DeviceType::CPU) in = torch::stable::to(in, device);
-  Tensor all = all_gather_dim0(via, in);
+  // The all-gather, as an all-to-all of the record repeated once per rank
+  // (every backend has it; gloo's all-gather is run as one anyway), in host
+  // memory unless the route has no CPU group.
+  const HandshakeRoute route = handshake_route(group);
+  Tensor in = torch::stable::empty({ranks_ * kWidth}, ScalarType::Long, std::nullopt,
+                                   Device(DeviceType::CPU));
+  auto* dst = static_cast<int64_t*>(in.mutable_data_ptr());
+  for (int64_t r = 0; r < ranks_; ++r) std::copy(mine.begin(), mine.end(), dst + r * kWidth);
+  const bool on_host = route.device.type() == DeviceType::CPU;
+  if (!on_host) in = torch::stable::to(in, route.device);
+  const std::vector<int64_t> splits(static_cast<size_t>(ranks_), kWidth);
+  Tensor all = all_to_all_split(route.via, in, splits, splits);
   wait(all);
-  const Tensor host = torch::stable::to(all, Device(DeviceType::CPU));
-  table_.assign(host.const_data_ptr<int64_t>(), host.const_data_ptr<int64_t>() + ranks_ * kWidth);
+  ++g_handshakes;
+  if (!on_host) all = torch::stable::to(all, Device(DeviceType::CPU));  // the fallback's sync
+  table_.assign(all.const_data_ptr<int64_t>(), all.const_data_ptr<int64_t>() + ranks_ * kWidth);
 
   // The verdict, from the table alone: the same on every rank.
   const int64_t n = ranks_;

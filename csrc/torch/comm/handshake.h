@@ -7,6 +7,13 @@
 // wait in (or crash inside) a collective. The gathered local lengths stay
 // available to the op.
 //
+// The record travels in host memory, over the group itself when its backend
+// takes CPU tensors (gloo, the threaded group, "cpu:gloo,cuda:nccl") or over
+// the CPU side group that cplib.register_group made for an NCCL group: the
+// handshake never waits for the GPU. An NCCL group with no side group falls
+// back to a CUDA buffer read back to the host (a host-device sync per op; the
+// Python side warns once per group and names register_group).
+//
 // On by default; CPLIB_CHECK_CONSISTENCY=0 turns it off: no all-gather, and a
 // rank's invalid input then raises on that rank only.
 #pragma once
@@ -45,7 +52,9 @@ class CallSignature {
   // Rank, sizes (`skip_dim` as -1), dtype and device type of `t`, or that it is None.
   void add_meta(const std::string& name, const Tensor& t, int64_t skip_dim = -1);
   // A 64-bit hash of the values of an integer tensor (cu_seqlens, say): its
-  // values are read, so call it after `t` was validated.
+  // values are read (a host copy: a sync for a CUDA tensor; prefer the
+  // vector overload with a host copy the op already has), so call it after
+  // `t` was validated. A meta tensor hashes as its size alone.
   void add_values_hash(const std::string& name, const Tensor& t);
   void add_values_hash(const std::string& name, const std::vector<int64_t>& values);
 
@@ -79,11 +88,10 @@ class Handshake {
   void fail(ErrorKind kind, std::string message);
   bool failed() const { return kind_ != ErrorKind::none; }
 
-  // The all-gather over the group (for the handshake, the first group
-  // registered with the same ranks; see register_handshake_group), then the
-  // verdict: the same exception on every rank, or a normal return. Off, or in
-  // a world of one, this rank's own error is rethrown as it was.
-  void exchange(const Group& group, const Device& hint);
+  // The all-gather over the group's handshake route (see HandshakeRoute),
+  // then the verdict: the same exception on every rank, or a normal return.
+  // Off, or in a world of one, this rank's own error is rethrown as it was.
+  void exchange(const Group& group);
 
   // After exchange: rank r's local lengths (only this rank's, as rank 0's,
   // when nothing was exchanged).
@@ -106,9 +114,30 @@ class Handshake {
   std::vector<int64_t> table_;  // ranks_ x record width, after exchange
 };
 
-// The group that carries handshakes of `group_name`: so that ranks passing
-// different group objects over the same ranks meet in one collective (and
-// are told so) instead of waiting in two. Set by the Python side.
-void register_handshake_group(const std::string& group_name, const std::string& via);
+// Where the handshakes of a group travel: `via`, a group over the same ranks
+// in the same order (the first such group, so that ranks passing different
+// group objects over the same ranks meet in one collective and are told so;
+// or the CPU side group of an NCCL group), and the device of the record
+// buffer: CPU whenever `via` takes CPU tensors.
+// Internal to the extension (torch's stable types are hidden).
+#pragma GCC visibility push(hidden)
+struct HandshakeRoute {
+  Group via;
+  Device device{DeviceType::CPU};
+};
+HandshakeRoute handshake_route(const Group& group);
+#pragma GCC visibility pop
+
+// Set by the Python side (cplib/_native.py). `on_host`: 1 when `via` takes
+// CPU tensors, 0 when it does not (NCCL without a side group: the fallback),
+// -1 to derive it from the group's backend. `side`: `via` is a side group
+// that cplib made (never destroyed before the group), so it is not resolved
+// again at each handshake.
+void register_handshake_group(const std::string& group_name, const std::string& via,
+                              int64_t on_host = -1, bool side = false);
+
+// Handshakes (all-gathers) this process has made since the last reset: a
+// debug counter for tests and benchmarks.
+int64_t handshake_count(bool reset);
 
 }  // namespace cplib

@@ -1,7 +1,11 @@
 // The handshake as ops, for the Python side: `handshake` describes a call
 // made of Python checks and tensors (sharding, context_parallel) and returns
 // every rank's local lengths; `handshake_error` is a wrapper's own invalid
-// argument, joining the handshake that the other ranks' op is in.
+// argument, joining the handshake that the other ranks' op is in;
+// `handshake_set_route` is where cplib/_native.py says which group carries a
+// group's handshakes, and `handshake_debug_route` what the handshake then
+// uses (the route's group and the record buffer's device type), so that a
+// test can check without a GPU that CUDA tensors are handshaken on the host.
 #include <algorithm>
 
 #include "comm/handshake.h"
@@ -31,7 +35,7 @@ std::vector<int64_t> handshake(std::string group_name, std::string op,
   hs.sig().add("the number of local lengths", static_cast<int64_t>(lengths.size()));
   const int64_t count = static_cast<int64_t>(lengths.size());
   hs.set_lengths(std::move(lengths));
-  hs.exchange(group, tensors.empty() ? Device(DeviceType::CPU) : tensors[0].device());
+  hs.exchange(group);
   std::vector<int64_t> table;
   for (int64_t r = 0; r < group.size; ++r) {
     const std::vector<int64_t> l = hs.exchanged() ? hs.lengths(r) : hs.lengths(0);
@@ -45,12 +49,25 @@ void handshake_error(std::string group_name, std::string op, std::string kind,
   const Group group = resolve_group(group_name);
   Handshake hs(op);
   hs.fail(error_kind(kind), message);
-  hs.exchange(group, Device(DeviceType::CPU));
+  hs.exchange(group);
 }
 
 void handshake_group(std::string group_name, std::string via) {
   register_handshake_group(group_name, via);
 }
+
+void handshake_set_route(std::string group_name, std::string via, int64_t on_host, bool side) {
+  CPLIB_CHECK_VALUE(on_host >= -1 && on_host <= 1, "cplib.handshake_set_route: on_host=",
+                    on_host, " must be -1, 0 or 1");
+  register_handshake_group(group_name, via, on_host, side);
+}
+
+std::vector<std::string> handshake_debug_route(std::string group_name) {
+  const HandshakeRoute r = handshake_route(resolve_group(group_name));
+  return {r.via.name, r.device.type() == DeviceType::CPU ? "cpu" : "cuda"};
+}
+
+int64_t handshake_debug_count(bool reset) { return handshake_count(reset); }
 
 bool handshake_enabled_op() { return handshake_enabled(); }
 
@@ -63,6 +80,9 @@ STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
   m.def("handshake_error(str group_name, str op, str kind, str message) -> ()");
   m.def("handshake_group(str group_name, str via) -> ()");
   m.def("handshake_enabled() -> bool");
+  m.def("handshake_set_route(str group_name, str via, int on_host, bool side) -> ()");
+  m.def("handshake_debug_route(str group_name) -> str[]");
+  m.def("handshake_debug_count(bool reset=False) -> int");
 }
 
 // Ops without tensor arguments dispatch to CompositeExplicitAutograd.
@@ -71,6 +91,9 @@ STABLE_TORCH_LIBRARY_IMPL(cplib_c, CompositeExplicitAutograd, m) {
   m.impl("handshake_error", TORCH_BOX(&handshake_error));
   m.impl("handshake_group", TORCH_BOX(&handshake_group));
   m.impl("handshake_enabled", TORCH_BOX(&handshake_enabled_op));
+  m.impl("handshake_set_route", TORCH_BOX(&handshake_set_route));
+  m.impl("handshake_debug_route", TORCH_BOX(&handshake_debug_route));
+  m.impl("handshake_debug_count", TORCH_BOX(&handshake_debug_count));
 }
 
 }  // namespace cplib

@@ -21,10 +21,16 @@ struct Resolved {
 Resolved resolve(const Tensor& x, const Tensor& w, const std::optional<Tensor>& b,
                  const std::vector<int64_t>& stride, const std::vector<int64_t>& padding,
                  const std::vector<int64_t>& dilation, int64_t groups, int64_t shard_dim,
-                 const std::string& group_name, const Tensor& grad_out = Tensor()) {
+                 const std::string& group_name, const Tensor& grad_out = Tensor(),
+                 bool handshake = true) {
   Group group = resolve_group(group_name);
-  Handshake hs("tp_convolution");
   TpConvPlan plan;
+  if (!handshake) {  // covered by the forward's handshake: the checks raise here
+    plan = make_tp_conv_plan(x, w, b, stride, padding, dilation, groups, shard_dim, group.rank,
+                             group.size);
+    return {std::move(group), std::move(plan)};
+  }
+  Handshake hs("tp_convolution");
   hs.validate([&] {
     plan = make_tp_conv_plan(x, w, b, stride, padding, dilation, groups, shard_dim, group.rank,
                              group.size);
@@ -45,7 +51,7 @@ Resolved resolve(const Tensor& x, const Tensor& w, const std::optional<Tensor>& 
     if (grad_out.defined()) sig.add_meta("grad_out", grad_out, plan.dim);
     hs.set_lengths({x.size(plan.dim)});
   });
-  hs.exchange(group, x.device());
+  hs.exchange(group);
   return {std::move(group), std::move(plan)};
 }
 
@@ -68,15 +74,16 @@ Tensor tp_convolution(Tensor x, Tensor w, std::optional<Tensor> b, std::vector<i
   return fresh_contiguous(out);
 }
 
-std::tuple<Tensor, Tensor, Tensor> tp_convolution_backward(
-    Tensor grad_out, Tensor x, Tensor w, std::vector<int64_t> stride,
-    std::vector<int64_t> padding, std::vector<int64_t> dilation, int64_t groups,
-    int64_t shard_dim, std::string group_name, std::vector<bool> output_mask) {
+std::tuple<Tensor, Tensor, Tensor> backward_impl(
+    const Tensor& grad_out, const Tensor& x, const Tensor& w, const std::vector<int64_t>& stride,
+    const std::vector<int64_t>& padding, const std::vector<int64_t>& dilation, int64_t groups,
+    int64_t shard_dim, const std::string& group_name, const std::vector<bool>& output_mask,
+    bool handshake) {
   CPLIB_CHECK_VALUE(output_mask.size() == 3, "cplib.tp_conv: output_mask must have 3 entries, got ",
                     output_mask.size());
   const std::array<bool, 3> mask{output_mask[0], output_mask[1], output_mask[2]};
   Resolved r = resolve(x, w, std::nullopt, stride, padding, dilation, groups, shard_dim,
-                       group_name, grad_out);
+                       group_name, grad_out, handshake);
   const TpConvPlan& p = r.plan;
   ConvGrads grads;
   if (!p.exchange)
@@ -89,6 +96,23 @@ std::tuple<Tensor, Tensor, Tensor> tp_convolution_backward(
   return {fresh_contiguous(gi), fresh_contiguous(gw), fresh_contiguous(gb)};
 }
 
+std::tuple<Tensor, Tensor, Tensor> tp_convolution_backward(
+    Tensor grad_out, Tensor x, Tensor w, std::vector<int64_t> stride,
+    std::vector<int64_t> padding, std::vector<int64_t> dilation, int64_t groups,
+    int64_t shard_dim, std::string group_name, std::vector<bool> output_mask) {
+  return backward_impl(grad_out, x, w, stride, padding, dilation, groups, shard_dim, group_name,
+                       output_mask, true);
+}
+
+// Internal: the backward through autograd, covered by its forward's handshake.
+std::tuple<Tensor, Tensor, Tensor> tp_convolution_backward_covered(
+    Tensor grad_out, Tensor x, Tensor w, std::vector<int64_t> stride,
+    std::vector<int64_t> padding, std::vector<int64_t> dilation, int64_t groups,
+    int64_t shard_dim, std::string group_name, std::vector<bool> output_mask) {
+  return backward_impl(grad_out, x, w, stride, padding, dilation, groups, shard_dim, group_name,
+                       output_mask, false);
+}
+
 }  // namespace
 
 STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
@@ -99,17 +123,23 @@ STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
       "tp_convolution_backward(Tensor grad_out, Tensor x, Tensor w, int[] stride, int[] padding, "
       "int[] dilation, int groups, int shard_dim, str group_name, bool[3] output_mask) "
       "-> (Tensor, Tensor, Tensor)");
+  m.def(
+      "tp_convolution_backward_covered(Tensor grad_out, Tensor x, Tensor w, int[] stride, "
+      "int[] padding, int[] dilation, int groups, int shard_dim, str group_name, "
+      "bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CPU, m) {
   m.impl("tp_convolution", TORCH_BOX(&tp_convolution));
   m.impl("tp_convolution_backward", TORCH_BOX(&tp_convolution_backward));
+  m.impl("tp_convolution_backward_covered", TORCH_BOX(&tp_convolution_backward_covered));
 }
 
 #ifdef CPLIB_WITH_CUDA
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CUDA, m) {
   m.impl("tp_convolution", TORCH_BOX(&tp_convolution));
   m.impl("tp_convolution_backward", TORCH_BOX(&tp_convolution_backward));
+  m.impl("tp_convolution_backward_covered", TORCH_BOX(&tp_convolution_backward_covered));
 }
 #endif
 

@@ -110,7 +110,7 @@ std::tuple<Tensor, Tensor> decode_sdpa(Tensor q, Tensor k, Tensor v, std::string
     describe(hs.sig(), q, k, v, q_positions, window, scale);
     hs.set_lengths({k.size(2)});
   });
-  hs.exchange(group, q.device());
+  hs.exchange(group);
 
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), Dv = v.size(3), L = k.size(2);
   const aten::Opts acc_opts = aten::opts_of(q).dtype_(acc_dtype(q));

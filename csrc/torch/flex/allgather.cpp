@@ -40,10 +40,16 @@ void check_pair(const Tensor& k, const Tensor& v, int64_t dim, const char* op) {
 template <class F>
 std::pair<Group, int64_t> checked_call(const char* op, const Tensor& k, const Tensor& v,
                                        int64_t seq_dim, const std::string& group_name,
-                                       F&& more_checks) {
+                                       F&& more_checks, bool handshake = true) {
   Group group = resolve_group(group_name);
-  Handshake hs(op);
   int64_t dim = 0;
+  if (!handshake) {  // covered by another op's handshake: the checks raise here
+    dim = checked_dim(seq_dim, k.dim(), "seq_dim");
+    check_pair(k, v, dim, op);
+    more_checks(k, dim, group.size);
+    return {std::move(group), dim};
+  }
+  Handshake hs(op);
   hs.validate([&] {
     dim = checked_dim(seq_dim, k.dim(), "seq_dim");
     check_pair(k, v, dim, op);
@@ -52,7 +58,7 @@ std::pair<Group, int64_t> checked_call(const char* op, const Tensor& k, const Te
     hs.sig().add_meta("v", v);
     hs.sig().add("seq_dim", dim);
   });
-  hs.exchange(group, k.device());
+  hs.exchange(group);
   return {std::move(group), dim};
 }
 
@@ -93,14 +99,16 @@ std::tuple<Tensor, Tensor> flex_cp_allgather(Tensor k, Tensor v, int64_t seq_dim
   return {chunks_to_dim(kbuf, kin, dim, group.size), chunks_to_dim(vbuf, vin, dim, group.size)};
 }
 
-std::tuple<Tensor, Tensor> flex_cp_allgather_backward(Tensor grad_k, Tensor grad_v,
-                                                      int64_t seq_dim, std::string group_name) {
+std::tuple<Tensor, Tensor> reduce_scatter(const Tensor& grad_k, const Tensor& grad_v,
+                                          int64_t seq_dim, const std::string& group_name,
+                                          bool handshake) {
   const auto [group, dim] = checked_call(
       "flex_cp_allgather_backward", grad_k, grad_v, seq_dim, group_name,
       [](const Tensor& gk, int64_t d, int64_t n) {
         CPLIB_CHECK_VALUE(gk.size(d) % n == 0, "cplib.flex_cp_allgather_backward: sequence ",
                           "length ", gk.size(d), " is not divisible by the group size ", n);
-      });
+      },
+      handshake);
   const Tensor kin = dim_to_chunks(grad_k, dim, group.size);
   const Tensor vin = dim_to_chunks(grad_v, dim, group.size);
   const Tensor kout = reduce_scatter_sum_dim0(group, kin);
@@ -110,6 +118,18 @@ std::tuple<Tensor, Tensor> flex_cp_allgather_backward(Tensor grad_k, Tensor grad
   return {kout, vout};
 }
 
+std::tuple<Tensor, Tensor> flex_cp_allgather_backward(Tensor grad_k, Tensor grad_v,
+                                                      int64_t seq_dim, std::string group_name) {
+  return reduce_scatter(grad_k, grad_v, seq_dim, group_name, true);
+}
+
+// Internal: the backward through autograd, covered by its forward's handshake.
+std::tuple<Tensor, Tensor> flex_cp_allgather_backward_covered(Tensor grad_k, Tensor grad_v,
+                                                              int64_t seq_dim,
+                                                              std::string group_name) {
+  return reduce_scatter(grad_k, grad_v, seq_dim, group_name, false);
+}
+
 }  // namespace
 
 STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
@@ -117,17 +137,22 @@ STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
   m.def(
       "flex_cp_allgather_backward(Tensor grad_k, Tensor grad_v, int seq_dim, str group_name) "
       "-> (Tensor, Tensor)");
+  m.def(
+      "flex_cp_allgather_backward_covered(Tensor grad_k, Tensor grad_v, int seq_dim, "
+      "str group_name) -> (Tensor, Tensor)");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CPU, m) {
   m.impl("flex_cp_allgather", TORCH_BOX(&flex_cp_allgather));
   m.impl("flex_cp_allgather_backward", TORCH_BOX(&flex_cp_allgather_backward));
+  m.impl("flex_cp_allgather_backward_covered", TORCH_BOX(&flex_cp_allgather_backward_covered));
 }
 
 #ifdef CPLIB_WITH_CUDA
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CUDA, m) {
   m.impl("flex_cp_allgather", TORCH_BOX(&flex_cp_allgather));
   m.impl("flex_cp_allgather_backward", TORCH_BOX(&flex_cp_allgather_backward));
+  m.impl("flex_cp_allgather_backward_covered", TORCH_BOX(&flex_cp_allgather_backward_covered));
 }
 #endif
 

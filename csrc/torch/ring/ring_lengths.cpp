@@ -28,26 +28,36 @@ std::vector<int64_t> gather_local_lengths(const Group& group, const std::vector<
                                           const Device& device) {
   const int64_t n = group.size, w = static_cast<int64_t>(local.size());
   if (n == 1 || w == 0) return local;
-  const Tensor out = all_gather_dim0(group, aten::from_host(local, device));
+  // In host memory where the group (or its handshake side group) takes CPU
+  // tensors: no wait for the GPU; `device` only for a group that does not.
+  const HandshakeRoute route = handshake_route(group);
+  const Device on = route.device.type() == DeviceType::CPU ? route.device : device;
+  const Tensor out = all_gather_dim0(route.via, aten::from_host(local, on));
   wait(out);
   return aten::to_host(out);
 }
 
 void learn_local_lengths(const char* op, Config& cfg, const Tensor& q, const Tensor& k,
                          const Extras& ex, const Handshake& hs) {
-  if (ex.seq_len || ex.per_document || cfg.size == 1) return;
-  const int64_t n = cfg.size;
-  std::vector<int64_t> lq(n), lk(n);
-  if (hs.exchanged()) {
-    for (int64_t r = 0; r < n; ++r) {
-      const std::vector<int64_t> mine = hs.lengths(r);  // {q rows, k/v rows}
-      lq[r] = mine.at(0), lk[r] = mine.at(1);
-    }
-  } else {
-    const std::vector<int64_t> table =
-        gather_local_lengths(cfg.group, {q.size(2), k.size(2)}, q.device());
-    for (int64_t r = 0; r < n; ++r) lq[r] = table[2 * r], lk[r] = table[2 * r + 1];
+  std::vector<int64_t> table;
+  for (int64_t r = 0; hs.exchanged() && r < cfg.size; ++r) {
+    const std::vector<int64_t> mine = hs.lengths(r);  // {q rows, k/v rows}
+    table.insert(table.end(), mine.begin(), mine.end());
   }
+  learn_local_lengths(op, cfg, q, k, ex, table);
+}
+
+void learn_local_lengths(const char* op, Config& cfg, const Tensor& q, const Tensor& k,
+                         const Extras& ex, std::vector<int64_t>& table) {
+  if (ex.seq_len || ex.per_document || cfg.size == 1) {
+    table.clear();
+    return;
+  }
+  const int64_t n = cfg.size;
+  if (static_cast<int64_t>(table.size()) != 2 * n)
+    table = gather_local_lengths(cfg.group, {q.size(2), k.size(2)}, q.device());
+  std::vector<int64_t> lq(n), lk(n);
+  for (int64_t r = 0; r < n; ++r) lq[r] = table[2 * r], lk[r] = table[2 * r + 1];
   if (all_equal(lq) && all_equal(lk)) return;
   const bool positional = cfg.causal || cfg.load_balanced || ex.cu_seqlens || ex.window;
   CPLIB_CHECK_VALUE(!positional, "cplib.", op, ": the ranks' local lengths differ (q ", list(lq),

@@ -16,7 +16,9 @@
 namespace cplib::ring {
 
 // One small all-gather: `local` (the same count of values on every rank) from
-// every rank, rank-major. Collective over `group`; on `device` (NCCL needs CUDA).
+// every rank, rank-major. Collective over `group`, in host memory over the
+// group's handshake route (see comm/handshake.h); on `device` only for an
+// NCCL group without a CPU side group.
 std::vector<int64_t> gather_local_lengths(const Group& group, const std::vector<int64_t>& local,
                                           const Device& device);
 
@@ -29,6 +31,11 @@ std::vector<int64_t> gather_local_lengths(const Group& group, const std::vector<
 // alike on every rank).
 void learn_local_lengths(const char* op, Config& cfg, const Tensor& q, const Tensor& k,
                          const Extras& ex, const Handshake& hs);
+// The same from `table`, every rank's {q rows, k/v rows} rank-major (a
+// handshake's, or the forward's for a backward it covers); gathered into it
+// when empty and needed, cleared when not needed.
+void learn_local_lengths(const char* op, Config& cfg, const Tensor& q, const Tensor& k,
+                         const Extras& ex, std::vector<int64_t>& table);
 
 }  // namespace cplib::ring
 

@@ -32,17 +32,28 @@ Extras extras(const std::optional<Tensor>& cu_seqlens,
 // seq_len, per_document, explicit positions or no causal mask the local
 // lengths may differ by design (uneven shards, joint text+image streams), so
 // dim 2 is left out: the local checks and learn_local_lengths cover it.
+// `bounds`: cu_seqlens as the checks already read them to the host (no
+// second read of a device tensor); null where they were not read (meta).
 void describe(CallSignature& sig,
               std::initializer_list<std::pair<const char*, const Tensor*>> tensors,
               bool is_causal, bool load_balanced, std::optional<double> scale, int64_t backend,
-              int64_t rotate, const Extras& ex) {
+              int64_t rotate, const Extras& ex, const std::vector<int64_t>* bounds) {
+  // The device first: a rank on other tensors (meta beside CPU, say) differs
+  // in everything after it, and this names the cause.
+  const Tensor& q = *tensors.begin()->second;
+  sig.add("q.device type", static_cast<int64_t>(q.device().type()), FieldKind::device);
   sig.add("seq_len", ex.seq_len.value_or(-1));
   sig.add_flag("window is not None", ex.window.has_value());
   for (size_t i = 0; ex.window && i < ex.window->size(); ++i)
     sig.add("window[" + std::to_string(i) + "]", (*ex.window)[i]);
   sig.add_flag("per_document", ex.per_document);
   sig.add_flag("cu_seqlens is not None", ex.cu_seqlens.has_value());
-  if (ex.cu_seqlens) sig.add_values_hash("cu_seqlens", *ex.cu_seqlens);
+  if (ex.cu_seqlens) {
+    if (bounds)
+      sig.add_values_hash("cu_seqlens", *bounds);
+    else
+      sig.add_values_hash("cu_seqlens", *ex.cu_seqlens);
+  }
   sig.add_flag("q_positions is not None", ex.q_positions.has_value());
   sig.add_flag("kv_positions is not None", ex.kv_positions.has_value());
   sig.add("ring_pass", ex.ring_pass);
@@ -56,29 +67,93 @@ void describe(CallSignature& sig,
   for (const auto& [name, t] : tensors) sig.add_meta(name, *t, uneven ? 2 : -1);
 }
 
+// Every rank's {q rows, k/v rows}, rank-major, as the last ring_sdpa of this
+// thread learned them (empty when it needed none: seq_len, documents,
+// positions, a ring of one). Read by the autograd formula right after the
+// forward (cplib/_ring.py) and handed to the backward, which then needs no
+// handshake and no all-gather of its own.
+thread_local std::vector<int64_t> t_agreed_lengths;
+
 // Local validation, then the handshake: every rank raises alike or none does.
-// `more_checks` are the backward's own checks.
+// `more_checks` are the backward's own checks. With `covered` (the lengths
+// table of the forward whose handshake covers this call: the backward
+// through autograd) there is no handshake: the checks raise here.
 template <class F>
 Config agreed_config(const char* op, std::string_view group_name,
                      std::initializer_list<std::pair<const char*, const Tensor*>> tensors,
                      bool is_causal, bool load_balanced, std::optional<double> scale,
-                     int64_t backend, int64_t rotate, const Extras& ex, F&& more_checks) {
+                     int64_t backend, int64_t rotate, const Extras& ex, F&& more_checks,
+                     const std::vector<int64_t>* covered = nullptr,
+                     std::vector<int64_t>* learned = nullptr) {
   const Group group = resolve_group(group_name);
   const Tensor& q = *tensors.begin()->second;
   const Tensor& k = *(tensors.begin() + 1)->second;
   const Tensor& v = *(tensors.begin() + 2)->second;
-  Handshake hs(op);
   Config cfg;
-  hs.validate([&] {
+  auto checks = [&] {
     more_checks();
     cfg = check_args(op, q, k, v, group_name, is_causal, load_balanced, scale, backend, rotate,
                      ex);
-    describe(hs.sig(), tensors, is_causal, load_balanced, scale, backend, rotate, ex);
+  };
+  std::vector<int64_t> table;  // rank-major {q rows, k/v rows}, when exchanged
+  if (covered) {
+    checks();
+    table = *covered;
+  } else {
+    Handshake hs(op);
+    hs.validate([&] {
+      checks();
+      describe(hs.sig(), tensors, is_causal, load_balanced, scale, backend, rotate, ex,
+               &cfg.mask.bounds);
+      hs.set_lengths({q.size(2), k.size(2)});
+    });
+    hs.exchange(group);
+    for (int64_t r = 0; hs.exchanged() && r < group.size; ++r) {
+      const std::vector<int64_t> l = hs.lengths(r);
+      table.insert(table.end(), l.begin(), l.end());
+    }
+  }
+  if (ex.has_positions())
+    table.clear();
+  else
+    learn_local_lengths(op, cfg, q, k, ex, table);
+  if (learned) *learned = std::move(table);
+  return cfg;
+}
+
+// The handshake of a call on meta tensors, which compute nothing (the fake
+// kernel does): a rank on meta tensors beside ranks on real ones meets them
+// in the handshake, so every rank raises the same error naming the device,
+// instead of the real ranks waiting for a rank that never communicates.
+// The Python checks of the fake kernel ran before (their errors join the
+// handshake through cplib_c::handshake_error).
+void describe_call(std::string op, std::vector<Tensor> tensors, std::string group_name,
+                   bool is_causal, bool load_balanced, std::optional<double> scale,
+                   int64_t backend, int64_t rotate, std::optional<Tensor> cu_seqlens,
+                   std::optional<std::vector<int64_t>> window, std::optional<int64_t> seq_len,
+                   bool per_document, std::optional<Tensor> q_positions,
+                   std::optional<Tensor> kv_positions, int64_t ring_pass) {
+  CPLIB_CHECK_VALUE(op == "ring_sdpa" || op == "ring_sdpa_backward",
+                    "cplib.ring_describe_call: unknown op '", op, "'");
+  CPLIB_CHECK_VALUE(tensors.size() == (op == "ring_sdpa" ? 3u : 6u), "cplib.", op, ": ",
+                    tensors.size(), " tensors to describe");
+  const Group group = resolve_group(group_name);
+  const Extras ex = extras(cu_seqlens, window, seq_len, per_document, q_positions, kv_positions,
+                           op == "ring_sdpa" ? ring_pass : kPassKV);
+  Handshake hs(op);
+  hs.validate([&] {
+    if (tensors.size() == 3)
+      describe(hs.sig(), {{"q", &tensors[0]}, {"k", &tensors[1]}, {"v", &tensors[2]}}, is_causal,
+               load_balanced, scale, backend, rotate, ex, nullptr);
+    else
+      describe(hs.sig(), {{"q", &tensors[1]}, {"k", &tensors[2]}, {"v", &tensors[3]},
+                          {"grad_out", &tensors[0]}, {"out", &tensors[4]}, {"lse", &tensors[5]}},
+               is_causal, load_balanced, scale, backend, rotate, ex, nullptr);
+    const Tensor& q = tensors[tensors.size() == 3 ? 0 : 1];
+    const Tensor& k = tensors[tensors.size() == 3 ? 1 : 2];
     hs.set_lengths({q.size(2), k.size(2)});
   });
-  hs.exchange(group, q.device());
-  if (!ex.has_positions()) learn_local_lengths(op, cfg, q, k, ex, hs);
-  return cfg;
+  hs.exchange(group);
 }
 
 std::tuple<Tensor, Tensor> ring_sdpa(Tensor q, Tensor k, Tensor v, std::string group_name,
@@ -96,7 +171,7 @@ std::tuple<Tensor, Tensor> ring_sdpa(Tensor q, Tensor k, Tensor v, std::string g
   Config cfg = agreed_config("ring_sdpa", group_name, {{"q", &q}, {"k", &k}, {"v", &v}},
                              is_causal, load_balanced, scale, backend, rotate, ex, [&] {
                                if (sinks) check_sinks("ring_sdpa", q, *sinks);
-                             });
+                             }, nullptr, &t_agreed_lengths);
   finish_config(cfg, ex, q, k, v);
   return ring_forward(cfg, q, k, v, sinks ? *sinks : Tensor());
 }
@@ -123,24 +198,53 @@ void check_backward_tensors(const Tensor& grad_out, const Tensor& q, const Tenso
                     "cplib.ring_sdpa_backward: grad_out, out and lse must be on ", q.device());
 }
 
+std::tuple<Tensor, Tensor, Tensor> backward_impl(
+    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+    const Tensor& lse, const std::string& group_name, bool is_causal, bool load_balanced,
+    std::optional<double> scale, int64_t backend, int64_t rotate,
+    const std::optional<Tensor>& cu_seqlens, const std::optional<std::vector<int64_t>>& window,
+    std::optional<int64_t> seq_len, bool per_document, const std::optional<Tensor>& q_positions,
+    const std::optional<Tensor>& kv_positions, const std::vector<int64_t>* covered) {
+  aten::NoGradGuard no_grad;
+  // The backward always runs the pass-KV ring (pass-Q is forward only).
+  const Extras ex = extras(cu_seqlens, window, seq_len, per_document, q_positions, kv_positions);
+  Config cfg = agreed_config(
+      "ring_sdpa_backward", group_name,
+      {{"q", &q}, {"k", &k}, {"v", &v}, {"grad_out", &grad_out}, {"out", &out}, {"lse", &lse}},
+      is_causal, load_balanced, scale, backend, rotate, ex,
+      [&] { check_backward_tensors(grad_out, q, v, out, lse); }, covered);
+  finish_config(cfg, ex, q, k, v);
+  return ring_backward(cfg, grad_out, q, k, v, out, lse);
+}
+
 std::tuple<Tensor, Tensor, Tensor> ring_sdpa_backward(
     Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, std::string group_name,
     bool is_causal, bool load_balanced, std::optional<double> scale, int64_t backend,
     int64_t rotate, std::optional<Tensor> cu_seqlens, std::optional<std::vector<int64_t>> window,
     std::optional<int64_t> seq_len, bool per_document, std::optional<Tensor> q_positions,
     std::optional<Tensor> kv_positions, int64_t ring_pass) {
-  aten::NoGradGuard no_grad;
-  // The backward always runs the pass-KV ring (pass-Q is forward only).
   (void)ring_pass;
-  const Extras ex = extras(cu_seqlens, window, seq_len, per_document, q_positions, kv_positions);
-  Config cfg = agreed_config(
-      "ring_sdpa_backward", group_name,
-      {{"q", &q}, {"k", &k}, {"v", &v}, {"grad_out", &grad_out}, {"out", &out}, {"lse", &lse}},
-      is_causal, load_balanced, scale, backend, rotate, ex,
-      [&] { check_backward_tensors(grad_out, q, v, out, lse); });
-  finish_config(cfg, ex, q, k, v);
-  return ring_backward(cfg, grad_out, q, k, v, out, lse);
+  return backward_impl(grad_out, q, k, v, out, lse, group_name, is_causal, load_balanced, scale,
+                       backend, rotate, cu_seqlens, window, seq_len, per_document, q_positions,
+                       kv_positions, nullptr);
 }
+
+// The backward reached through autograd: its forward's handshake covers it
+// (the same group, arguments and shapes; `agreed_lengths` is what that
+// handshake learned), so it makes none of its own.
+std::tuple<Tensor, Tensor, Tensor> ring_sdpa_backward_covered(
+    Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, std::string group_name,
+    bool is_causal, bool load_balanced, std::optional<double> scale, int64_t backend,
+    int64_t rotate, std::optional<Tensor> cu_seqlens, std::optional<std::vector<int64_t>> window,
+    std::optional<int64_t> seq_len, bool per_document, std::optional<Tensor> q_positions,
+    std::optional<Tensor> kv_positions, int64_t ring_pass, std::vector<int64_t> agreed_lengths) {
+  (void)ring_pass;
+  return backward_impl(grad_out, q, k, v, out, lse, group_name, is_causal, load_balanced, scale,
+                       backend, rotate, cu_seqlens, window, seq_len, per_document, q_positions,
+                       kv_positions, &agreed_lengths);
+}
+
+std::vector<int64_t> ring_agreed_lengths() { return t_agreed_lengths; }
 
 int64_t ring_debug_bytes_sent(bool reset) { return bytes_sent(reset); }
 int64_t ring_debug_last_pass() { return last_ring_pass(); }
@@ -160,6 +264,20 @@ STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
       "int rotate, Tensor? cu_seqlens=None, int[]? window=None, int? seq_len=None, "
       "bool per_document=False, Tensor? q_positions=None, Tensor? kv_positions=None, "
       "int ring_pass=0) -> (Tensor dq, Tensor dk, Tensor dv)");
+  // Internal: the backward through autograd (no handshake; see ring_sdpa_backward_covered).
+  m.def(
+      "ring_sdpa_backward_covered(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
+      "Tensor lse, str group_name, bool is_causal, bool load_balanced, float? scale, "
+      "int backend, int rotate, Tensor? cu_seqlens, int[]? window, int? seq_len, "
+      "bool per_document, Tensor? q_positions, Tensor? kv_positions, int ring_pass, "
+      "int[] agreed_lengths) -> (Tensor dq, Tensor dk, Tensor dv)");
+  m.def("ring_agreed_lengths() -> int[]");
+  // Internal: the handshake of a call on meta tensors (the fake kernels).
+  m.def(
+      "ring_describe_call(str op, Tensor[] tensors, str group_name, bool is_causal, "
+      "bool load_balanced, float? scale, int backend, int rotate, Tensor? cu_seqlens, "
+      "int[]? window, int? seq_len, bool per_document, Tensor? q_positions, "
+      "Tensor? kv_positions, int ring_pass) -> ()");
   m.def("ring_debug_bytes_sent(bool reset=False) -> int");
   // The ring pass (0 = kv, 1 = q) the last ring_sdpa ran, "auto" resolved.
   m.def("ring_debug_last_pass() -> int");
@@ -168,12 +286,14 @@ STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CPU, m) {
   m.impl("ring_sdpa", TORCH_BOX(&ring_sdpa));
   m.impl("ring_sdpa_backward", TORCH_BOX(&ring_sdpa_backward));
+  m.impl("ring_sdpa_backward_covered", TORCH_BOX(&ring_sdpa_backward_covered));
 }
 
 #ifdef CPLIB_WITH_CUDA
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CUDA, m) {
   m.impl("ring_sdpa", TORCH_BOX(&ring_sdpa));
   m.impl("ring_sdpa_backward", TORCH_BOX(&ring_sdpa_backward));
+  m.impl("ring_sdpa_backward_covered", TORCH_BOX(&ring_sdpa_backward_covered));
 }
 #endif
 
@@ -181,6 +301,8 @@ STABLE_TORCH_LIBRARY_IMPL(cplib_c, CUDA, m) {
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CompositeExplicitAutograd, m) {
   m.impl("ring_debug_bytes_sent", TORCH_BOX(&ring_debug_bytes_sent));
   m.impl("ring_debug_last_pass", TORCH_BOX(&ring_debug_last_pass));
+  m.impl("ring_agreed_lengths", TORCH_BOX(&ring_agreed_lengths));
+  m.impl("ring_describe_call", TORCH_BOX(&describe_call));
 }
 
 }  // namespace cplib::ring

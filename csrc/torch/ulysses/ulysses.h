@@ -24,15 +24,18 @@
 namespace cplib::ulysses {
 
 // `lengths` (empty: S/N each): every rank's sequence length, for ranks of
-// different lengths (non-causal attention only).
+// different lengths (non-causal attention only). Without `handshake`: a call
+// that another op's handshake covers (a backward through autograd, the
+// exchanges back inside ulysses_sdpa), which makes none of its own.
 Tensor reshard(const Tensor& x, std::string_view group_name, bool to_heads, int64_t head_repeat,
-               const std::vector<int64_t>& lengths = {});
+               const std::vector<int64_t>& lengths = {}, bool handshake = true);
 
 // Several re-shards in one direction (q, k, v; or their gradients), all in
 // flight at once, every input checked before any exchange starts.
 std::vector<Tensor> reshard_many(const std::vector<Tensor>& xs, std::string_view group_name,
                                  bool to_heads, const std::vector<int64_t>& head_repeats,
-                                 const std::vector<int64_t>& lengths = {});
+                                 const std::vector<int64_t>& lengths = {},
+                                 bool handshake = true);
 
 // Full-sequence attention of head-sharded q, k, v (k/v may have fewer heads:
 // GQA; v's head dim may differ: MLA). out is sequence-major (strides of

@@ -13,6 +13,13 @@ Tensor reshard_op(Tensor x, std::string group_name, bool to_heads, int64_t head_
   return reshard(x, group_name, to_heads, head_repeat, lengths.value_or(std::vector<int64_t>{}));
 }
 
+// Internal: the same without a handshake (covered by another op's).
+Tensor reshard_covered_op(Tensor x, std::string group_name, bool to_heads, int64_t head_repeat,
+                          std::optional<std::vector<int64_t>> lengths) {
+  return reshard(x, group_name, to_heads, head_repeat, lengths.value_or(std::vector<int64_t>{}),
+                 false);
+}
+
 std::tuple<Tensor, Tensor> local_sdpa_op(Tensor q, Tensor k, Tensor v, bool is_causal,
                                          std::optional<double> scale, int64_t backend,
                                          std::optional<Tensor> sinks) {
@@ -36,6 +43,9 @@ STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
       "ulysses_reshard(Tensor x, str group_name, bool to_heads, int head_repeat, "
       "int[]? lengths=None) -> Tensor");
   m.def(
+      "ulysses_reshard_covered(Tensor x, str group_name, bool to_heads, int head_repeat, "
+      "int[]? lengths=None) -> Tensor");
+  m.def(
       "ulysses_local_sdpa(Tensor q, Tensor k, Tensor v, bool is_causal, float? scale, "
       "int backend, Tensor? sinks=None) -> (Tensor out, Tensor lse)");
   m.def(
@@ -47,6 +57,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
 
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CPU, m) {
   m.impl("ulysses_reshard", TORCH_BOX(&reshard_op));
+  m.impl("ulysses_reshard_covered", TORCH_BOX(&reshard_covered_op));
   m.impl("ulysses_local_sdpa", TORCH_BOX(&local_sdpa_op));
   m.impl("ulysses_local_sdpa_backward", TORCH_BOX(&local_sdpa_backward_op));
 }
@@ -54,6 +65,7 @@ STABLE_TORCH_LIBRARY_IMPL(cplib_c, CPU, m) {
 #ifdef CPLIB_WITH_CUDA
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CUDA, m) {
   m.impl("ulysses_reshard", TORCH_BOX(&reshard_op));
+  m.impl("ulysses_reshard_covered", TORCH_BOX(&reshard_covered_op));
   m.impl("ulysses_local_sdpa", TORCH_BOX(&local_sdpa_op));
   m.impl("ulysses_local_sdpa_backward", TORCH_BOX(&local_sdpa_backward_op));
 }

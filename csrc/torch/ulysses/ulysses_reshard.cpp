@@ -155,12 +155,18 @@ Tensor finish(Pending& p) {
 }
 
 // Validates every tensor, then one handshake for the call: every rank
-// raises alike or none does.
+// raises alike or none does. Without `handshake` (a call that another op's
+// handshake covers) the checks raise here.
 std::vector<Geometry> checked(const Group& group, const char* op, const std::vector<Tensor>& xs,
                               bool to_heads, const std::vector<int64_t>& head_repeats,
-                              const std::vector<int64_t>& lengths) {
-  Handshake hs(op);
+                              const std::vector<int64_t>& lengths, bool handshake) {
   std::vector<Geometry> gs;
+  if (!handshake) {
+    for (size_t i = 0; i < xs.size(); ++i)
+      gs.push_back(check(xs[i], group.size, to_heads, head_repeats[i], lengths, group.rank));
+    return gs;
+  }
+  Handshake hs(op);
   hs.validate([&] {
     CallSignature& sig = hs.sig();
     for (size_t i = 0; i < xs.size(); ++i) {
@@ -174,7 +180,7 @@ std::vector<Geometry> checked(const Group& group, const char* op, const std::vec
       sig.add("lengths[" + std::to_string(r) + "]", lengths[r]);
     sig.add_flag("to_heads", to_heads);
   });
-  hs.exchange(group, xs.front().device());
+  hs.exchange(group);
   return gs;
 }
 
@@ -183,22 +189,22 @@ std::vector<Geometry> checked(const Group& group, const char* op, const std::vec
 int64_t bytes_sent(bool reset) { return reset ? g_bytes_sent.exchange(0) : g_bytes_sent.load(); }
 
 Tensor reshard(const Tensor& x, std::string_view group_name, bool to_heads, int64_t head_repeat,
-               const std::vector<int64_t>& lengths) {
+               const std::vector<int64_t>& lengths, bool handshake) {
   const Group group = resolve_group(group_name);
   const Geometry g =
-      checked(group, "ulysses_reshard", {x}, to_heads, {head_repeat}, lengths).front();
+      checked(group, "ulysses_reshard", {x}, to_heads, {head_repeat}, lengths, handshake).front();
   Pending p = start(group, x, g, to_heads, lengths);
   return finish(p);
 }
 
 std::vector<Tensor> reshard_many(const std::vector<Tensor>& xs, std::string_view group_name,
                                  bool to_heads, const std::vector<int64_t>& head_repeats,
-                                 const std::vector<int64_t>& lengths) {
+                                 const std::vector<int64_t>& lengths, bool handshake) {
   const Group group = resolve_group(group_name);
   CPLIB_CHECK_VALUE(head_repeats.size() == xs.size(), "cplib.ulysses_reshard_qkv: ",
                     head_repeats.size(), " head repeats for ", xs.size(), " tensors");
   const std::vector<Geometry> gs =
-      checked(group, "ulysses_reshard_qkv", xs, to_heads, head_repeats, lengths);
+      checked(group, "ulysses_reshard_qkv", xs, to_heads, head_repeats, lengths, handshake);
   // All exchanges in flight at once: packing the next overlaps the previous.
   std::vector<Pending> pending;
   for (size_t i = 0; i < xs.size(); ++i)
