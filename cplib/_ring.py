@@ -362,6 +362,9 @@ def attention_autograd(backward_op, forward_op, covered_backward_op=None, agreed
         # As for ATen's fused attention kernels, the log-sum-exp is an
         # auxiliary output that autograd does not differentiate.
         ctx.mark_non_differentiable(lse)
+        # No zeros for the lse's (never used) gradient; a missing grad_out
+        # is made below.
+        ctx.set_materialize_grads(False)
 
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse, *sinks = ctx.saved_tensors

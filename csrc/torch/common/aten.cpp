@@ -1,5 +1,7 @@
 #include "common/aten.h"
 
+#include <algorithm>
+
 namespace cplib::aten {
 namespace {
 
@@ -73,6 +75,42 @@ std::vector<int64_t> to_host(const Tensor& t) {
 Tensor narrow(const Tensor& t, int64_t dim, int64_t start, int64_t len) {
   Tensor self = t;
   return torch::stable::narrow(self, dim, start, len);
+}
+
+Tensor reinterpret(const Tensor& t, const std::vector<int64_t>& sizes,
+                   const std::vector<int64_t>& strides, int64_t offset) {
+  CPLIB_CHECK_VALUE(sizes.size() == strides.size() && offset >= 0,
+                    "cplib: internal view with ", sizes.size(), " sizes, ", strides.size(),
+                    " strides and offset ", offset);
+  AtenTensorHandle out = nullptr;
+  // The shim's offset is added to t's own storage offset.
+  check_dispatch(aoti_torch__reinterpret_tensor(t.get(), static_cast<int64_t>(sizes.size()),
+                                                sizes.data(), strides.data(), offset, &out),
+                 "_reinterpret_tensor", "");
+  return Tensor(out);
+}
+
+Tensor rows(const Tensor& t, int64_t dim, int64_t start, int64_t len) {
+  const int64_t n = t.size(dim);
+  CPLIB_CHECK_VALUE(start >= 0 && len >= 0 && start + len <= n, "cplib: rows [", start, ", ",
+                    start + len, ") of a dim of ", n);
+  if (start == 0 && len == n) return t;
+  std::vector<int64_t> sizes = sizes_of(t), strides = t.strides().vec();
+  sizes[dim] = len;
+  return reinterpret(t, sizes, strides, start * strides[dim]);
+}
+
+std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& sizes) {
+  std::vector<int64_t> strides(sizes.size(), 1);
+  for (size_t i = sizes.size(); i-- > 1;) strides[i - 1] = strides[i] * std::max<int64_t>(sizes[i], 1);
+  return strides;
+}
+
+Tensor carve(const Tensor& buf, const std::vector<int64_t>& sizes, int64_t offset) {
+  CPLIB_CHECK_VALUE(buf.is_contiguous() && offset >= 0 && offset + numel_of(sizes) <= buf.numel(),
+                    "cplib: ", numel_of(sizes), " elements at ", offset, " of a buffer of ",
+                    buf.numel());
+  return reinterpret(buf, sizes, contiguous_strides(sizes), offset);
 }
 
 Tensor view(const Tensor& t, const std::vector<int64_t>& sizes) {

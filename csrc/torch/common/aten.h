@@ -56,6 +56,22 @@ std::vector<int64_t> to_host(const Tensor& t);
 
 
 Tensor narrow(const Tensor& t, int64_t dim, int64_t start, int64_t len);
+
+// Views made without the dispatcher (torch's _reinterpret_tensor shim): no
+// ATen call, no autograd view tracking, no shared version counter. The hot
+// loops of the ring take their per-step views this way; use them only for
+// views that stay inside an op (never return one). Bounds are checked here.
+// `t` with `sizes` and `strides`, starting `offset` elements past its first.
+Tensor reinterpret(const Tensor& t, const std::vector<int64_t>& sizes,
+                   const std::vector<int64_t>& strides, int64_t offset);
+// Rows [start, start + len) of dim `dim` (narrow's view; `t` itself when that
+// is all of them).
+Tensor rows(const Tensor& t, int64_t dim, int64_t start, int64_t len);
+// The contiguous `sizes`-shaped part of a contiguous buffer that starts
+// `offset` elements in (one tensor of several packed in one buffer).
+Tensor carve(const Tensor& buf, const std::vector<int64_t>& sizes, int64_t offset);
+// Strides of a contiguous tensor of `sizes`.
+std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& sizes);
 Tensor view(const Tensor& t, const std::vector<int64_t>& sizes);
 Tensor flat(const Tensor& t);  // view(-1)
 Tensor expand(const Tensor& t, const std::vector<int64_t>& sizes);

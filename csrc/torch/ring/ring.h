@@ -71,6 +71,12 @@ Config check_args(const char* op, const Tensor& q, const Tensor& k, const Tensor
                   std::string_view group_name, bool is_causal, bool load_balanced,
                   std::optional<double> scale, int64_t backend, int64_t rotate,
                   const Extras& extras = {});
+// The same with the group already resolved (each resolution is a call into
+// Python: resolve it once per op).
+Config check_args(const char* op, const Tensor& q, const Tensor& k, const Tensor& v,
+                  const Group& group, bool is_causal, bool load_balanced,
+                  std::optional<double> scale, int64_t backend, int64_t rotate,
+                  const Extras& extras = {});
 
 // After check_args, before the ring: with explicit positions gathers every
 // rank's positions (two small all-gathers of integers; check_args has

@@ -225,6 +225,14 @@ Config check_args(const char* op, const Tensor& q, const Tensor& k, const Tensor
                   std::string_view group_name, bool is_causal, bool load_balanced,
                   std::optional<double> scale, int64_t backend, int64_t rotate,
                   const Extras& extras) {
+  return check_args(op, q, k, v, resolve_group(group_name), is_causal, load_balanced, scale,
+                    backend, rotate, extras);
+}
+
+Config check_args(const char* op, const Tensor& q, const Tensor& k, const Tensor& v,
+                  const Group& group, bool is_causal, bool load_balanced,
+                  std::optional<double> scale, int64_t backend, int64_t rotate,
+                  const Extras& extras) {
   CPLIB_CHECK_VALUE(rotate >= 0 && rotate <= 2, "cplib.", op, ": rotate=", rotate,
                     " is not a rotation (0 = p2p, 1 = alltoall, 2 = allgather)");
   CPLIB_CHECK_VALUE(extras.ring_pass >= kPassKV && extras.ring_pass <= kPassAuto, "cplib.", op,
@@ -239,7 +247,7 @@ Config check_args(const char* op, const Tensor& q, const Tensor& k, const Tensor
                     "cplib.", op,
                     ": load_balanced needs even local lengths (two chunks per rank), got q ",
                     q.size(2), " and kv ", k.size(2));
-  cfg.group = resolve_group(group_name);
+  cfg.group = group;
   cfg.rank = cfg.group.rank;
   cfg.size = cfg.group.size;
   cfg.load_balanced = load_balanced;

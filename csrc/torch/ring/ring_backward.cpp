@@ -18,10 +18,11 @@ std::tuple<Tensor, Tensor, Tensor> ring_backward(const Config& cfg, const Tensor
   const int64_t Lq = q.size(2);
   const auto acc = acc_dtype(q);
   const aten::Opts acc_opts = aten::opts_of(q).dtype_(acc);
-  Tensor dq;  // the first call over every row initialises it
+  Tensor dq = aten::empty(aten::sizes_of(q), acc_opts);
+  bool dq_written = false;  // the first call over every row initialises it
 
   const RingPlan plan(cfg);
-  BlockRing ring(cfg, plan, {aten::contiguous(k), aten::contiguous(v)});
+  BlockRing ring(cfg, plan, k, v);
   GradRing grads(cfg, plan, k, v, acc);
   HeadExpander expand_k(cfg.groups, k, cfg.kv_layout.max_local_len()),
       expand_v(cfg.groups, v, cfg.kv_layout.max_local_len());
@@ -29,21 +30,24 @@ std::tuple<Tensor, Tensor, Tensor> ring_backward(const Config& cfg, const Tensor
     const KV blk = ring.fetch(s);
     grads.settle();
     if (blk[0].defined()) {
-      for (const Call& c : plan.calls(s)) {
-        auto rows = [&c](const Tensor& t) { return aten::narrow(t, 2, c.q_local, c.q_len); };
+      const std::vector<Call> calls = plan.calls(s);
+      for (const Call& c : calls) {
+        auto rows = [&c](const Tensor& t) { return aten::rows(t, 2, c.q_local, c.q_len); };
         Tensor mask;
         if (c.kind == Visibility::partial) mask = plan.mask(c, aten::opts_of(q)).first;
         auto [gq, gk, gv] = block_backward(
-            cfg, rows(grad_out), rows(q), expand_k(aten::narrow(blk[0], 2, c.k_local, c.k_len)),
-            expand_v(aten::narrow(blk[1], 2, c.k_local, c.k_len)), rows(out), rows(lse),
+            cfg, rows(grad_out), rows(q), expand_k(aten::rows(blk[0], 2, c.k_local, c.k_len)),
+            expand_v(aten::rows(blk[1], 2, c.k_local, c.k_len)), rows(out), rows(lse),
             c.kind == Visibility::causal, mask);
-        if (!dq.defined() && c.q_len == Lq) {
-          // the kernel's gq is (B, L, H, D)-strided
-          dq = aten::contiguous(aten::to(gq, acc));
+        if (!dq_written && c.q_len == Lq) {
+          aten::copy_(dq, gq);
         } else {
-          if (!dq.defined()) dq = aten::zeros(aten::sizes_of(q), acc_opts);
+          if (!dq_written) aten::zero_(dq);
           aten::add_(rows(dq), gq);
         }
+        dq_written = true;
+        // One call: the block is spent, and its buffer can carry its gradient.
+        if (calls.size() == 1) grads.reuse(s, ring.arrived(s));
         // Computing first lets the gradient's arrival overlap the block backward.
         grads.add(s, gk, gv, c.k_local, c.k_len);
       }
@@ -52,8 +56,9 @@ std::tuple<Tensor, Tensor, Tensor> ring_backward(const Config& cfg, const Tensor
   }
   ring.finish();
   KV dkv = grads.result();
-  if (!dq.defined()) dq = aten::zeros(aten::sizes_of(q), acc_opts);
+  if (!dq_written) aten::zero_(dq);
   const auto dt = q.scalar_type();
+  if (dt == acc) return {dq, dkv[0], dkv[1]};
   return {aten::to(dq, dt), aten::to(dkv[0], dt), aten::to(dkv[1], dt)};
 }
 

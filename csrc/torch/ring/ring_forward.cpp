@@ -42,16 +42,16 @@ std::tuple<Tensor, Tensor> ring_forward(const Config& cfg, const Tensor& q, cons
   bool written = false;
 
   const RingPlan plan(cfg);
-  BlockRing ring(cfg, plan, {aten::contiguous(k), aten::contiguous(v)});
+  BlockRing ring(cfg, plan, k, v);
   HeadExpander expand_k(cfg.groups, k, cfg.kv_layout.max_local_len()),
       expand_v(cfg.groups, v, cfg.kv_layout.max_local_len());
   for (int64_t s = 0; s < plan.steps(); ++s) {
     const KV blk = ring.fetch(s);
     if (!blk[0].defined()) continue;
     for (const Call& c : plan.calls(s)) {
-      BlockResult r = attend(cfg, plan, c, aten::narrow(q, 2, c.q_local, c.q_len),
-                             expand_k(aten::narrow(blk[0], 2, c.k_local, c.k_len)),
-                             expand_v(aten::narrow(blk[1], 2, c.k_local, c.k_len)));
+      BlockResult r = attend(cfg, plan, c, aten::rows(q, 2, c.q_local, c.q_len),
+                             expand_k(aten::rows(blk[0], 2, c.k_local, c.k_len)),
+                             expand_v(aten::rows(blk[1], 2, c.k_local, c.k_len)));
       if (!written && c.q_len == Lq) {  // a call over every row initialises the accumulators
         aten::copy_(out, r.out);
         aten::copy_(lse, r.lse);
