@@ -30,10 +30,11 @@ KERNELS = ("aten::_scaled_dot_product_flash_attention_for_cpu",
            "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
 # Ring exchanges per fwd+bwd at N=2: K|V forward, K|V backward, dK|dV backward.
 RING_EXCHANGES = 3
-# The handshake's collectives per fwd+bwd: one per op today (forward and
-# backward); at most one per fwd+bwd once the backward reached through
-# autograd skips its own (then tighten this to 1).
-MAX_HANDSHAKE_COLLECTIVES = 2
+# The handshake's collectives per fwd+bwd: one, the forward's (the backward
+# reached through autograd is covered by it).
+MAX_HANDSHAKE_COLLECTIVES = 1
+# With the handshake off, each op gathers the local lengths instead.
+MAX_OTHER_COLLECTIVES = 2
 _NOT_COLLECTIVES = ("wait_tensor", "_wrap_tensor_autograd")
 
 
@@ -64,8 +65,10 @@ def _counts(checks: bool) -> dict:
     with cplib.consistency_checks(checks):
         step()
         dist.barrier()
+        torch.ops.cplib_c.handshake_debug_count(True)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             step()
+        handshakes = torch.ops.cplib_c.handshake_debug_count(True)
     events = prof.events()
     names = Counter(e.name for e in events)
     return dict(
@@ -73,8 +76,7 @@ def _counts(checks: bool) -> dict:
         kernels=sum(names[k] for k in KERNELS),
         collectives=sum(c for name, c in names.items() if name.startswith("_c10d_functional::")
                         and name.split("::")[1] not in _NOT_COLLECTIVES),
-        ring_exchanges=names["cplib_c::c10d_all_to_all"],
-        other_collectives=names["cplib_c::c10d_all_gather"],
+        handshakes=handshakes,
     )
 
 
@@ -82,15 +84,18 @@ def _check(counts: list[dict]) -> None:
     for rank, c in enumerate(counts):
         assert c["kernels"] == 4, (rank, c)  # two steps, forward and backward
         assert c["aten"] <= MAX_ATEN_CALLS, (rank, c)
-        assert c["ring_exchanges"] == RING_EXCHANGES, (rank, c)
-        assert c["collectives"] == c["ring_exchanges"] + c["other_collectives"], (rank, c)
+        # Every collective that is not the ring's is the handshake's (one
+        # each) or, with the handshake off, the local lengths' gather.
+        assert c["collectives"] - c["handshakes"] <= RING_EXCHANGES + MAX_OTHER_COLLECTIVES, \
+            (rank, c)
 
 
 def test_host_work_with_the_handshake(ranks):
     counts = ranks(2).run(_counts, True)
     _check(counts)
     for rank, c in enumerate(counts):
-        assert 1 <= c["other_collectives"] <= MAX_HANDSHAKE_COLLECTIVES, (rank, c)
+        assert c["handshakes"] == MAX_HANDSHAKE_COLLECTIVES, (rank, c)
+        assert c["collectives"] == RING_EXCHANGES + c["handshakes"], (rank, c)
 
 
 def test_host_work_without_the_handshake(ranks):
