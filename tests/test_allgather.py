@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import cplib
-from cplib._native import ops
+from cplib.comm.native import ops
 from harness import assert_close, cplib_import_root
 
 WORLD_SIZES = [1, 2, 4]

@@ -17,7 +17,7 @@ on different heads. For lengths divisible by 2N it is exactly
 ``shard``/``unshard`` take it as ``usp_load_balancer``, and with U = 1 it
 is the ring's layout.
 
-Any length, documents. In general the ring layout is ``cplib._seq_layout``'s
+Any length, documents. In general the ring layout is ``cplib.ring.layout``'s
 over R positions (sequential, head-tail, or head-tail inside every document,
 for any S >= R) and ring shard i (L_i rows) is cut into U pieces of
 ``chunk_range(L_i, U, j)`` rows, piece j on rank i*U + j. When S divides
@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ._load_balancer import _inverse, _LoadBalancer
-from ._seq_layout import chunk_range, shard_ranges
+from ..ring.load_balancer import _inverse, _LoadBalancer
+from ..ring.layout import chunk_range, shard_ranges
 
 __all__ = ["UspGroups", "UspLoadBalancer", "check_degrees", "usp_groups", "usp_load_balancer",
            "usp_piece_lengths", "usp_shard_ranges", "active_ulysses_degree", "ulysses_layout"]

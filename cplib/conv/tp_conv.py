@@ -34,8 +34,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ._handshake import agreed
-from ._native import GroupLike, group_name_of, group_size, normalize_dim, ops, reject_real_in_fake
+from ..comm.handshake import agreed
+from ..comm.native import GroupLike, group_name_of, group_size, normalize_dim, ops, reject_real_in_fake
 
 __all__ = ["tp_conv", "enable_dtensor_conv", "disable_dtensor_conv"]
 
@@ -198,7 +198,7 @@ def tp_conv(
     this rank's partial sums and must be all-reduced (SUM) over ``group`` to
     equal the full convolution's gradients.
     """
-    from ._ring import check_inputs
+    from ..ring.op import check_inputs
 
     name = group_name_of(group if group is not None else dist.group.WORLD)
 

@@ -1,5 +1,5 @@
 """The switch of the handshake that cplib's communicating ops begin with (see
-cplib/_handshake.py): on by default, off with ``CPLIB_CHECK_CONSISTENCY=0``
+cplib/comm/handshake.py): on by default, off with ``CPLIB_CHECK_CONSISTENCY=0``
 for those who want the last fraction of a percent; a rank's invalid input
 then raises on that rank only, and ranks that disagree are not told.
 

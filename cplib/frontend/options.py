@@ -106,7 +106,7 @@ class RingConfig:
     world_size: int
     load_balanced: bool
     rotate: str
-    # USP (cplib/_usp.py): with ulysses_degree U > 1, Ulysses runs over
+    # USP (cplib/ulysses/usp_layout.py): with ulysses_degree U > 1, Ulysses runs over
     # ulysses_group and the ring over group_name (this rank's ring group).
     ulysses_degree: int = 1
     ulysses_group: str | None = None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ._native import GroupLike
+from ..comm.native import GroupLike
 
 __all__ = ["ShardedKVCache"]
 

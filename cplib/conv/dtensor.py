@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from ._native import ops
-from ._tp_conv import _local_out_shape
+from ..comm.native import ops
+from .tp_conv import _local_out_shape
 
 __all__ = ["enable_dtensor_conv", "disable_dtensor_conv"]
 

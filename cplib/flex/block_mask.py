@@ -21,7 +21,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-from ._native import check_mesh
+from ..comm.native import check_mesh
 
 __all__ = ["_create_cp_block_mask", "_shard_block_mask", "DEFAULT_BLOCK_SIZE"]
 

@@ -11,10 +11,10 @@ from typing import Literal
 
 import torch
 
-from ._handshake import agreed
-from ._native import GroupLike, group_name_of, group_size, ops, reject_mixed_meta, \
+from ..comm.handshake import agreed
+from ..comm.native import GroupLike, group_name_of, group_size, ops, reject_mixed_meta, \
     reject_real_in_fake
-from ._seq_layout import local_length
+from .layout import local_length
 
 __all__ = ["ring_sdpa", "ring_pass_auto", "ROTATE_CODES", "BACKEND_CODES", "RING_PASS_CODES"]
 
@@ -217,7 +217,7 @@ def _check(op: str, q, k, v, group_name: str, is_causal: bool, load_balanced: bo
                                                                    k.shape[2] % 2):
         raise ValueError(f"cplib.{op}: load_balanced needs even local lengths (two chunks per "
                          f"rank), got q {q.shape[2]} and kv {k.shape[2]}")
-    if group_name is None:  # a world-of-one check (cplib/_ulysses.py)
+    if group_name is None:  # a world-of-one check (cplib/ulysses/op.py)
         return
     group_size(group_name)  # ValueError for an unknown group
     _check_extras(op, q, k, group_name, load_balanced, cu_seqlens, window, seq_len, per_document)
@@ -360,10 +360,10 @@ def ring_sdpa(
     ``w`` for ``(w, w)``; query i sees key j iff ``i - left <= j <= i + right``
     in global positions (``None`` on a side: no limit; ``is_causal`` makes
     right 0). ``seq_len``: the global length S when the shards are uneven
-    (any S >= world size; see ``cplib._seq_layout``); by default S is the
+    (any S >= world size; see ``cplib.ring.layout``); by default S is the
     local length times the world size. Blocks nobody can see are neither
     computed nor sent (p2p and alltoall). ``per_document``: the shards are
-    cut head-tail inside every document (``cplib._seq_layout`` with
+    cut head-tail inside every document (``cplib.ring.layout`` with
     ``documents``; needs ``cu_seqlens`` and ``seq_len``).
 
     ``sinks`` (Hq,): attention sinks (gpt-oss), one logit per q head that
@@ -387,11 +387,11 @@ def ring_sdpa(
 
     ``attn_mask``: a key-padding mask (boolean, True = attend, or additive)
     of this rank's keys, broadcastable to (B, 1, 1, S_local); it travels with
-    its K/V block (cplib/_key_padding.py). Other shapes raise
+    its K/V block (cplib/ring/key_padding.py). Other shapes raise
     NotImplementedError.
     """
     if attn_mask is not None:
-        from ._key_padding import key_padding_inputs
+        from .key_padding import key_padding_inputs
 
         q, k, v, scale, _ = key_padding_inputs("ring_sdpa", attn_mask, q, k, v, scale)
         return ring_sdpa(q, k, v, group, is_causal=is_causal, load_balanced=load_balanced,

@@ -8,7 +8,7 @@ full buffer (same data, e.g. the same batch), as with torch's
 
 Any length S >= N shards without padding when there is no load balancer or
 it is an ``AnyLengthHeadTailLoadBalancer``: shard lengths then differ by at
-most one token per chunk (``cplib._seq_layout``); for lengths that divide,
+most one token per chunk (``cplib.ring.layout``); for lengths that divide,
 the cut is ``torch.chunk``'s.
 """
 
@@ -23,15 +23,15 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ._load_balancer import (
+from ..ring.load_balancer import (
     _create_default_load_balancer,
     _LoadBalancer,
     rearrange,
     shard_lengths,
 )
-from ._handshake import agreed, handshake
-from ._native import check_mesh
-from ._options import _cp_options
+from ..comm.handshake import agreed, handshake
+from ..comm.native import check_mesh
+from .options import _cp_options
 
 __all__ = [
     "_context_parallel_shard",
@@ -97,7 +97,7 @@ def shard_tensor(t: torch.Tensor, seq_dim: int, rank: int, world_size: int,
 
 
 def _any_length(load_balancer: _LoadBalancer | None) -> bool:
-    from ._load_balancer import AnyLengthHeadTailLoadBalancer, AnyLengthPerDocumentLoadBalancer
+    from ..ring.load_balancer import AnyLengthHeadTailLoadBalancer, AnyLengthPerDocumentLoadBalancer
 
     return load_balancer is None or callable(getattr(load_balancer, "lengths", None)) or \
         isinstance(load_balancer, (AnyLengthHeadTailLoadBalancer, AnyLengthPerDocumentLoadBalancer))
@@ -125,7 +125,7 @@ def describe_load_balancer(load_balancer: _LoadBalancer | None) -> dict[str, int
 
 
 def _shard_block_mask(mesh: DeviceMesh, mask: Any, load_balancer: _LoadBalancer | None) -> Any:
-    from ._flex_mask import _shard_block_mask as shard_flex_mask  # needs flex attention
+    from ..flex.block_mask import _shard_block_mask as shard_flex_mask  # needs flex attention
     return shard_flex_mask(mesh, mask, load_balancer)
 
 
@@ -225,7 +225,7 @@ def _layout(group: dist.ProcessGroup, t: torch.Tensor, seq_dim: int,
 def _default_restore_indices(mesh: DeviceMesh, length: int,
                              device: torch.device) -> torch.Tensor | None:
     # As torch: without an explicit balancer, follow the global option.
-    from ._usp import active_ulysses_degree  # USP: head-tail over the ring degree
+    from ..ulysses.usp_layout import active_ulysses_degree  # USP: head-tail over the ring degree
 
     balancer = _create_default_load_balancer(length, mesh.size() // active_ulysses_degree(),
                                              device, _cp_options.enable_load_balance)

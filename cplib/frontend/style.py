@@ -16,11 +16,11 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from ._flex_hook import _flex_input_hook, _register_flex_input_hook
-from ._options import RingConfig, _cp_options, rotate_method_name
-from ._sdpa_dispatch import CPDispatchMode, dispatcher_enabled
-from ._native import check_mesh
-from ._usp import UspGroups, usp_groups
+from ..flex.hook import _flex_input_hook, _register_flex_input_hook
+from .options import RingConfig, _cp_options, rotate_method_name
+from .sdpa_dispatch import CPDispatchMode, dispatcher_enabled
+from ..comm.native import check_mesh
+from ..ulysses.usp_layout import UspGroups, usp_groups
 
 __all__ = ["_ContextParallel", "attention_documents"]
 
@@ -48,7 +48,7 @@ class _ContextParallel(ParallelStyle):
                  window: int | tuple[int | None, int | None] | None = None) -> None:
         super().__init__()
         if window is not None:
-            from ._ring import window_arg
+            from ..ring.op import window_arg
             window_arg(window)  # ValueError naming a bad window, at construction
         self.window = window
         self.seq_dim = seq_dim
@@ -107,8 +107,8 @@ def attention_documents(cu_seqlens: torch.Tensor | None = None, *,
     ``per_document=True``: the inputs were sharded head-tail inside every
     document (``AnyLengthPerDocumentLoadBalancer``, or
     ``usp_load_balancer(..., cu_seqlens=...)`` with ``ulysses_degree``)."""
-    from ._documents import cu_seqlens_from_position_ids
-    from ._ring import check_cu_seqlens
+    from .documents import cu_seqlens_from_position_ids
+    from ..ring.op import check_cu_seqlens
 
     if (cu_seqlens is None) == (position_ids is None):
         raise ValueError("cplib.attention_documents: pass cu_seqlens or position_ids (one)")

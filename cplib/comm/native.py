@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import _C  # noqa: F401  (importing it runs the op registrations)
+from .. import _C  # noqa: F401  (importing it runs the op registrations)
 
 _PYTHON_CLASSES = {cls.__name__: cls for cls in
                    (ValueError, NotImplementedError, TypeError, IndexError, RuntimeError)}

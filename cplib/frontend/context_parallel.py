@@ -11,20 +11,20 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._diffusers import applied_cp_plans
-from ._documents import cu_seqlens_from_position_ids
-from ._handshake import agreed, handshake, values_hash
-from ._load_balancer import (
+from ..diffusers.plans import applied_cp_plans
+from .documents import cu_seqlens_from_position_ids
+from ..comm.handshake import agreed, handshake, values_hash
+from ..ring.load_balancer import (
     AnyLengthHeadTailLoadBalancer,
     AnyLengthPerDocumentLoadBalancer,
     _LoadBalancer,
     shard_lengths,
 )
-from ._options import RingConfig, _cp_options, _RotateMethod, parse_rotate_method, rotate_method_name
-from ._sdpa_dispatch import CPDispatchMode
-from ._native import check_mesh
-from ._sharding import check_shardable, shard_tensor, unshard
-from ._usp import UspLoadBalancer, check_degrees, ulysses_layout, usp_groups
+from .options import RingConfig, _cp_options, _RotateMethod, parse_rotate_method, rotate_method_name
+from .sdpa_dispatch import CPDispatchMode
+from ..comm.native import check_mesh
+from .sharding import check_shardable, shard_tensor, unshard
+from ..ulysses.usp_layout import UspLoadBalancer, check_degrees, ulysses_layout, usp_groups
 
 __all__ = ["context_parallel", "ContextParallelHandle"]
 
@@ -109,7 +109,7 @@ def _documents(cu_seqlens: torch.Tensor | None, position_ids: torch.Tensor | Non
                              f"{position_ids.shape[-1]} tokens but the buffers {seq_len}; pass "
                              "the full (unsharded) position_ids")
         cu_seqlens = cu_seqlens_from_position_ids(position_ids)
-    from ._ring import check_cu_seqlens
+    from ..ring.op import check_cu_seqlens
     check_cu_seqlens("context_parallel", cu_seqlens, seq_len)
     return cu_seqlens.to("cpu", torch.long)
 
@@ -191,7 +191,7 @@ def context_parallel(
     falls back to sequential), and the context yields a
     :class:`ContextParallelHandle` whose ``unshard`` knows the layout.
 
-    ``ulysses_degree=U`` (USP, cplib/_usp.py) splits the N ranks into
+    ``ulysses_degree=U`` (USP, cplib/ulysses/usp_layout.py) splits the N ranks into
     N/U ring positions x U Ulysses ranks: every SDPA call runs Ulysses
     (all-to-all over heads) within groups of U consecutive ranks and ring
     attention across them; U = N is pure Ulysses, U = 1 (default) the ring.
@@ -220,7 +220,7 @@ def context_parallel(
     shapes across ranks (one small all-gather): buffers that differ raise
     the same ValueError on every rank. ``modules`` (diffusers models, or any
     module with a ``_cp_plan``) get their plan applied through diffusers'
-    hooks for the duration of the context (cplib/_diffusers.py): the model
+    hooks for the duration of the context (cplib/diffusers/plans.py): the model
     splits and gathers the sequence inside its own forward, in sequential
     any-length shards, and the hooks are gone on exit. A backward() after
     the block exits gets the right gradients.
@@ -259,7 +259,7 @@ def context_parallel(
                              "documents (cu_seqlens or position_ids)")
         sides = None
         if window is not None:
-            from ._ring import window_arg
+            from ..ring.op import window_arg
             sides = window_arg(window)  # ValueError naming a bad window, before any sharding
         balancer = None
         if not one_length:

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._flex_allgather import flex_cp_allgather
-from ._native import check_mesh
+from .allgather import flex_cp_allgather
+from ..comm.native import check_mesh
 
 __all__ = ["_flex_input_hook", "_register_flex_input_hook"]
 

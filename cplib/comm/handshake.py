@@ -17,7 +17,7 @@ from typing import Callable, Mapping, Sequence, TypeVar
 
 import torch
 
-from ._native import group_size, ops
+from .native import group_size, ops
 
 __all__ = ["handshake_enabled", "agreed", "handshake", "can_handshake", "values_hash"]
 

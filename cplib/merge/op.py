@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ._native import ops, reject_mixed_meta, reject_real_in_fake
+from ..comm.native import ops, reject_mixed_meta, reject_real_in_fake
 
 __all__ = ["merge_partial_"]
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from ._handshake import agreed, can_handshake, forward_error, handshake
-from ._native import GroupLike, group_name_of, group_size, ops, reject_real_in_fake
-from ._ring import (_acc_dtype, _check, _group_rank, attention_autograd, backend_arg,
+from ..comm.handshake import agreed, can_handshake, forward_error, handshake
+from ..comm.native import GroupLike, group_name_of, group_size, ops, reject_real_in_fake
+from ..ring.op import (_acc_dtype, _check, _group_rank, attention_autograd, backend_arg,
                     check_inputs, check_sinks, ring_sdpa, rotate_arg, scale_arg)
 
 __all__ = ["ulysses_reshard", "ulysses_sdpa", "usp_sdpa", "kv_head_repeat", "check_heads",
@@ -361,7 +361,7 @@ def ulysses_attention(q, k, v, group: GroupLike, is_causal: bool, scale: float |
     back (None)."""
     op = "ulysses_sdpa"
     if attn_mask is not None:
-        from ._key_padding import key_padding_inputs
+        from ..ring.key_padding import key_padding_inputs
 
         q, k, v, scale, _ = key_padding_inputs(op, attn_mask, q, k, v, scale)
     if cu_seqlens is not None or window is not None or seq_len is not None:
@@ -431,7 +431,7 @@ def usp_sdpa(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """USP: Ulysses over ``ulysses_group`` (U ranks) around ring attention over
     ``ring_group`` (R ranks). The shards are this rank's part of the layout
-    that :mod:`cplib._usp` defines: the ring shard of this rank's Ulysses group
+    that :mod:`cplib.ulysses.usp_layout` defines: the ring shard of this rank's Ulysses group
     (head-tail over the R ring positions with ``load_balanced``), cut into U
     pieces in Ulysses-rank order. Same returns and errors as
     :func:`ulysses_sdpa`, plus ring_sdpa's (``rotate``, ``load_balanced``);
@@ -458,7 +458,7 @@ def usp_attention(q, k, v, ulysses_group: GroupLike, ring_group: GroupLike, is_c
     (None)."""
     op = "usp_sdpa"
     if attn_mask is not None:
-        from ._key_padding import key_padding_inputs
+        from ..ring.key_padding import key_padding_inputs
 
         q, k, v, scale, _ = key_padding_inputs(op, attn_mask, q, k, v, scale)
     uname, rname = group_name_of(ulysses_group), group_name_of(ring_group)
@@ -531,11 +531,11 @@ def usp_attention(q, k, v, ulysses_group: GroupLike, ring_group: GroupLike, is_c
 
 def _piece_lengths(op: str, q, k, uname: str, rname: str, degree: int, ring_degree: int,
                    load_balanced: bool, cu_seqlens, window, seq_len, per_document) -> list[int]:
-    """The rows of the U pieces of this rank's ring shard (cplib._usp's
+    """The rows of the U pieces of this rank's ring shard (cplib.ulysses.usp_layout's
     layout), checked against q and k/v (from shapes and arguments alone, so
     every rank fails alike before any exchange)."""
-    from ._ring import check_cu_seqlens, window_arg
-    from ._usp import usp_piece_lengths
+    from ..ring.op import check_cu_seqlens, window_arg
+    from .usp_layout import usp_piece_lengths
 
     n = degree * ring_degree
     total = q.shape[2] * n if seq_len is None else int(seq_len)

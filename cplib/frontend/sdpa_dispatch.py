@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ._documents import current_window
-from ._options import RingConfig
+from .documents import current_window
+from .options import RingConfig
 
 __all__ = [
     "CPDispatchMode",
@@ -102,7 +102,7 @@ def _check_sdpa_args(q, k, v, attn_mask, dropout_p, enable_gqa) -> None:
             f"cplib: query heads ({hq}) must be a multiple of key/value heads ({hkv})"
         )
     if attn_mask is not None:  # key-padding masks only (NotImplementedError naming others)
-        from ._key_padding import check_key_padding
+        from ..ring.key_padding import check_key_padding
         check_key_padding("scaled_dot_product_attention", attn_mask, k)
 
 
@@ -128,7 +128,7 @@ def routed_sdpa(config: RingConfig, *args: Any, **kwargs: Any) -> torch.Tensor:
     _check_sdpa_args(q, k, v, attn_mask, dropout_p, enable_gqa)
     if config.ulysses_degree > 1:
         return _routed_ulysses(config, q, k, v, bool(is_causal), scale, attn_mask)
-    from ._ring import ring_sdpa  # lives beside this module; imported when first needed
+    from ..ring.op import ring_sdpa  # lives beside this module; imported when first needed
 
     extras = context_extras(config, current_window(config.window))
     if attn_mask is not None:
@@ -145,7 +145,7 @@ def _routed_ulysses(config: RingConfig, q, k, v, is_causal: bool, scale,
                     attn_mask=None) -> torch.Tensor:
     # Ulysses over the Ulysses group; the ring over the ring group unless it is one rank.
     # The lse is discarded here, so it is not exchanged back.
-    from ._ulysses import ulysses_attention, usp_attention
+    from ..ulysses.op import ulysses_attention, usp_attention
 
     backend = sdpa_backend_hint(q.device)
     extras = dict(cu_seqlens=config.cu_seqlens, window=current_window(config.window),

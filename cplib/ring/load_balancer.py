@@ -125,13 +125,13 @@ class _HeadTailLoadBalancer(_LoadBalancer):
 
 class AnyLengthHeadTailLoadBalancer(_HeadTailLoadBalancer):
     """Head-tail balancing for any sequence length >= world size: the 2N
-    chunks differ by at most one token (``cplib._seq_layout``), so shards
+    chunks differ by at most one token (``cplib.ring.layout``), so shards
     differ by at most one token per chunk; for lengths divisible by 2N it is
     exactly :class:`_HeadTailLoadBalancer`. Shards are cut with
     :func:`shard_lengths`, not in equal parts."""
 
     def _generate_indices(self, restore: bool = False) -> Tensor:
-        from ._seq_layout import layout_indices
+        from .layout import layout_indices
 
         if self.seq_length < self.world_size:
             raise ValueError(f"cplib: sequence length {self.seq_length} is shorter than the "
@@ -165,14 +165,14 @@ class AnyLengthPerDocumentLoadBalancer(_LoadBalancer):
         self.device = device
 
     def _generate_indices(self, restore: bool = False) -> Tensor:
-        from ._seq_layout import layout_indices
+        from .layout import layout_indices
 
         perm = layout_indices(self.seq_length, self.world_size, True, self.device,
                               self.cu_seqlens)
         return (_inverse(perm) if restore else perm).unsqueeze(0)
 
     def lengths(self) -> list[int]:
-        from ._seq_layout import local_length
+        from .layout import local_length
 
         return [local_length(self.seq_length, self.world_size, r, True, self.cu_seqlens)
                 for r in range(self.world_size)]
@@ -183,7 +183,7 @@ def shard_lengths(seq_length: int, world_size: int,
     """Every rank's shard length for a sequence of ``seq_length`` cut after
     ``load_balancer``'s rearrangement, or None for equal parts (lengths that
     divide; other balancers need them)."""
-    from ._seq_layout import local_length
+    from .layout import local_length
 
     if callable(getattr(load_balancer, "lengths", None)):  # a layout that knows its shards
         lengths = load_balancer.lengths()
