@@ -4,18 +4,13 @@ from __future__ import annotations
 
 import logging
 
+# comm: the native library (cplib._C and its ops), the handshake's switch.
 from .comm import native as _native  # noqa: F401  (loads cplib._C and its ops)
 from .comm.consistency import consistency_checks, consistency_checks_enabled, set_consistency_checks
+
+# The front end: torch's context-parallel API, sharding, documents.
 from .frontend.context_parallel import ContextParallelHandle, context_parallel
-from .flex.allgather import flex_cp_allgather
-from .flex.block_mask import _create_cp_block_mask, _create_cp_block_mask as create_cp_block_mask
-from .ring.load_balancer import (
-    _HeadTailLoadBalancer,
-    _LoadBalancer,
-    _PerDocumentHeadTailLoadBalancer,
-    _PTRRLoadBalancer,
-)
-from .merge.op import merge_partial_
+from .frontend.documents import attention_window, cu_seqlens_from_position_ids
 from .frontend.options import (
     _CausalBehavior,
     _cp_options,
@@ -23,17 +18,43 @@ from .frontend.options import (
     _RotateMethod,
     set_rotate_method,
 )
-from .decode.op import decode_sdpa
-from .decode.kv_cache import ShardedKVCache
-from .ring.op import ring_pass_auto, ring_sdpa
 from .frontend.sdpa_dispatch import (
     _disable_context_parallel_dispatcher,
     _enable_context_parallel_dispatcher,
 )
 from .frontend.sharding import _context_parallel_shard, context_parallel_unshard, shard, unshard
 from .frontend.style import _ContextParallel, attention_documents
-from .ulysses.op import ulysses_reshard, ulysses_sdpa, usp_sdpa
+
+# ring: ring attention and its sequence layouts (load balancers).
+from .ring.load_balancer import (
+    AnyLengthHeadTailLoadBalancer,
+    AnyLengthPerDocumentLoadBalancer,
+    _HeadTailLoadBalancer,
+    _LoadBalancer,
+    _PerDocumentHeadTailLoadBalancer,
+    _PTRRLoadBalancer,
+)
+from .ring.op import ring_pass_auto, ring_sdpa
+
+# ulysses: Ulysses and USP (Ulysses x ring).
+from .ulysses.op import ulysses_reshard, ulysses_sdpa
+from .ulysses.usp import usp_sdpa
 from .ulysses.usp_layout import usp_load_balancer
+
+# flex: flex attention under context parallelism.
+from .flex.allgather import flex_cp_allgather
+from .flex.block_mask import _create_cp_block_mask, _create_cp_block_mask as create_cp_block_mask
+
+# decode: inference over a sharded KV cache.
+from .decode.kv_cache import ShardedKVCache
+from .decode.op import decode_sdpa
+
+# merge: partial attention results merged in place.
+from .merge.op import merge_partial_
+
+# conv: halo-exchange convolution and its DTensor handlers.
+from .conv.dtensor import disable_dtensor_conv, enable_dtensor_conv
+from .conv.tp_conv import tp_conv
 
 # Public names for what torch keeps private (same objects).
 LoadBalancer = _LoadBalancer
@@ -44,11 +65,6 @@ ContextParallel = _ContextParallel
 RotateMethod = _RotateMethod
 enable_context_parallel_dispatcher = _enable_context_parallel_dispatcher
 disable_context_parallel_dispatcher = _disable_context_parallel_dispatcher
-from .conv.tp_conv import tp_conv
-from .conv.dtensor import disable_dtensor_conv, enable_dtensor_conv
-# Packed documents, sliding windows, any sequence length.
-from .frontend.documents import attention_window, cu_seqlens_from_position_ids
-from .ring.load_balancer import AnyLengthHeadTailLoadBalancer, AnyLengthPerDocumentLoadBalancer
 
 __version__ = "0.1.0"
 

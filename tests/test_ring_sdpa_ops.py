@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import cplib
 from cplib.comm.native import ops
-from cplib.ring.op import ROTATE_CODES
+from cplib.ring.args import ROTATE_CODES
 from ring_cases import global_tensor, noncontiguous, shard_seq
 
 ROTATIONS = ["p2p", "alltoall", "allgather"]

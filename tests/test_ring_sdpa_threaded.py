@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 import cplib
 from cplib.comm.native import ops
-from cplib.ring.op import BACKEND_CODES
+from cplib.ring.args import BACKEND_CODES
 from ring_cases import global_tensor, reference, shard_seq
 from test_ring_sdpa import ROTATIONS, _run_case
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import cplib
 from cplib.comm.native import ops
-from cplib.ulysses.op import kv_head_repeat
+from cplib.ulysses.args import kv_head_repeat
 from harness import assert_close
 from ring_cases import case_tensors, global_tensor, noncontiguous, reference, shard_seq
 

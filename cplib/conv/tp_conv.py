@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 
 from ..comm.handshake import agreed
-from ..comm.native import GroupLike, group_name_of, group_size, normalize_dim, ops, reject_real_in_fake
+from ..comm.native import (GroupLike, group_name_of, group_size, normalize_dim, ops,
+                           reject_real_in_fake)
 
 __all__ = ["tp_conv", "enable_dtensor_conv", "disable_dtensor_conv"]
 
@@ -198,7 +199,7 @@ def tp_conv(
     this rank's partial sums and must be all-reduced (SUM) over ``group`` to
     equal the full convolution's gradients.
     """
-    from ..ring.op import check_inputs
+    from ..ring.args import check_inputs
 
     name = group_name_of(group if group is not None else dist.group.WORLD)
 

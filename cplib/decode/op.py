@@ -10,8 +10,8 @@ import torch
 
 from ..comm.handshake import agreed
 from ..comm.native import GroupLike, group_name_of, group_size, ops, reject_real_in_fake
-from ..ring.op import _DTYPES, _acc_dtype, check_inputs, scale_arg, window_arg
-from ..ring.op import _check_positions as ring_positions
+from ..ring.args import _DTYPES, _acc_dtype, check_inputs, scale_arg, window_arg
+from ..ring.args import _check_positions as ring_positions
 
 __all__ = ["decode_sdpa"]
 

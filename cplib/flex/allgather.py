@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from ..comm.handshake import agreed
-from ..comm.native import GroupLike, group_name_of, group_size, normalize_dim, ops, reject_real_in_fake
+from ..comm.native import (GroupLike, group_name_of, group_size, normalize_dim, ops,
+                           reject_real_in_fake)
 
 __all__ = ["flex_cp_allgather"]
 
@@ -98,7 +99,7 @@ def flex_cp_allgather(
     a sum reduce-scatter, so each rank receives the gradient of its own shard.
     ``k`` and ``v`` may differ in head and feature dimensions (GQA).
     """
-    from ..ring.op import check_inputs
+    from ..ring.args import check_inputs
 
     name = group_name_of(pg_name)
 

@@ -109,7 +109,7 @@ def _documents(cu_seqlens: torch.Tensor | None, position_ids: torch.Tensor | Non
                              f"{position_ids.shape[-1]} tokens but the buffers {seq_len}; pass "
                              "the full (unsharded) position_ids")
         cu_seqlens = cu_seqlens_from_position_ids(position_ids)
-    from ..ring.op import check_cu_seqlens
+    from ..ring.args import check_cu_seqlens
     check_cu_seqlens("context_parallel", cu_seqlens, seq_len)
     return cu_seqlens.to("cpu", torch.long)
 
@@ -152,6 +152,61 @@ def _keep_shards_for_backward(shards: list[torch.Tensor]):
     if not storages:
         return contextlib.nullcontext()
     return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+
+def _plan(buffers: list[torch.Tensor], world_size: int, buffer_seq_dims, no_restore_buffers,
+          rotate_method, load_balance, ulysses_degree: int, cu_seqlens, position_ids, window,
+          modules) -> tuple:
+    """Step 1 of ``context_parallel``, on every rank before any collective:
+    every argument checked (ValueError naming it), and the layout chosen: the
+    sequence dims, the buffers not to restore, the rotation, the ring degree,
+    whether shards are balanced (and per document), the global length, the
+    documents, the window and the load balancer with its indices."""
+    seq_dims = [] if buffer_seq_dims is None else list(buffer_seq_dims)
+    no_restore = [] if no_restore_buffers is None else list(no_restore_buffers)
+    rotate = parse_rotate_method(_cp_options.rotate_method if rotate_method is None
+                                 else rotate_method)
+    ring_degree = check_degrees(world_size, ulysses_degree)
+    per_document = isinstance(load_balance, str) and load_balance == "per_document"
+    if not (load_balance is None or isinstance(load_balance, bool) or per_document):
+        raise ValueError(f"cplib.context_parallel: load_balance={load_balance!r} is not "
+                         "True, False, None or 'per_document'")
+    if modules and (load_balance or per_document):
+        raise ValueError(f"cplib.context_parallel: modules= shards sequentially (the "
+                         f"model's _cp_plan cuts each input in rank order); "
+                         f"load_balance={load_balance!r} does not apply; leave it None or "
+                         "False")
+    balanced = _validate(buffers, seq_dims, no_restore, world_size,
+                         True if per_document else (False if modules else load_balance),
+                         ring_degree)
+    seq_len = buffers[0].shape[seq_dims[0]] if buffers else None
+    # Buffers of different lengths (text and image tokens) have no one
+    # global length: the attention ops then learn every rank's rows.
+    one_length = len({b.shape[d] for b, d in zip(buffers, seq_dims)}) <= 1
+    documents = _documents(cu_seqlens, position_ids, seq_len)
+    if per_document and documents is None:
+        raise ValueError("cplib.context_parallel: load_balance='per_document' needs the "
+                         "documents (cu_seqlens or position_ids)")
+    sides = None
+    if window is not None:
+        from ..ring.args import window_arg
+        sides = window_arg(window)  # ValueError naming a bad window, before any sharding
+    balancer = None
+    if not one_length:
+        pass  # sequential shards of every buffer, each cut on its own
+    elif ulysses_degree != 1 and buffers and (balanced or seq_len % world_size):
+        # USP: the ring layout over N/U positions, each ring shard cut in U pieces.
+        balancer = UspLoadBalancer(seq_len, world_size, ulysses_degree, buffers[0].device,
+                                   head_tail=balanced,
+                                   documents=documents.tolist() if per_document else None)
+    elif per_document:
+        balancer = AnyLengthPerDocumentLoadBalancer(documents.tolist(), world_size,
+                                                    buffers[0].device)
+    elif balanced and buffers:
+        balancer = AnyLengthHeadTailLoadBalancer(seq_len, world_size, buffers[0].device)
+    indices = balancer._generate_indices() if balancer is not None else None
+    return (seq_dims, no_restore, rotate, ring_degree, per_document, balanced, seq_len,
+            one_length, documents, sides, balancer, indices)
 
 
 @contextlib.contextmanager
@@ -228,63 +283,21 @@ def context_parallel(
     group = check_mesh(mesh)
     buffers = [] if buffers is None else list(buffers)
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
-    # Every check before the handshake, whose all-gather comes before any
+    # 1. Every check before the handshake, whose all-gather comes before any
     # other collective (usp_groups); an error on one rank raises on all.
-
     def check():
-        seq_dims = [] if buffer_seq_dims is None else list(buffer_seq_dims)
-        no_restore = [] if no_restore_buffers is None else list(no_restore_buffers)
-        rotate = parse_rotate_method(_cp_options.rotate_method if rotate_method is None
-                                     else rotate_method)
-        ring_degree = check_degrees(world_size, ulysses_degree)
-        per_document = isinstance(load_balance, str) and load_balance == "per_document"
-        if not (load_balance is None or isinstance(load_balance, bool) or per_document):
-            raise ValueError(f"cplib.context_parallel: load_balance={load_balance!r} is not "
-                             "True, False, None or 'per_document'")
-        if modules and (load_balance or per_document):
-            raise ValueError(f"cplib.context_parallel: modules= shards sequentially (the "
-                             f"model's _cp_plan cuts each input in rank order); "
-                             f"load_balance={load_balance!r} does not apply; leave it None or "
-                             "False")
-        balanced = _validate(buffers, seq_dims, no_restore, world_size,
-                             True if per_document else (False if modules else load_balance),
-                             ring_degree)
-        seq_len = buffers[0].shape[seq_dims[0]] if buffers else None
-        # Buffers of different lengths (text and image tokens) have no one
-        # global length: the attention ops then learn every rank's rows.
-        one_length = len({b.shape[d] for b, d in zip(buffers, seq_dims)}) <= 1
-        documents = _documents(cu_seqlens, position_ids, seq_len)
-        if per_document and documents is None:
-            raise ValueError("cplib.context_parallel: load_balance='per_document' needs the "
-                             "documents (cu_seqlens or position_ids)")
-        sides = None
-        if window is not None:
-            from ..ring.op import window_arg
-            sides = window_arg(window)  # ValueError naming a bad window, before any sharding
-        balancer = None
-        if not one_length:
-            pass  # sequential shards of every buffer, each cut on its own
-        elif ulysses_degree != 1 and buffers and (balanced or seq_len % world_size):
-            # USP: the ring layout over N/U positions, each ring shard cut in U pieces.
-            balancer = UspLoadBalancer(seq_len, world_size, ulysses_degree, buffers[0].device,
-                                       head_tail=balanced,
-                                       documents=documents.tolist() if per_document else None)
-        elif per_document:
-            balancer = AnyLengthPerDocumentLoadBalancer(documents.tolist(), world_size,
-                                                        buffers[0].device)
-        elif balanced and buffers:
-            balancer = AnyLengthHeadTailLoadBalancer(seq_len, world_size, buffers[0].device)
-        indices = balancer._generate_indices() if balancer is not None else None
-        return (seq_dims, no_restore, rotate, ring_degree, per_document, balanced, seq_len,
-                one_length, documents, sides, balancer, indices)
+        return _plan(buffers, world_size, buffer_seq_dims, no_restore_buffers, rotate_method,
+                     load_balance, ulysses_degree, cu_seqlens, position_ids, window, modules)
 
     modules = [] if modules is None else list(modules)
+    # 2. Every rank agrees on the plan and on the call.
     (seq_dims, no_restore, rotate, ring_degree, per_document, balanced, seq_len, one_length,
      documents, sides, balancer, indices) = agreed("context_parallel", group.group_name,
                                                    buffers, check)
     _agree_on_call(group.group_name, buffers, seq_dims, no_restore, rotate, ulysses_degree,
                    load_balance, balanced, documents, sides)
 
+    # 3. The shards, and the configuration of the attention calls inside.
     groups = usp_groups(group, ulysses_degree)  # collective the first time only
     with torch.no_grad():
         shards = [shard_tensor(b, d, rank, world_size, indices,
@@ -305,6 +318,7 @@ def context_parallel(
                         seq_len=seq_len if one_length and (uneven or documents is not None)
                         else None,
                         cu_seqlens=documents, window=window, per_document=per_document)
+    # 4. Shards in, attention dispatched inside the block; buffers restored on exit.
     old_balance = _cp_options.enable_load_balance
     swapped = 0
     try:

@@ -54,7 +54,7 @@ def attention_window(window: int | tuple[int | None, int | None] | None
     ``i - left <= j <= i + right`` in global positions; causal makes right 0;
     ``None`` on a side: no limit). ``attention_window(None)`` turns a
     context's default window off for these calls."""
-    from ..ring.op import window_arg
+    from ..ring.args import window_arg
 
     window_arg(window)  # ValueError on a bad window, before anything runs
     _windows.append(window)

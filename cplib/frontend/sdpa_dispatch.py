@@ -145,7 +145,8 @@ def _routed_ulysses(config: RingConfig, q, k, v, is_causal: bool, scale,
                     attn_mask=None) -> torch.Tensor:
     # Ulysses over the Ulysses group; the ring over the ring group unless it is one rank.
     # The lse is discarded here, so it is not exchanged back.
-    from ..ulysses.op import ulysses_attention, usp_attention
+    from ..ulysses.op import ulysses_attention
+    from ..ulysses.usp import usp_attention
 
     backend = sdpa_backend_hint(q.device)
     extras = dict(cu_seqlens=config.cu_seqlens, window=current_window(config.window),

@@ -48,7 +48,7 @@ class _ContextParallel(ParallelStyle):
                  window: int | tuple[int | None, int | None] | None = None) -> None:
         super().__init__()
         if window is not None:
-            from ..ring.op import window_arg
+            from ..ring.args import window_arg
             window_arg(window)  # ValueError naming a bad window, at construction
         self.window = window
         self.seq_dim = seq_dim
@@ -108,7 +108,7 @@ def attention_documents(cu_seqlens: torch.Tensor | None = None, *,
     document (``AnyLengthPerDocumentLoadBalancer``, or
     ``usp_load_balancer(..., cu_seqlens=...)`` with ``ulysses_degree``)."""
     from .documents import cu_seqlens_from_position_ids
-    from ..ring.op import check_cu_seqlens
+    from ..ring.args import check_cu_seqlens
 
     if (cu_seqlens is None) == (position_ids is None):
         raise ValueError("cplib.attention_documents: pass cu_seqlens or position_ids (one)")
