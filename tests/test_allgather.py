@@ -176,7 +176,7 @@ def test_threaded_process_group(threaded, world_size):
 
 
 def _check_native_gather_on_gloo() -> int:
-    from cplib import _native
+    from cplib.comm import native as _native
     rank, n = dist.get_rank(), dist.get_world_size()
     name = _group()
     # gloo's own all-gather corrupts the heap with two in flight; on gloo the
