@@ -95,7 +95,7 @@ def _check(op: str, q, k, v, group_name: str, is_causal: bool, load_balanced: bo
                                                                    k.shape[2] % 2):
         raise ValueError(f"cplib.{op}: load_balanced needs even local lengths (two chunks per "
                          f"rank), got q {q.shape[2]} and kv {k.shape[2]}")
-    if group_name is None:  # a world-of-one check (cplib/ulysses/op.py)
+    if group_name is None:  # a world-of-one check (cplib/ulysses/args.py)
         return
     group_size(group_name)  # ValueError for an unknown group
     _check_extras(op, q, k, group_name, load_balanced, cu_seqlens, window, seq_len, per_document)
