@@ -39,7 +39,7 @@ def _rank(rank: int, port: int, out) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=N,
                             timeout=datetime.timedelta(seconds=60))
     import cplib
-    from cplib._native import ops
+    from cplib.comm.native import ops
     name = dist.group.WORLD.group_name
     torch.manual_seed(rank)
     q, k, v = (torch.randn(B, H, S // N, D, requires_grad=True) for _ in range(3))

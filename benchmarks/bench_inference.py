@@ -39,7 +39,7 @@ FRACTIONS = [1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1]
 
 def _prefill_rank(s: int, fractions, iters: int):
     import cplib
-    from cplib._native import ops
+    from cplib.comm.native import ops
 
     g = torch.Generator().manual_seed(dist.get_rank())
     rows = []

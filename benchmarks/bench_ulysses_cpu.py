@@ -42,9 +42,9 @@ def _variants(n: int) -> list[tuple[str, int]]:
 
 
 def _local_inputs(u: int):
-    """This rank's q, k, v in the layout of the variant (cplib/_usp.py): head-tail
+    """This rank's q, k, v in the layout of the variant (cplib/ulysses/usp_layout.py): head-tail
     over the ring degree N/U, then cut into N pieces."""
-    from cplib._load_balancer import head_tail_indices
+    from cplib.ring.load_balancer import head_tail_indices
 
     rank, n = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(0)
@@ -55,7 +55,7 @@ def _local_inputs(u: int):
 
 def _step_fn(u: int):
     import cplib
-    from cplib._usp import usp_groups
+    from cplib.ulysses.usp_layout import usp_groups
 
     groups = usp_groups(dist.group.WORLD, u)  # collective once, before timing
 
@@ -73,7 +73,7 @@ def _step_fn(u: int):
 
 
 def _bytes_sent(reset: bool) -> int:
-    from cplib._native import ops
+    from cplib.comm.native import ops
     return ops.ring_debug_bytes_sent(reset) + ops.ulysses_debug_bytes_sent(reset)
 
 

@@ -1,8 +1,10 @@
 """Import cycles among a package's modules, from their source (no import
 runs). Every ``import``/``from ... import`` counts, module-level or inside a
-function: a lazy import only hides a cycle until someone moves it.
+function: a lazy import only hides a cycle until someone moves it. Also the
+direction of the arrows between folders: no feature folder (one that mirrors
+a csrc/torch/ folder: ring, ulysses, ...) imports the front end.
 
-    python build_support/import_cycles.py cplib   # prints each cycle; exit 1 if any
+    python build_support/import_cycles.py cplib   # prints each problem; exit 1 if any
 """
 
 from __future__ import annotations
@@ -81,13 +83,39 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+FRONT_END = "frontend"
+
+
+def feature_folders(repo: str) -> list[str]:
+    """The csrc/torch/ folders (one per feature of the native side)."""
+    native = os.path.join(repo, "csrc", "torch")
+    return sorted(d for d in os.listdir(native) if os.path.isdir(os.path.join(native, d)))
+
+
+def front_end_imports(graph: dict[str, set[str]], package: str,
+                      features: list[str]) -> list[tuple[str, str]]:
+    """(module, front-end module) for each import of the front end from a
+    feature folder: features sit below the front end, never above it."""
+    front = f"{package}.{FRONT_END}"
+    out = []
+    for name, targets in sorted(graph.items()):
+        folder = name[len(package) + 1:].split(".")[0] if name.startswith(package + ".") else ""
+        if folder in features:
+            out += [(name, t) for t in sorted(targets) if t == front or t.startswith(front + ".")]
+    return out
+
+
 def main(argv: list[str]) -> int:
     package = argv[1] if len(argv) > 1 else "cplib"
-    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), package)
-    found = cycles(import_graph(root, package))
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    graph = import_graph(os.path.join(repo, package), package)
+    found = cycles(graph)
     for c in found:
         print("import cycle: " + " <-> ".join(c))
-    return 1 if found else 0
+    upward = front_end_imports(graph, package, feature_folders(repo))
+    for mod, target in upward:
+        print(f"feature imports the front end: {mod} -> {target}")
+    return 1 if found or upward else 0
 
 
 if __name__ == "__main__":

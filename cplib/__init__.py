@@ -4,37 +4,59 @@ from __future__ import annotations
 
 import logging
 
-from . import _native  # noqa: F401  (loads cplib._C and its ops)
-from ._consistency import consistency_checks, consistency_checks_enabled, set_consistency_checks
-from ._handshake import register_group
-from ._context_parallel import ContextParallelHandle, context_parallel
-from ._flex_allgather import flex_cp_allgather
-from ._flex_mask import _create_cp_block_mask, _create_cp_block_mask as create_cp_block_mask
-from ._load_balancer import (
-    _HeadTailLoadBalancer,
-    _LoadBalancer,
-    _PerDocumentHeadTailLoadBalancer,
-    _PTRRLoadBalancer,
-)
-from ._merge import merge_partial_
-from ._options import (
+# comm: the native library (cplib._C and its ops), the handshake's switch.
+from .comm import native as _native  # noqa: F401  (loads cplib._C and its ops)
+from .comm.consistency import consistency_checks, consistency_checks_enabled, set_consistency_checks
+from .comm.handshake import register_group
+
+# The front end: torch's context-parallel API, sharding, documents.
+from .frontend.context_parallel import ContextParallelHandle, context_parallel
+from .frontend.documents import attention_window, cu_seqlens_from_position_ids
+from .frontend.options import (
     _CausalBehavior,
     _cp_options,
     _is_causal_behavior,
     _RotateMethod,
     set_rotate_method,
 )
-from ._decode import decode_sdpa
-from ._kv_cache import ShardedKVCache
-from ._ring import ring_pass_auto, ring_sdpa
-from ._sdpa_dispatch import (
+from .frontend.sdpa_dispatch import (
     _disable_context_parallel_dispatcher,
     _enable_context_parallel_dispatcher,
 )
-from ._sharding import _context_parallel_shard, context_parallel_unshard, shard, unshard
-from ._style import _ContextParallel, attention_documents
-from ._ulysses import ulysses_reshard, ulysses_sdpa, usp_sdpa
-from ._usp import usp_load_balancer
+from .frontend.sharding import _context_parallel_shard, shard
+from .frontend.unshard import context_parallel_unshard, unshard
+from .frontend.style import _ContextParallel, attention_documents
+
+# ring: ring attention and its sequence layouts (load balancers).
+from .ring.load_balancer import (
+    AnyLengthHeadTailLoadBalancer,
+    AnyLengthPerDocumentLoadBalancer,
+    _HeadTailLoadBalancer,
+    _LoadBalancer,
+    _PerDocumentHeadTailLoadBalancer,
+    _PTRRLoadBalancer,
+)
+from .ring.op import ring_pass_auto, ring_sdpa
+
+# ulysses: Ulysses and USP (Ulysses x ring).
+from .ulysses.op import ulysses_reshard, ulysses_sdpa
+from .ulysses.usp import usp_sdpa
+from .ulysses.usp_layout import usp_load_balancer
+
+# flex: flex attention under context parallelism.
+from .flex.allgather import flex_cp_allgather
+from .flex.block_mask import _create_cp_block_mask, _create_cp_block_mask as create_cp_block_mask
+
+# decode: inference over a sharded KV cache.
+from .decode.kv_cache import ShardedKVCache
+from .decode.op import decode_sdpa
+
+# merge: partial attention results merged in place.
+from .merge.op import merge_partial_
+
+# conv: halo-exchange convolution and its DTensor handlers.
+from .conv.dtensor import disable_dtensor_conv, enable_dtensor_conv
+from .conv.tp_conv import tp_conv
 
 # Public names for what torch keeps private (same objects).
 LoadBalancer = _LoadBalancer
@@ -45,11 +67,6 @@ ContextParallel = _ContextParallel
 RotateMethod = _RotateMethod
 enable_context_parallel_dispatcher = _enable_context_parallel_dispatcher
 disable_context_parallel_dispatcher = _disable_context_parallel_dispatcher
-from ._tp_conv import tp_conv
-from ._tp_conv_dtensor import disable_dtensor_conv, enable_dtensor_conv
-# Packed documents, sliding windows, any sequence length.
-from ._documents import attention_window, cu_seqlens_from_position_ids
-from ._load_balancer import AnyLengthHeadTailLoadBalancer, AnyLengthPerDocumentLoadBalancer
 
 __version__ = "0.1.0"
 

@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import init_device_mesh
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import cplib  # noqa: E402
-from cplib._usp import usp_groups  # noqa: E402
+from cplib.ulysses.usp_layout import usp_groups  # noqa: E402
 from tiny_llama import TinyLlama  # noqa: E402
 
 VOCAB = 64

@@ -1,4 +1,4 @@
-"""A slow, obviously-correct stand-in for ``cplib._ring.ring_sdpa`` (same
+"""A slow, obviously-correct stand-in for ``cplib.ring.op.ring_sdpa`` (same
 signature): all-gather K/V with cplib's differentiable all-gather, then masked
 attention of the local queries against the whole sequence, the causal mask
 built from the global positions of the shard layout. Tests use it to check
@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 import cplib
-from cplib._load_balancer import head_tail_indices
-from cplib._native import group_name_of
+from cplib.ring.load_balancer import head_tail_indices
+from cplib.comm.native import group_name_of
 
 CALLS: list[dict] = []
 _saved_native: list = []
@@ -51,26 +51,26 @@ def reference_ring_sdpa(q, k, v, group, *, is_causal=False, load_balanced=False,
 
 
 def use_ring(impl: str) -> None:
-    """Selects what ``cplib._ring`` is for this process: the native ring op
+    """Selects what ``cplib.ring.op`` is for this process: the native ring op
     ("native", must be importable) or the reference above ("reference")."""
-    current = sys.modules.get("cplib._ring")
+    current = sys.modules.get("cplib.ring.op")
     if current is not None and getattr(current, "ring_sdpa", None) is not reference_ring_sdpa:
         _saved_native[:] = [current]  # never import the native module twice
     if impl == "reference":
         # The native module's argument helpers stay (other modules import
         # them from it); only the ring op is replaced.
-        import cplib._ring as native  # noqa: F401
-        native = _saved_native[0] if _saved_native else sys.modules["cplib._ring"]
-        mod = types.ModuleType("cplib._ring")
+        import cplib.ring.op as native  # noqa: F401
+        native = _saved_native[0] if _saved_native else sys.modules["cplib.ring.op"]
+        mod = types.ModuleType("cplib.ring.op")
         mod.__dict__.update({k: v for k, v in vars(native).items() if not k.startswith("__")})
         mod.ring_sdpa = reference_ring_sdpa
-        sys.modules["cplib._ring"] = mod
+        sys.modules["cplib.ring.op"] = mod
     elif impl == "native":
         if _saved_native:
-            sys.modules["cplib._ring"] = _saved_native[0]
+            sys.modules["cplib.ring.op"] = _saved_native[0]
         else:
-            sys.modules.pop("cplib._ring", None)
-            import cplib._ring  # noqa: F401  (fails loudly if the ring op is missing)
+            sys.modules.pop("cplib.ring.op", None)
+            import cplib.ring.op  # noqa: F401  (fails loudly if the ring op is missing)
     else:
         raise ValueError(impl)
     CALLS.clear()

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import cplib
-from cplib._native import ops
+from cplib.comm.native import ops
 from harness import assert_close, cplib_import_root
 
 WORLD_SIZES = [1, 2, 4]
@@ -176,7 +176,7 @@ def test_threaded_process_group(threaded, world_size):
 
 
 def _check_native_gather_on_gloo() -> int:
-    from cplib import _native
+    from cplib.comm import native as _native
     rank, n = dist.get_rank(), dist.get_world_size()
     name = _group()
     # gloo's own all-gather corrupts the heap with two in flight; on gloo the

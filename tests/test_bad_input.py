@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import cplib
-from cplib._native import ops  # raises a kernel's error as its Python class
+from cplib.comm.native import ops  # raises a kernel's error as its Python class
 from harness import RankPool
 
 _TIMEOUT_S = 15.0
@@ -94,7 +94,7 @@ def _usp_same_group(rank, g):
 
 
 def _usp_one_bad_scale(rank, g):
-    from cplib._usp import usp_groups
+    from cplib.ulysses.usp_layout import usp_groups
 
     groups = usp_groups(g, 2)  # 2 x 2: ranks 0 and 2 (and 1 and 3) never meet in Ulysses
     cplib.usp_sdpa(*_qkv(rank), groups.ulysses_group, groups.ring_group,
@@ -151,7 +151,7 @@ def _cp_on(bad_rank, **bad):
 
 
 def _balancer(seq_length: int):
-    from cplib._load_balancer import _HeadTailLoadBalancer
+    from cplib.ring.load_balancer import _HeadTailLoadBalancer
     return _HeadTailLoadBalancer(seq_length, 2, "cpu")
 
 
@@ -455,7 +455,7 @@ def test_every_rank_raises_alike(name):
 
 def _unshard_without_handshake() -> None:
     # A world of one makes no handshake: the shard is checked on its own.
-    from cplib._load_balancer import _HeadTailLoadBalancer
+    from cplib.ring.load_balancer import _HeadTailLoadBalancer
     from torch.distributed.device_mesh import DeviceMesh
 
     mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
@@ -497,7 +497,7 @@ def test_fake_kernel_rejects_real_tensors_beside_meta():
 
 
 def test_load_balancers_name_bad_arguments():
-    from cplib._load_balancer import (
+    from cplib.ring.load_balancer import (
         AnyLengthPerDocumentLoadBalancer,
         _HeadTailLoadBalancer,
         _PerDocumentHeadTailLoadBalancer,

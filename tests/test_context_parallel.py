@@ -206,7 +206,7 @@ def test_sdpa_matrix_front_end_reference(ranks, world_size):
 def _check_dispatch_paths(redispatch: bool) -> None:
     use_ring("reference")
     _reset_options()
-    import cplib._sdpa_dispatch as dispatch
+    import cplib.frontend.sdpa_dispatch as dispatch
 
     saved = dispatch._redispatch
     if not redispatch:  # torch < 2.13: the MHA path patches F's SDPA for that call
@@ -436,7 +436,7 @@ def _check_bad_inputs() -> list[str]:
         assert not cp.config.load_balanced
         assert ids[0].tolist() == list(range(rank * s // n, (rank + 1) * s // n))
     # Asked for, head-tail balancing takes any length (chunks within one token).
-    from cplib._seq_layout import shard_positions
+    from cplib.ring.layout import shard_positions
     with context_parallel(mesh, buffers=[ids], buffer_seq_dims=[1], load_balance=True) as cp:
         assert cp.config.load_balanced
         assert ids[0].tolist() == shard_positions(s, n, rank, True).tolist()
@@ -458,7 +458,7 @@ def test_bad_input_value_errors_on_every_rank(ranks, world_size):
 def test_sdpa_kernel_selects_the_ring_backend():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from cplib._sdpa_dispatch import sdpa_backend_hint
+    from cplib.frontend.sdpa_dispatch import sdpa_backend_hint
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert sdpa_backend_hint(cpu) is None and sdpa_backend_hint(cuda) is None

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import cplib  # noqa: F401  (registers the ops)
-from cplib._native import ops
+from cplib.comm.native import ops
 
 # The csrc/ to audit (CPLIB_GLUE_CSRC: another checkout's, e.g. an old commit's).
 CSRC = Path(os.environ.get("CPLIB_GLUE_CSRC", Path(__file__).resolve().parent.parent / "csrc"))
@@ -145,7 +145,7 @@ def test_no_called_op_returns_a_sym_value(qualified):
     assert not sym_returns, (
         f"{schema} returns {sym_returns} on torch {torch.__version__}: the stable dispatcher "
         "call cannot convert a Sym return (\"Expected Tensor but got Int\"); call an op "
-        "returning tensors only, or a Python op (cplib/_cuda_attention.py)")
+        "returning tensors only, or a Python op (cplib/comm/cuda_attention.py)")
     sym_args = {name for typ, name in args if _SYM.search(typ)}
     unlisted = sorted(sym_args - SYM_ARGUMENTS.get(qualified, set()))
     assert not unlisted, (

@@ -25,7 +25,7 @@ _RANK = textwrap.dedent('''
     import datetime, sys
     import torch, torch.distributed as dist
     import cplib
-    from cplib._load_balancer import _HeadTailLoadBalancer
+    from cplib.ring.load_balancer import _HeadTailLoadBalancer
     from torch.distributed.device_mesh import DeviceMesh
 
     rank, port, rounds = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 import cplib
-from cplib import _native
-from cplib._native import ops
+from cplib.comm import native as _native
+from cplib.comm.native import ops
 
 
 def _route(group: dist.ProcessGroup) -> tuple[str, str]:

@@ -12,8 +12,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 import cplib
-from cplib._seq_layout import shard_positions
-from cplib._usp import usp_groups
+from cplib.ring.layout import shard_positions
+from cplib.ulysses.usp_layout import usp_groups
 from harness import assert_close
 from ring_cases import global_tensor
 from ring_mask_cases import visible

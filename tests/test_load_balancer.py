@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 from torch.nn.attention.flex_attention import create_block_mask
 
-from cplib._load_balancer import (
+from cplib.ring.load_balancer import (
     _HeadTailLoadBalancer,
     _LoadBalancer,
     _PerDocumentHeadTailLoadBalancer,

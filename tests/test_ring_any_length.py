@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 import cplib
-from cplib._native import ops
-from cplib._ring import ROTATE_CODES
-from cplib._seq_layout import layout_indices, local_length, shard_positions
+from cplib.comm.native import ops
+from cplib.ring.args import ROTATE_CODES
+from cplib.ring.layout import layout_indices, local_length, shard_positions
 from ring_mask_cases import check_ring, local
 from ring_cases import global_tensor
 

@@ -6,13 +6,15 @@ collective is host time that leaves a GPU idle.
 - ATen calls outside the attention kernels (torch.profiler's ``aten::``
   events, nested ones included, that are neither an attention kernel nor
   under one): at most MAX_ATEN_CALLS, the handshake's own calls included.
-  Measured 44 on rank 0 (230 before the ring was made lean), 52 with
-  CPLIB_CHECK_CONSISTENCY=0 (the local lengths then travel in an all-gather
-  of their own).
+  Measured 36 on rank 0 (230 before the ring was made lean), 42 with
+  CPLIB_CHECK_CONSISTENCY=0 (the local lengths then travel in a gather of
+  their own).
 - Collectives: the ring's K and V travel in one exchange per step, and dK and
   dV in one: three ``cplib_c::c10d_all_to_all`` at N=2 (forward K|V, backward
-  K|V, backward dK|dV). Every other collective is the handshake's
-  (``cplib_c::c10d_all_gather``), at most one per op today.
+  K|V, backward dK|dV). Every other collective is the handshake's, one per
+  fwd+bwd (the backward through autograd is covered by the forward's),
+  counted by ``cplib_c::handshake_debug_count``: 4 in all, torch's ring's
+  count.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import cplib
-from cplib._native import ops
+from cplib.comm.native import ops
 from harness import assert_close
 from ring_cases import global_tensor
 from ring_mask_cases import masked_reference, visible

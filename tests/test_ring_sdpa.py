@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import cplib
-from cplib._native import ops
+from cplib.comm.native import ops
 from harness import assert_close
 from ring_cases import case_tensors, global_tensor, noncontiguous, reference, shard_seq
 

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 import cplib
-from cplib._native import ops
-from cplib._ring import ROTATE_CODES
+from cplib.comm.native import ops
+from cplib.ring.args import ROTATE_CODES
 from ring_cases import global_tensor, noncontiguous, shard_seq
 
 ROTATIONS = ["p2p", "alltoall", "allgather"]

@@ -22,8 +22,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import cplib
-from cplib._native import ops
-from cplib._ring import BACKEND_CODES
+from cplib.comm.native import ops
+from cplib.ring.args import BACKEND_CODES
 from ring_cases import global_tensor, reference, shard_seq
 from test_ring_sdpa import ROTATIONS, _run_case
 

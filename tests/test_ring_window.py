@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 import cplib
-from cplib._native import ops
-from cplib._seq_layout import shard_positions
+from cplib.comm.native import ops
+from cplib.ring.layout import shard_positions
 from ring_mask_cases import check_ring, visible
 
 ROTATIONS = ["p2p", "alltoall", "allgather"]

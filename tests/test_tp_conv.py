@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import cplib
-from cplib._tp_conv import _local_out_shape
+from cplib.conv.tp_conv import _local_out_shape
 from harness import assert_close
 
 WORLD_SIZES = [1, 2, 4]

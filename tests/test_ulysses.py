@@ -15,8 +15,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import cplib
-from cplib._native import ops
-from cplib._ulysses import kv_head_repeat
+from cplib.comm.native import ops
+from cplib.ulysses.args import kv_head_repeat
 from harness import assert_close
 from ring_cases import (case_tensors, fused_sdpa, global_tensor, noncontiguous, reference,
                         shard_seq)

@@ -17,8 +17,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 import cplib
-from cplib._native import ops
-from cplib._usp import usp_groups
+from cplib.comm.native import ops
+from cplib.ulysses.usp_layout import usp_groups
 from harness import assert_close
 from ring_cases import global_tensor, reference
 from test_models import _compare_grads, _llama, _lm_loss, _setup

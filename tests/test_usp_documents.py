@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 import cplib
-from cplib._usp import usp_groups
+from cplib.ulysses.usp_layout import usp_groups
 from harness import assert_close
 from ring_cases import global_tensor
 from ring_mask_cases import masked_reference, visible
@@ -170,7 +170,7 @@ def _check_bad() -> list[str]:
     alike, before any exchange (the groups still work afterwards)."""
     mesh, n = _mesh(), dist.get_world_size()
     groups = usp_groups(mesh.get_group(), U)
-    ring = groups.ring_group or cplib._ulysses._self_group()
+    ring = groups.ring_group or cplib.ulysses.op._self_group()
     q = torch.randn(1, 4, 4, 8, dtype=torch.float64)
     messages = []
     for kwargs in (dict(seq_len=6 * n),                           # not this layout's lengths

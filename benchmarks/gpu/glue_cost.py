@@ -9,7 +9,7 @@ the dispatch and conversion the glue adds):
                         cplib_c::_cudnn_attention calling the ATen op)
   python aten flash / efficient   the ATen op alone, from Python (its meta
                         kernel: what the probe row pays beyond the glue)
-  python fn cudnn       cplib._cuda_attention._cudnn_attention called as a
+  python fn cudnn       cplib.comm.cuda_attention._cudnn_attention called as a
                         plain function (the ATen op, no cplib dispatch)
   python op cudnn       torch.ops.cplib_c._cudnn_attention: the same behind
                         the dispatcher; the difference is the Python op's
@@ -56,7 +56,7 @@ def main() -> None:
     probe = torch.ops.cplib_c._cuda_glue_probe
     rows = [(f"probe-fwd {name}", lambda code=code: probe(q, q, q, code, True, False, False))
             for name, code in (("flash", 1), ("efficient", 2), ("cudnn", 3))]
-    from cplib._cuda_attention import _cudnn_attention
+    from cplib.comm.cuda_attention import _cudnn_attention
     qt = q.transpose(1, 2)
     rows += [
         ("python aten flash", lambda: torch.ops.aten._flash_attention_forward.default(

@@ -18,10 +18,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.overrides import _get_current_function_mode_stack
 
-from .._options import RingConfig
-from .._ring import ring_sdpa
-from .._sdpa_dispatch import CPDispatchMode, context_extras, sdpa_backend_hint
-from .._ulysses import ulysses_sdpa, usp_sdpa
+from ..frontend.options import RingConfig
+from ..ring.op import ring_sdpa
+from ..frontend.sdpa_dispatch import CPDispatchMode, context_extras, sdpa_backend_hint
+from ..ulysses.op import ulysses_sdpa
+from ..ulysses.usp import usp_sdpa
 
 __all__ = ["cplib_attention_forward", "cplib_mask"]
 

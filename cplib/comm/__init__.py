@@ -1,0 +1,1 @@
+"""cplib.comm: see docs/comm.md."""

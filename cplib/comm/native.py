@@ -1,0 +1,292 @@
+"""Loads the native extension (which registers every ``cplib_c::`` op) and
+holds the small helpers the Python op registrations share."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from .. import _C  # noqa: F401  (importing it runs the op registrations)
+from . import cuda_attention  # noqa: F401  (the cuDNN forward the native layer calls)
+
+_PYTHON_CLASSES = {cls.__name__: cls for cls in
+                   (ValueError, NotImplementedError, TypeError, IndexError, RuntimeError)}
+
+
+def native_error(exc: RuntimeError) -> Exception:
+    """The exception a native op meant: on the stable ABI every kernel error
+    reaches Python as a RuntimeError whose message starts with the class to
+    raise ("ValueError: cplib.ring_sdpa: ..."; csrc/torch/common/errors.h)."""
+    head, sep, message = str(exc).partition(": ")
+    cls = _PYTHON_CLASSES.get(head) if sep else None
+    return exc if cls is None or cls is RuntimeError else cls(message)
+
+
+class _NativeOp:
+    """One ``torch.ops.cplib_c`` op; calling it raises a kernel's error as
+    its Python class (see native_error). Its overloads (``.default``) are
+    torch's own."""
+
+    # No __slots__: torch.compile guards on the op object's __dict__, and a
+    # guard that cannot read it fails on the frame that made it.
+
+    def __init__(self, packet) -> None:
+        self._packet = packet
+
+    def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return self._packet(*args, **kwargs)
+        try:
+            return self._packet(*args, **kwargs)
+        except RuntimeError as exc:
+            err = native_error(exc)
+            if err is exc:
+                raise
+            raise err from None
+
+    def __getattr__(self, name: str):
+        return getattr(self._packet, name)
+
+
+class _NativeOps:
+    """``torch.ops.cplib_c`` with each op wrapped in _NativeOp."""
+
+    def __getattr__(self, name: str) -> _NativeOp:
+        op = _NativeOp(getattr(torch.ops.cplib_c, name))
+        setattr(self, name, op)
+        return op
+
+
+ops = _NativeOps()
+
+# The stable ABI has no process-group API, and torch's functional collectives
+# take their group as `Any` from torch 2.13 on, which the stable dispatcher
+# call cannot pass: the native layer reaches groups through these ops
+# (schemas in csrc/torch/comm/collectives.cpp).
+_comm_lib = torch.library.Library("cplib_c", "IMPL")
+_functional = torch.ops._c10d_functional
+
+
+def _group_info(group_name: str) -> list[int]:
+    """[rank, size, 1 for an NCCL group], or [] for an unknown name (the
+    op then raises ValueError naming it)."""
+    c10d = dist.distributed_c10d
+    try:
+        pg = c10d._resolve_process_group(group_name)
+        nccl = dist.get_backend(pg) == "nccl"
+        return [pg.rank(), pg.size(), int(nccl)]
+    except Exception:  # unknown or destroyed
+        return []
+
+
+def _runs_on_gloo(group_name: str, device: torch.device) -> bool:
+    try:
+        backend = dist.distributed_c10d._resolve_process_group(group_name)._get_backend(device)
+    except Exception:  # no backend for this device: not gloo
+        return False
+    return isinstance(backend, getattr(dist, "ProcessGroupGloo", ()))
+
+
+def _all_gather(input: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    if _runs_on_gloo(group_name, input.device):
+        # gloo's all-gather (allgather_coalesced, behind the functional op)
+        # corrupts the heap when two are in flight at once (two K/V gathers:
+        # "malloc(): unaligned tcache chunk detected" within a few hundred
+        # calls on torch 2.13, reproduced without cplib); its all-to-all does
+        # not. The same exchange as an all-to-all: every rank sends its whole
+        # input to every rank, received rank-major as all_gather would.
+        rows = input.shape[0]
+        splits = [rows] * group_size
+        # One cat: repeat() costs a dozen ATen calls on the host.
+        repeated = torch.cat([input] * group_size)
+        return _functional.all_to_all_single(repeated, splits, splits, group_name)
+    return _functional.all_gather_into_tensor(input, group_size, group_name)
+
+
+def _reduce_scatter_sum(input: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    return _functional.reduce_scatter_tensor(input, "sum", group_size, group_name)
+
+
+def _all_to_all(input: torch.Tensor, output_split_sizes: list[int],
+                input_split_sizes: list[int], group_name: str) -> torch.Tensor:
+    return _functional.all_to_all_single(input, output_split_sizes, input_split_sizes,
+                                         group_name)
+
+
+for _name, _fn in (("group_info", _group_info), ("c10d_all_gather", _all_gather),
+                   ("c10d_reduce_scatter_sum", _reduce_scatter_sum),
+                   ("c10d_all_to_all", _all_to_all)):
+    _comm_lib.impl(_name, _fn, "CompositeExplicitAutograd")
+
+GroupLike = str | dist.ProcessGroup
+
+
+def group_name_of(group: GroupLike) -> str:
+    """Accepts a group name or a ProcessGroup and returns the registered name."""
+    if isinstance(group, dist.ProcessGroup):
+        name = group.group_name
+    elif isinstance(group, str):
+        name = group
+    elif isinstance(group, int) and not isinstance(group, bool) and \
+            group == dist.GroupMember.NON_GROUP_MEMBER:
+        # What dist.new_group returns on the ranks it leaves out.
+        raise ValueError(
+            f"cplib: group=GroupMember.NON_GROUP_MEMBER ({group}): this process is not a member "
+            "of the process group (dist.new_group returns that value on the ranks it leaves "
+            "out); call cplib's ops on the group's member ranks only")
+    else:
+        raise ValueError(f"cplib: expected a process group or its name, got "
+                         f"{type(group).__name__} ({group!r})")
+    if not torch.compiler.is_compiling():
+        _register_handshake_group(name)
+    return name
+
+
+# The handshake's routes (csrc/torch/comm/handshake.h: HandshakeRoute): for
+# each group name, the group its handshakes travel on, in host memory.
+_routes: dict[str, str] = {}
+# cplib's CPU (gloo) side groups of groups whose backend takes no CPU
+# tensors (NCCL), by their global ranks in group order; made by
+# cplib.register_group, where every rank of the group is known to be.
+side_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def carries_host_tensors(pg: dist.ProcessGroup) -> bool:
+    """Whether ``pg``'s collectives take CPU tensors: gloo, a
+    "cpu:gloo,cuda:nccl" group, torch's threaded test group; not NCCL."""
+    try:
+        pg._get_backend(torch.device("cpu"))
+        return True
+    except Exception:  # no CPU backend: NCCL and other device-only backends,
+        pass           # or a Python group (the threaded one) that takes any tensor
+    return str(dist.get_backend(pg)).lower() not in ("nccl", "xccl", "hccl")
+
+
+def _register_handshake_group(name: str) -> None:
+    """Handshakes of a group run in host memory over the first live group
+    with the same ranks (in order) that takes CPU tensors, so that ranks
+    passing different group objects for those ranks meet in one collective
+    and are told so, instead of each waiting in its own; for an NCCL group,
+    over its side group (cplib.register_group). An NCCL group without one
+    falls back to a CUDA buffer read back to the host, and says so once."""
+    if name in _routes:
+        return
+    c10d = dist.distributed_c10d
+    try:
+        pg = c10d._resolve_process_group(name)
+        ranks = c10d.get_process_group_ranks(pg)
+    except Exception:  # unknown here: the op raises, naming it
+        return
+    side = side_groups.get(tuple(ranks))
+    if side is not None and not carries_host_tensors(pg):
+        _routes[name] = side.group_name
+        ops.handshake_set_route(name, side.group_name, 1, True)
+        return
+    host = carries_host_tensors(pg)
+    via = name
+    for other, other_name in list(c10d._world.pg_names.items()):
+        if other_name == name:
+            break
+        try:
+            if c10d.get_process_group_ranks(other) == ranks and (
+                    carries_host_tensors(other) if host else
+                    dist.get_backend(other) == dist.get_backend(pg)):
+                via = other_name
+                break
+        except Exception:  # not a member, or gone
+            continue
+    _routes[name] = via
+    ops.handshake_set_route(name, via, int(host), False)
+    if not host and pg.size() > 1:
+        import warnings
+        warnings.warn(
+            f"cplib: process group '{name}' ({dist.get_backend(pg)}) takes no CPU tensors and "
+            "has no CPU side group, so cplib's handshake goes through a GPU buffer and waits "
+            "for the GPU before every communicating op; call cplib.register_group(group) on "
+            "every rank of it once, after creating it (context_parallel does this itself)",
+            stacklevel=3)
+
+
+def forget_route(name: str) -> None:
+    """Chooses ``name``'s route again at its next registration."""
+    _routes.pop(name, None)
+
+
+def forget_routes() -> None:
+    """Chooses every known group's route again (after a side group was made;
+    groups that are gone are dropped)."""
+    names = list(_routes)
+    _routes.clear()
+    for name in names:
+        _register_handshake_group(name)
+
+
+def reject_mixed_meta(op: str, **tensors) -> None:
+    """ValueError when the meta device is mixed with real ones among the
+    inputs: dispatch would send the call to the fake kernel, which computes
+    nothing."""
+    given = {k: t for k, t in tensors.items() if isinstance(t, torch.Tensor)}
+    meta = [k for k, t in given.items() if t.device.type == "meta"]
+    if meta and len(meta) != len(given):
+        devices = ", ".join(f"{k} on {t.device}" for k, t in given.items())
+        raise ValueError(f"cplib.{op}: {', '.join(meta)} on the meta device mixed with real "
+                         f"tensors ({devices}); put every input on one real device")
+
+
+def reject_real_in_fake(op: str, *tensors) -> None:
+    """In a fake kernel: a real (not fake, not meta) input means another input
+    was on the meta device and dispatch chose this kernel (see reject_mixed_meta)."""
+    from torch._subclasses.fake_tensor import is_fake
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type != "meta" and not is_fake(t):
+            raise ValueError(f"cplib.{op}: inputs mix the meta device with real tensors (one is "
+                             f"on {t.device}); put every input on one real device")
+
+
+def group_size(group_name: str) -> int:
+    """Size of the group registered as ``group_name``; only reads its size, so
+    fake kernels may call it. Unknown names raise ValueError."""
+    try:
+        return dist.distributed_c10d._get_group_size_by_name(group_name)
+    except Exception as exc:  # torch raises RuntimeError/ValueError by version
+        raise ValueError(
+            f"cplib: no process group is registered under the name '{group_name}' "
+            "(destroyed, or never initialised: pass group.group_name of a live group)"
+        ) from exc
+
+
+def normalize_dim(dim: int, ndim: int, what: str) -> int:
+    if ndim == 0:
+        raise ValueError(f"cplib: {what} needs a tensor with at least one dimension")
+    if not -ndim <= dim < ndim:
+        raise ValueError(
+            f"cplib: {what}={dim} is out of range for a tensor with {ndim} dimensions "
+            f"(expected in [{-ndim}, {ndim - 1}])"
+        )
+    return dim % ndim
+
+
+def check_mesh(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """The process group of a 1-D ``mesh``; anything else is a ValueError."""
+    if not isinstance(mesh, DeviceMesh):
+        raise ValueError(f"cplib: expected a DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim != 1:
+        names = mesh.mesh_dim_names
+        hint = f'mesh["{names[-1]}"]' if names else 'mesh["cp"]'
+        raise ValueError(
+            f"cplib: context parallelism needs a 1-D device mesh, got {mesh.ndim}-D mesh of "
+            f"shape {tuple(mesh.shape)} (dims {names}); slice the context-parallel dimension, "
+            f"e.g. {hint}"
+        )
+    try:
+        group = mesh.get_group()
+    except Exception as exc:  # torch's "Could not resolve the process group ...": name it
+        names = getattr(mesh, "_dim_group_names", None) or ["?"]
+        raise ValueError(
+            f"cplib: the process group of the device mesh (registered as '{names[0]}', mesh "
+            f"{mesh.mesh.tolist()}) is not a live group: it was destroyed "
+            "(destroy_process_group) or never initialised on this rank; build the mesh from a "
+            "live group") from exc
+    group_name_of(group)  # its handshakes go where the ops' own go (see group_name_of)
+    return group

@@ -1,0 +1,1 @@
+"""cplib.conv: see docs/conv.md."""

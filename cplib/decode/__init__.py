@@ -1,0 +1,1 @@
+"""cplib.decode: see docs/decode.md."""

@@ -1,0 +1,1 @@
+"""cplib.diffusers: see docs/diffusers.md."""

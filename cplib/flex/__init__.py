@@ -1,0 +1,1 @@
+"""cplib.flex: see docs/flex.md."""

@@ -1,0 +1,1 @@
+"""cplib.frontend: see docs/frontend.md."""

@@ -1,0 +1,345 @@
+"""``context_parallel``: shard the buffers in place, route SDPA to the ring
+op, and undo both on every exit."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..diffusers.plans import _plan_of, applied_cp_plans
+from .documents import cu_seqlens_from_position_ids
+from ..comm.handshake import agreed, handshake, register_groups, values_hash
+from ..ring.load_balancer import (
+    AnyLengthHeadTailLoadBalancer,
+    AnyLengthPerDocumentLoadBalancer,
+    _LoadBalancer,
+    shard_lengths,
+)
+from .options import RingConfig, _cp_options, _RotateMethod, parse_rotate_method, rotate_method_name
+from .sdpa_dispatch import CPDispatchMode
+from ..comm.native import check_mesh
+from .sharding import check_shardable, shard_tensor
+from .unshard import unshard
+from ..ulysses.usp_layout import UspLoadBalancer, check_degrees, ulysses_layout, usp_groups
+
+__all__ = ["context_parallel", "ContextParallelHandle"]
+
+
+@dataclass(frozen=True)
+class ContextParallelHandle:
+    """What ``with context_parallel(...) as cp`` binds: the resolved layout, so
+    that outputs can be unsharded without consulting global options."""
+
+    mesh: DeviceMesh
+    config: RingConfig
+    load_balancer: _LoadBalancer | None
+
+    def unshard(self, tensors: Sequence[torch.Tensor],
+                seq_dims: Sequence[int]) -> list[torch.Tensor]:
+        """Full sequences from this context's shards, differentiable (see
+        ``cplib.unshard``)."""
+        return unshard(self.mesh, list(tensors), list(seq_dims), self.load_balancer)
+
+
+def _validate(buffers: list, seq_dims: list, no_restore: list, world_size: int,
+              load_balance: bool | None, ring_degree: int) -> bool:
+    """All argument checks, from shapes alone (identical on every rank).
+    Returns whether the head-tail layout (over ``ring_degree`` positions) is used."""
+    if len(buffers) != len(seq_dims):
+        raise ValueError(
+            f"cplib.context_parallel: buffer_seq_dims has {len(seq_dims)} entries but there are "
+            f"{len(buffers)} buffers; give one sequence dim per buffer"
+        )
+    for i, b in enumerate(buffers):
+        if isinstance(b, torch.Tensor) and (b.requires_grad or isinstance(b, torch.nn.Parameter)):
+            raise ValueError(
+                f"cplib.context_parallel: buffer {i} (shape {tuple(b.shape)}) requires grad; "
+                "buffers are resharded in place, so pass inputs (ids, labels, positions), not "
+                "parameters or tensors that require grad"
+            )
+        if any(b is other for other in buffers[:i]):
+            raise ValueError(f"cplib.context_parallel: buffer {i} is listed twice")
+    for t in no_restore:
+        if not any(t is b for b in buffers):
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(
+                f"cplib.context_parallel: no_restore_buffers must be a subset of buffers; a "
+                f"tensor of shape {shape} is not one of the buffers"
+            )
+    check_shardable(buffers, seq_dims, world_size, any_length=True)
+    if not buffers:
+        return bool(_cp_options.enable_load_balance if load_balance is None else load_balance)
+    lengths = [b.shape[d] for b, d in zip(buffers, seq_dims)]
+    wanted = _cp_options.enable_load_balance if load_balance is None else load_balance
+    divisible = all(length % (2 * ring_degree) == 0 for length in lengths)
+    same = len(set(lengths)) == 1
+    if load_balance and not same:
+        raise ValueError(
+            f"cplib.context_parallel: load_balance=True needs every buffer's sequence length to "
+            f"be the same; got lengths {lengths}"
+        )
+    if ring_degree != world_size and not same:
+        # Joint streams of different lengths: sequential shards, whose uneven
+        # rows the (non-causal) Ulysses exchange and the ring learn per call.
+        return False
+    if load_balance:
+        return True  # head-tail for any length (chunks within one token of each other)
+    # Without an explicit request, fall back to sequential sharding as torch does.
+    return bool(wanted and divisible and same)
+
+
+def _documents(cu_seqlens: torch.Tensor | None, position_ids: torch.Tensor | None,
+               seq_len: int | None) -> torch.Tensor | None:
+    """The context's document boundaries, checked (ValueError naming the
+    value, on every rank alike: every rank holds the same full batch)."""
+    if cu_seqlens is not None and position_ids is not None:
+        raise ValueError("cplib.context_parallel: pass cu_seqlens or position_ids, not both")
+    if cu_seqlens is None and position_ids is None:
+        return None
+    if seq_len is None:
+        raise ValueError("cplib.context_parallel: documents need the buffers to shard "
+                         "(their length is the sequence length S)")
+    if position_ids is not None:
+        if position_ids.shape[-1] != seq_len:
+            raise ValueError(f"cplib.context_parallel: position_ids cover "
+                             f"{position_ids.shape[-1]} tokens but the buffers {seq_len}; pass "
+                             "the full (unsharded) position_ids")
+        cu_seqlens = cu_seqlens_from_position_ids(position_ids)
+    from ..ring.args import check_cu_seqlens
+    check_cu_seqlens("context_parallel", cu_seqlens, seq_len)
+    return cu_seqlens.to("cpu", torch.long)
+
+
+def _agree_on_call(group_name: str, buffers: list, seq_dims: list, no_restore: list,
+                   modules: int, rotate: _RotateMethod, ulysses_degree: int, load_balance,
+                   balanced: bool, documents: torch.Tensor | None,
+                   window: list[int] | None) -> None:
+    """The handshake of the entry: every rank must shard the same buffers the
+    same way (a buffer that differs is named, with the ranks and values)."""
+    fields = {f"buffer_seq_dims[{i}]": d % b.ndim
+              for i, (b, d) in enumerate(zip(buffers, seq_dims))}
+    fields["number of no_restore_buffers"] = len(no_restore)
+    fields["number of modules"] = modules
+    fields["rotate_method (1 = alltoall, 2 = allgather, 3 = p2p)"] = rotate.value
+    fields["ulysses_degree"] = ulysses_degree
+    fields["load_balance (-1 = None, 0 = False, 1 = True, 2 = 'per_document')"] = (
+        -1 if load_balance is None else 2 if isinstance(load_balance, str) else int(load_balance))
+    fields["load balancing in effect"] = int(balanced)
+    fields["documents (hash of cu_seqlens)"] = (
+        -1 if documents is None else values_hash(documents.tolist()))
+    for i, side in enumerate(window or []):
+        fields[f"window[{i}]"] = side
+    handshake(group_name, "context_parallel", {f"buffer {i}": b for i, b in enumerate(buffers)},
+              fields)
+
+
+def _keep_shards_for_backward(shards: list[torch.Tensor]):
+    """Autograd saves the buffers themselves (an embedding's ids, a linear
+    layer's input), and restoring them in place on exit would make a
+    backward() after the block see the full tensors (autograd's "modified by
+    an inplace operation"). A tensor saved while this is active that lives in
+    a shard's storage is saved as a fresh alias of that storage instead, which
+    the restore leaves alone: backward after exit gets the right gradients."""
+    storages = {s.untyped_storage().data_ptr() for s in shards if s.numel()}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not storages or t.untyped_storage().data_ptr() not in storages:
+            return t
+        return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+
+    if not storages:
+        return contextlib.nullcontext()
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+
+def _plan(buffers: list[torch.Tensor], world_size: int, buffer_seq_dims, no_restore_buffers,
+          rotate_method, load_balance, ulysses_degree: int, cu_seqlens, position_ids, window,
+          modules) -> tuple:
+    """Step 1 of ``context_parallel``, on every rank before any collective:
+    every argument checked (ValueError naming it), and the layout chosen: the
+    sequence dims, the buffers not to restore, the rotation, the ring degree,
+    whether shards are balanced (and per document), the global length, the
+    documents, the window and the load balancer with its indices."""
+    seq_dims = [] if buffer_seq_dims is None else list(buffer_seq_dims)
+    no_restore = [] if no_restore_buffers is None else list(no_restore_buffers)
+    rotate = parse_rotate_method(_cp_options.rotate_method if rotate_method is None
+                                 else rotate_method)
+    ring_degree = check_degrees(world_size, ulysses_degree)
+    per_document = isinstance(load_balance, str) and load_balance == "per_document"
+    if not (load_balance is None or isinstance(load_balance, bool) or per_document):
+        raise ValueError(f"cplib.context_parallel: load_balance={load_balance!r} is not "
+                         "True, False, None or 'per_document'")
+    if modules and (load_balance or per_document):
+        raise ValueError(f"cplib.context_parallel: modules= shards sequentially (the "
+                         f"model's _cp_plan cuts each input in rank order); "
+                         f"load_balance={load_balance!r} does not apply; leave it None or "
+                         "False")
+    for i, m in enumerate(modules):  # checked again on entry; here on every rank alike
+        _plan_of(m, i)
+    balanced = _validate(buffers, seq_dims, no_restore, world_size,
+                         True if per_document else (False if modules else load_balance),
+                         ring_degree)
+    seq_len = buffers[0].shape[seq_dims[0]] if buffers else None
+    # Buffers of different lengths (text and image tokens) have no one
+    # global length: the attention ops then learn every rank's rows.
+    one_length = len({b.shape[d] for b, d in zip(buffers, seq_dims)}) <= 1
+    documents = _documents(cu_seqlens, position_ids, seq_len)
+    if per_document and documents is None:
+        raise ValueError("cplib.context_parallel: load_balance='per_document' needs the "
+                         "documents (cu_seqlens or position_ids)")
+    sides = None
+    if window is not None:
+        from ..ring.args import window_arg
+        sides = window_arg(window)  # ValueError naming a bad window, before any sharding
+    balancer = None
+    if not one_length:
+        pass  # sequential shards of every buffer, each cut on its own
+    elif ulysses_degree != 1 and buffers and (balanced or seq_len % world_size):
+        # USP: the ring layout over N/U positions, each ring shard cut in U pieces.
+        balancer = UspLoadBalancer(seq_len, world_size, ulysses_degree, buffers[0].device,
+                                   head_tail=balanced,
+                                   documents=documents.tolist() if per_document else None)
+    elif per_document:
+        balancer = AnyLengthPerDocumentLoadBalancer(documents.tolist(), world_size,
+                                                    buffers[0].device)
+    elif balanced and buffers:
+        balancer = AnyLengthHeadTailLoadBalancer(seq_len, world_size, buffers[0].device)
+    indices = balancer._generate_indices() if balancer is not None else None
+    return (seq_dims, no_restore, rotate, ring_degree, per_document, balanced, seq_len,
+            one_length, documents, sides, balancer, indices)
+
+
+@contextlib.contextmanager
+def context_parallel(
+    mesh: DeviceMesh,
+    *,
+    buffers: Sequence[torch.Tensor] | None = None,
+    buffer_seq_dims: Sequence[int] | None = None,
+    no_restore_buffers: set[torch.Tensor] | None = None,
+    rotate_method: str | _RotateMethod | None = None,
+    load_balance: bool | str | None = None,
+    ulysses_degree: int = 1,
+    cu_seqlens: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    window: int | tuple[int | None, int | None] | None = None,
+    modules: Sequence[torch.nn.Module] | None = None,
+) -> Generator[ContextParallelHandle, None, None]:
+    """Context parallelism for the code inside the ``with`` block.
+
+    Same arguments and behaviour as torch's ``context_parallel``:
+
+    * ``buffers`` (inputs, labels, positions: anything indexed by the
+      sequence) are sharded in place along ``buffer_seq_dims``: head-tail
+      when load balancing is on and the lengths divide by ``2 * world_size``,
+      sequential otherwise;
+    * every ``scaled_dot_product_attention`` call inside the block runs as
+      ring attention over ``mesh`` (a 1-D mesh; slice ``mesh["cp"]`` from a
+      larger one);
+    * on exit, exceptions included, SDPA is plain again and the buffers are
+      restored exactly (shape, strides and bytes), except those in
+      ``no_restore_buffers``.
+
+    cplib's additions: ``rotate_method`` (``"p2p"``, ``"alltoall"``,
+    ``"allgather"``) and ``load_balance`` override ``_cp_options`` for this
+    context only (``load_balance=True`` gives head-tail shards for any
+    length, within one token per chunk of each other, where torch's default
+    falls back to sequential), and the context yields a
+    :class:`ContextParallelHandle` whose ``unshard`` knows the layout.
+
+    ``ulysses_degree=U`` (USP, cplib/ulysses/usp_layout.py) splits the N ranks into
+    N/U ring positions x U Ulysses ranks: every SDPA call runs Ulysses
+    (all-to-all over heads) within groups of U consecutive ranks and ring
+    attention across them; U = N is pure Ulysses, U = 1 (default) the ring.
+    U must divide N and the heads of every attention call (ValueError).
+    With load balancing the layout is head-tail over the N/U ring positions,
+    then each ring shard is cut in U pieces (``cplib.usp_load_balancer``).
+    Documents, windows, per-document balancing and any length combine with
+    USP as with the ring: the ring runs on the ring shards the Ulysses
+    exchange assembles.
+
+    Any length S >= world size shards without padding. Packed documents:
+    ``cu_seqlens`` (``[0, s1, ..., S]``, global, unsharded) or
+    ``position_ids`` (``(S,)`` or ``(B, S)``, restarting at 0 at each
+    document, as Hugging Face packs them; the full tensor, read before
+    sharding) make every SDPA call inside attend within documents only.
+    ``window`` is the default sliding window of those calls
+    (``cplib.attention_window`` sets it per call). With documents,
+    ``load_balance="per_document"`` cuts every document head-tail across
+    the ranks (``AnyLengthPerDocumentLoadBalancer``), so each rank holds a
+    share of every document.
+
+    Buffers may have different lengths (a diffusion transformer's text and
+    image tokens): each is cut on its own, and non-causal attention accepts
+    ranks whose joint shards differ in length (33 text tokens and 256 image
+    tokens over 2 ranks: 145 and 144 rows). Entering compares the buffers'
+    shapes across ranks (one small all-gather): buffers that differ raise
+    the same ValueError on every rank. ``modules`` (diffusers models, or any
+    module with a ``_cp_plan``) get their plan applied through diffusers'
+    hooks for the duration of the context (cplib/diffusers/plans.py): the model
+    splits and gathers the sequence inside its own forward, in sequential
+    any-length shards, and the hooks are gone on exit. A backward() after
+    the block exits gets the right gradients.
+    """
+    group = check_mesh(mesh)
+    buffers = [] if buffers is None else list(buffers)
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    # 1. Every check before the handshake, whose all-gather comes before any
+    # other collective (usp_groups); an error on one rank raises on all.
+    def check():
+        return _plan(buffers, world_size, buffer_seq_dims, no_restore_buffers, rotate_method,
+                     load_balance, ulysses_degree, cu_seqlens, position_ids, window, modules)
+
+    modules = [] if modules is None else list(modules)
+    # 2. Every rank agrees on the plan and on the call.
+    (seq_dims, no_restore, rotate, ring_degree, per_document, balanced, seq_len, one_length,
+     documents, sides, balancer, indices) = agreed("context_parallel", group.group_name,
+                                                   buffers, check)
+    _agree_on_call(group.group_name, buffers, seq_dims, no_restore, len(modules), rotate,
+                   ulysses_degree, load_balance, balanced, documents, sides)
+
+    # 3. The shards, and the configuration of the attention calls inside.
+    groups = usp_groups(group, ulysses_degree)  # collective the first time only
+    # The handshake's CPU side groups on NCCL (collective the first time only).
+    register_groups(group, groups.ulysses_group, groups.ring_group)
+    with torch.no_grad():
+        shards = [shard_tensor(b, d, rank, world_size, indices,
+                               shard_lengths(b.shape[d], world_size, balancer))
+                  for b, d in zip(buffers, seq_dims)]
+    # Keep the original storage and geometry: restoring points each buffer
+    # back at them, so the bytes, shape and strides are exactly the old ones.
+    saved = [None if any(b is t for t in no_restore)
+             else (b.untyped_storage(), b.storage_offset(), b.size(), b.stride())
+             for b in buffers]
+    # The ring infers S from equal shards; uneven ones (or documents) need it.
+    uneven = seq_len is not None and shard_lengths(seq_len, world_size, balancer) is not None
+    # USP: odd ring shards cut in equal pieces are uneven for the ring's head-tail.
+    uneven = uneven or (isinstance(balancer, UspLoadBalancer) and balanced
+                        and seq_len % (2 * ring_degree) != 0)
+    config = RingConfig(groups.ring_group or group.group_name, world_size, balanced,
+                        rotate_method_name(rotate), ulysses_degree, groups.ulysses_group,
+                        seq_len=seq_len if one_length and (uneven or documents is not None)
+                        else None,
+                        cu_seqlens=documents, window=window, per_document=per_document)
+    # 4. Shards in, attention dispatched inside the block; buffers restored on exit.
+    old_balance = _cp_options.enable_load_balance
+    swapped = 0
+    try:
+        with torch.no_grad():
+            for b, s in zip(buffers, shards):
+                b.set_(s)
+                swapped += 1
+        _cp_options.enable_load_balance = balanced  # as torch does, for code that reads it
+        with CPDispatchMode(config), ulysses_layout(ulysses_degree), \
+                _keep_shards_for_backward(shards), applied_cp_plans(mesh, modules):
+            yield ContextParallelHandle(mesh, config, balancer)
+    finally:
+        _cp_options.enable_load_balance = old_balance
+        with torch.no_grad():
+            for b, geometry in zip(buffers[:swapped], saved[:swapped]):
+                if geometry is not None:
+                    b.set_(*geometry)

@@ -1,0 +1,69 @@
+"""Packed documents and sliding windows for context-parallel SDPA: the
+batch's document boundaries from Hugging Face style ``position_ids``, and
+the per-call window (SDPA itself has no window argument)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Generator
+from typing import Any
+
+import torch
+
+__all__ = ["cu_seqlens_from_position_ids", "attention_window", "current_window"]
+
+
+def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """Document boundaries ``[0, s1, ..., S]`` (int64) of a packed sequence
+    whose ``position_ids`` restart at 0 at each document, as Hugging Face
+    packs them: shape ``(S,)`` or ``(B, S)`` with the same packing in every
+    row (the ring takes one set of documents per call)."""
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() not in (1, 2):
+        shape = tuple(position_ids.shape) if isinstance(position_ids, torch.Tensor) else \
+            type(position_ids).__name__
+        raise ValueError(f"cplib: position_ids must be a (S,) or (B, S) tensor, got {shape}")
+    if position_ids.dtype.is_floating_point or position_ids.dtype == torch.bool:
+        raise ValueError(f"cplib: position_ids must be integers, got dtype {position_ids.dtype}")
+    rows = position_ids.reshape(-1, position_ids.shape[-1])
+    if not bool((rows == rows[:1]).all()):
+        raise NotImplementedError(
+            "cplib: the batch rows of position_ids are packed differently; context-parallel "
+            "SDPA takes one set of documents for the whole batch (pack every row alike, or "
+            "run one row per call)"
+        )
+    row = rows[0].to("cpu", torch.long)
+    if row.numel() == 0 or int(row[0]) != 0:
+        raise ValueError(f"cplib: position_ids must start at 0 (the first document's first "
+                         f"token), got {row[:8].tolist()}")
+    starts = torch.nonzero(row == 0).flatten()
+    return torch.cat([starts, torch.tensor([row.numel()])])
+
+
+# The window of the SDPA calls made inside `attention_window` blocks; a stack
+# so blocks nest. Set and read on the caller's thread, at trace time under
+# torch.compile (the window becomes a constant of the graph).
+_windows: list[Any] = []
+_UNSET = object()
+
+
+@contextlib.contextmanager
+def attention_window(window: int | tuple[int | None, int | None] | None
+                     ) -> Generator[None, None, None]:
+    """Sliding window of the context-parallel SDPA calls made inside:
+    ``w`` or ``(left, right)`` (query i sees key j iff
+    ``i - left <= j <= i + right`` in global positions; causal makes right 0;
+    ``None`` on a side: no limit). ``attention_window(None)`` turns a
+    context's default window off for these calls."""
+    from ..ring.args import window_arg
+
+    window_arg(window)  # ValueError on a bad window, before anything runs
+    _windows.append(window)
+    try:
+        yield
+    finally:
+        _windows.pop()
+
+
+def current_window(default: Any) -> Any:
+    """The innermost ``attention_window``, else ``default``."""
+    return _windows[-1] if _windows else default

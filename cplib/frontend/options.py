@@ -1,0 +1,116 @@
+"""Context-parallel options: the process-wide defaults that torch's API exposes
+(``_cp_options``, ``set_rotate_method``) and the per-context configuration
+that cplib resolves from them and from explicit arguments."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from enum import Enum, auto
+from typing import Any
+
+__all__ = [
+    "_CausalBehavior",
+    "_RotateMethod",
+    "_ContextParallelOptions",
+    "_cp_options",
+    "_is_causal_behavior",
+    "set_rotate_method",
+    "RingConfig",
+    "rotate_method_name",
+    "parse_rotate_method",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class _CausalBehavior(Enum):
+    SKIP = None
+    NOT_IS_CAUSAL = False
+    IS_CAUSAL = True
+
+
+class _RotateMethod(Enum):
+    ALL_TO_ALL = auto()
+    ALL_GATHER = auto()
+    P2P = auto()  # cplib's addition: double-buffered send/recv ring
+
+
+_NAMES = {
+    "alltoall": _RotateMethod.ALL_TO_ALL,
+    "allgather": _RotateMethod.ALL_GATHER,
+    "p2p": _RotateMethod.P2P,
+}
+
+
+@dataclass
+class _ContextParallelOptions:
+    # Kept for parity with torch; cplib's merge always accumulates in fp32.
+    convert_to_f32: bool = True
+    enable_load_balance: bool = True
+    # torch defaults to all-gather; cplib's default is the O(S/N)-memory ring.
+    rotate_method: _RotateMethod = _RotateMethod.P2P
+
+
+_cp_options = _ContextParallelOptions()
+
+
+def parse_rotate_method(rotate_method: str | _RotateMethod) -> _RotateMethod:
+    if isinstance(rotate_method, _RotateMethod):
+        return rotate_method
+    try:
+        return _NAMES[rotate_method]
+    except (KeyError, TypeError):
+        raise NotImplementedError(
+            f"Context Parallel does not support using {rotate_method!r} for kv shards "
+            f"rotation; choose one of {sorted(_NAMES)}"
+        ) from None
+
+
+def rotate_method_name(method: _RotateMethod) -> str:
+    """The string the ring op takes for ``method``."""
+    return next(name for name, m in _NAMES.items() if m is method)
+
+
+def set_rotate_method(rotate_method: str) -> None:
+    """Sets the process-wide K/V rotation used by context parallel SDPA:
+    ``"p2p"`` (cplib's default: send/recv ring, O(S/N) memory), ``"alltoall"``
+    (one shift per step) or ``"allgather"`` (one gather up front, O(S)
+    memory). Any other value raises NotImplementedError, as in torch."""
+    _cp_options.rotate_method = parse_rotate_method(rotate_method)
+
+
+def _is_causal_behavior(rank: int, world_size: int, i: int, is_causal: bool) -> _CausalBehavior:
+    """What ring step ``i`` on ``rank`` computes against the K/V block that
+    started on rank ``(rank - i) % world_size``: the causal diagonal at step 0,
+    a full block from earlier ranks (or from any rank under head-tail load
+    balancing), and nothing from later ranks otherwise."""
+    if not is_causal:
+        return _CausalBehavior.NOT_IS_CAUSAL
+    if i == 0:
+        return _CausalBehavior.IS_CAUSAL
+    source = (rank - i) % world_size
+    if source < rank or _cp_options.enable_load_balance:
+        return _CausalBehavior.NOT_IS_CAUSAL
+    return _CausalBehavior.SKIP
+
+
+@dataclass(frozen=True)
+class RingConfig:
+    """What every SDPA call of one context-parallel region needs: the group,
+    whether shards are in head-tail layout, and the rotation; cplib's
+    additions: the global length when shards are uneven, the batch's
+    documents, and the default sliding window."""
+
+    group_name: str
+    world_size: int
+    load_balanced: bool
+    rotate: str
+    # USP (cplib/ulysses/usp_layout.py): with ulysses_degree U > 1, Ulysses runs over
+    # ulysses_group and the ring over group_name (this rank's ring group).
+    ulysses_degree: int = 1
+    ulysses_group: str | None = None
+    seq_len: int | None = None
+    cu_seqlens: Any = None  # torch.Tensor | None
+    window: Any = None  # int | (left, right) | None
+    per_document: bool = False  # shards head-tail inside every document

@@ -1,0 +1,272 @@
+"""Routing ``scaled_dot_product_attention`` to cplib's ring attention.
+
+A ``TorchFunctionMode`` sees every call of the SDPA builtin made while it is
+active, however the caller reached it: ``F.scaled_dot_product_attention``, a
+reference taken before the mode was entered, ``nn.MultiheadAttention`` /
+``nn.TransformerEncoderLayer`` (through ``F.multi_head_attention_forward``,
+which the mode re-enters so that its inner SDPA call is seen too), or a
+Hugging Face model. Everything else runs unchanged.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from collections.abc import Sequence
+from typing import Any, Callable, TypeVar
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from .documents import current_window
+from ..comm.handshake import agreed, forward_error
+from ..comm.native import group_name_of
+from .options import RingConfig
+
+__all__ = [
+    "CPDispatchMode",
+    "routed_sdpa",
+    "sdpa_backend_hint",
+    "_enable_context_parallel_dispatcher",
+    "_disable_context_parallel_dispatcher",
+    "dispatcher_enabled",
+    "agreed_before_attention",
+]
+
+T = TypeVar("T")
+
+_SDPA = torch._C._nn.scaled_dot_product_attention
+_MHA = F.multi_head_attention_forward
+_MHA_SIGNATURE = inspect.signature(_MHA)
+# Python-level functionals whose body calls SDPA (F.multi_head_attention_forward):
+# the mode re-enters them so that inner call is routed too; every other
+# function runs as is (cheap, and simple for torch.compile to trace).
+_CALLS_SDPA = frozenset(
+    f for f in vars(F).values()
+    if isinstance(f, types.FunctionType) and "scaled_dot_product_attention" in f.__code__.co_names
+)
+# torch >= 2.13 can run a Python-level function with the mode still active
+# (so its inner SDPA call is routed); older torch falls back to patching.
+_redispatch = getattr(torch.overrides, "redispatch_function", None)
+
+# The CUDA kernels that return a log-sum-exp: SDPBackend value -> (torch flag, ring name).
+_CUDA_BACKENDS = {1: ("flash", "flash"), 2: ("mem_efficient", "efficient"), 3: ("cudnn", "cudnn")}
+
+
+def _sdpa_signature(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *,
+                    scale=None, enable_gqa=False):
+    return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+
+
+def sdpa_backend_hint(device: torch.device) -> str | None:
+    """The ring's block kernel as ``torch.nn.attention.sdpa_kernel`` allows it:
+    None (let the op choose as SDPA would) on CPU or when every fused CUDA
+    kernel is enabled, else the enabled one SDPA's priority order puts first."""
+    if device.type != "cuda":
+        return None
+    enabled = [_CUDA_BACKENDS[b][1] for b in torch._C._get_sdp_priority_order()
+               if b in _CUDA_BACKENDS
+               and getattr(torch._C, f"_get_{_CUDA_BACKENDS[b][0]}_sdp_enabled")()]
+    if len(enabled) == len(_CUDA_BACKENDS):
+        return None
+    if not enabled:
+        raise NotImplementedError(
+            "cplib: context-parallel attention on CUDA needs the flash, memory-efficient or "
+            "cuDNN SDPA kernel (they return the log-sum-exp the ring merges), but "
+            "torch.nn.attention.sdpa_kernel enabled none of them"
+        )
+    return enabled[0]
+
+
+def _check_sdpa_args(q, k, v, attn_mask, dropout_p, enable_gqa) -> None:
+    if dropout_p != 0.0:
+        raise NotImplementedError(
+            f"cplib: context-parallel SDPA does not support dropout (dropout_p={dropout_p}); "
+            "set the attention dropout to 0"
+        )
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if not isinstance(t, torch.Tensor) or t.ndim != 4:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(
+                f"cplib: context-parallel SDPA needs 4-D (batch, heads, seq, dim) tensors; "
+                f"{name} is {shape}"
+            )
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(
+            f"cplib: key {tuple(k.shape)} and value {tuple(v.shape)} must agree in batch, "
+            "heads and sequence length"
+        )
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq != hkv and not enable_gqa:
+        raise ValueError(
+            f"cplib: query has {hq} heads but key/value have {hkv}; pass enable_gqa=True for "
+            "grouped-query attention"
+        )
+    if hq % hkv:
+        raise ValueError(
+            f"cplib: query heads ({hq}) must be a multiple of key/value heads ({hkv})"
+        )
+    if attn_mask is not None:  # key-padding masks only (NotImplementedError naming others)
+        from ..ring.key_padding import check_key_padding
+        check_key_padding("scaled_dot_product_attention", attn_mask, k)
+
+
+def context_extras(config: RingConfig, window=None) -> dict:
+    """ring_sdpa's keywords for the context's layout, documents and ``window``,
+    only where set: plain contexts (and the tests' stand-in ring) take none."""
+    extras = {}
+    if config.seq_len is not None:
+        extras["seq_len"] = config.seq_len
+    if config.cu_seqlens is not None:
+        extras["cu_seqlens"] = config.cu_seqlens
+    if config.per_document:
+        extras["per_document"] = True
+    if window is not None:
+        extras["window"] = window
+    return extras
+
+
+def agreed_before_attention(op: str, group_name: str, ulysses_group: str | None,
+                            tensors: Sequence, check: Callable[[], T]) -> T:
+    """``check()``'s result; an exception it raises is raised on every rank
+    of a context whose attention runs over ``group_name`` (the ring group) and
+    ``ulysses_group`` (USP; None without Ulysses): it travels in the handshake
+    the other ranks' routed attention starts with (the Ulysses group's, then
+    the ring group's, as ``usp_sdpa`` forwards its own errors), so that a rank
+    whose call is rejected here never leaves the others waiting."""
+    if torch.compiler.is_compiling():
+        return check()
+    # Registered as the ops register them, so that this handshake takes the
+    # collective theirs take (see group_name_of).
+    first = group_name_of(ulysses_group or group_name)
+    group_name_of(group_name)
+    try:
+        return agreed(op, first, tensors, check)
+    except Exception as exc:
+        if first != group_name:  # USP: the other Ulysses groups wait in the ring's
+            forward_error(op, group_name, exc)
+        raise
+
+
+def _agreed_in(config: RingConfig, op: str, tensors: Sequence, check: Callable[[], T]) -> T:
+    return agreed_before_attention(op, config.group_name,
+                                   config.ulysses_group if config.ulysses_degree > 1 else None,
+                                   tensors, check)
+
+
+def routed_sdpa(config: RingConfig, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``scaled_dot_product_attention(*args, **kwargs)`` on this rank's
+    sequence shards, computed over the whole sequence by the ring op."""
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+
+    def check():
+        q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa = _sdpa_signature(*args,
+                                                                                      **kwargs)
+        _check_sdpa_args(q, k, v, attn_mask, dropout_p, enable_gqa)
+        return (q, k, v, attn_mask, is_causal, scale, sdpa_backend_hint(q.device),
+                current_window(config.window))
+
+    q, k, v, attn_mask, is_causal, scale, backend, window = _agreed_in(
+        config, "scaled_dot_product_attention", tensors, check)
+    if config.ulysses_degree > 1:
+        return _routed_ulysses(config, q, k, v, bool(is_causal), scale, backend, window,
+                               attn_mask)
+    from ..ring.op import ring_sdpa  # lives beside this module; imported when first needed
+
+    extras = context_extras(config, window)
+    if attn_mask is not None:
+        extras["attn_mask"] = attn_mask
+    out, _ = ring_sdpa(
+        q, k, v, config.group_name, is_causal=bool(is_causal),
+        load_balanced=config.load_balanced, scale=scale, rotate=config.rotate,
+        backend=backend, **extras,
+    )
+    return out
+
+
+def _routed_ulysses(config: RingConfig, q, k, v, is_causal: bool, scale, backend, window,
+                    attn_mask=None) -> torch.Tensor:
+    # Ulysses over the Ulysses group; the ring over the ring group unless it is one rank.
+    # The lse is discarded here, so it is not exchanged back.
+    from ..ulysses.op import ulysses_attention
+    from ..ulysses.usp import usp_attention
+
+    extras = dict(cu_seqlens=config.cu_seqlens, window=window, seq_len=config.seq_len)
+    if config.ulysses_degree == config.world_size:  # the layout is sequential: no per_document
+        out, _ = ulysses_attention(q, k, v, config.ulysses_group, is_causal, scale, backend,
+                                   attn_mask, False, **extras)
+    else:
+        out, _ = usp_attention(q, k, v, config.ulysses_group, config.group_name, is_causal,
+                               config.load_balanced, scale, config.rotate, backend, attn_mask,
+                               False, per_document=config.per_document, **extras)
+    return out
+
+
+def _check_mha(args: tuple, kwargs: dict) -> None:
+    bound = _MHA_SIGNATURE.bind(*args, **kwargs)
+    bound.apply_defaults()
+    if bound.arguments["need_weights"]:
+        raise NotImplementedError(
+            "cplib: nn.MultiheadAttention with need_weights=True computes attention without "
+            "SDPA, which context parallelism cannot shard; call it with need_weights=False"
+        )
+
+
+class CPDispatchMode(TorchFunctionMode):
+    """While active, every SDPA call runs as context-parallel ring attention
+    with ``config``."""
+
+    def __init__(self, config: RingConfig):
+        super().__init__()
+        self.config = config
+
+    def __torch_function__(self, func: Callable, types_: tuple, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is _SDPA:
+            return routed_sdpa(self.config, *args, **kwargs)
+        if func is _MHA:
+            _agreed_in(self.config, "multi_head_attention_forward",
+                       [a for a in args if isinstance(a, torch.Tensor)],
+                       lambda: _check_mha(args, kwargs))
+        if func in _CALLS_SDPA:
+            if _redispatch is not None:
+                with self:
+                    return _redispatch(func, types_, args, kwargs)
+            return _call_with_patched_sdpa(self.config, func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+def _call_with_patched_sdpa(config: RingConfig, func: Callable, args: tuple,
+                            kwargs: dict) -> Any:
+    # torch < 2.13: functions in torch.nn.functional call SDPA through the
+    # module global, so patching it for this call routes their inner call.
+    def patched(*a: Any, **kw: Any) -> torch.Tensor:
+        return routed_sdpa(config, *a, **kw)
+
+    saved = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = patched
+    try:
+        return func(*args, **kwargs)
+    finally:
+        F.scaled_dot_product_attention = saved
+
+
+_enabled = [False]  # torch's API toggles the dispatcher process-wide
+
+
+def _enable_context_parallel_dispatcher() -> None:
+    """Lets modules parallelized with ``_ContextParallel`` (SDPA) route their
+    attention to the ring op. This API is experimental, as in torch."""
+    _enabled[0] = True
+
+
+def _disable_context_parallel_dispatcher() -> None:
+    """Turns the ``_ContextParallel`` routing off again; those modules then
+    raise instead of computing attention over the local shard only."""
+    _enabled[0] = False
+
+
+def dispatcher_enabled() -> bool:
+    return _enabled[0]

@@ -1,0 +1,169 @@
+"""``_ContextParallel``: the ParallelStyle that makes one attention module
+context parallel (``parallelize_module(attn, mesh, _ContextParallel(...))``),
+torch's module-wrapper entry point."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Generator
+from enum import Enum
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from ..flex.hook import _flex_input_hook, _register_flex_input_hook
+from ..comm.handshake import agreed, handshake, register_groups
+from .options import RingConfig, _cp_options, rotate_method_name
+from .sdpa_dispatch import CPDispatchMode, agreed_before_attention, dispatcher_enabled
+from ..comm.native import check_mesh
+from ..ulysses.usp_layout import UspGroups, check_degrees, usp_groups
+
+__all__ = ["_ContextParallel", "attention_documents"]
+
+
+class _ContextParallel(ParallelStyle):
+    """SDPA: every SDPA call inside the module's forward runs as ring
+    attention over ``mesh`` on inputs sharded with ``_context_parallel_shard``
+    (head-tail when a load balancer was passed to it, which
+    ``_cp_options.enable_load_balance`` records); needs
+    ``_enable_context_parallel_dispatcher()``. FLEX: the module's key and
+    value arguments are all-gathered along ``seq_dim`` before its forward.
+
+    cplib's additions: ``ulysses_degree`` (USP, as ``context_parallel``'s;
+    shard with ``cplib.usp_load_balancer``), ``window`` (the sliding window of
+    the module's SDPA calls, as ``context_parallel``'s; ``cplib.attention_window``
+    overrides it per call), and packed documents per batch through
+    :func:`attention_documents`."""
+
+    class AttentionType(Enum):
+        FLEX = "flex_attention"
+        SDPA = "scaled_dot_product_attention"
+
+    def __init__(self, seq_dim: int, attention_type: AttentionType,
+                 ulysses_degree: int = 1, *,
+                 window: int | tuple[int | None, int | None] | None = None) -> None:
+        super().__init__()
+        if window is not None:
+            from ..ring.args import window_arg
+            window_arg(window)  # ValueError naming a bad window, at construction
+        self.window = window
+        self.seq_dim = seq_dim
+        self.attention_type = attention_type
+        # cplib's addition: USP, as context_parallel(..., ulysses_degree=U);
+        # shard with _context_parallel_shard(..., cplib.usp_load_balancer(...)).
+        self.ulysses_degree = ulysses_degree
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        from ..ring.args import window_arg
+
+        group = check_mesh(mesh)
+        sdpa = self.attention_type == self.AttentionType.SDPA
+
+        def check() -> None:
+            if sdpa:
+                if self.seq_dim not in (2, -2):
+                    raise NotImplementedError(
+                        f"cplib: SDPA context parallelism shards (batch, heads, seq, dim) "
+                        f"tensors on dim 2; got seq_dim={self.seq_dim}")
+                check_degrees(dist.get_world_size(group), self.ulysses_degree)
+            elif self.attention_type == self.AttentionType.FLEX:
+                if self.window is not None:
+                    raise NotImplementedError(
+                        f"cplib: window={self.window!r} applies to SDPA attention; FLEX "
+                        "attention takes its window from the block mask")
+                if self.ulysses_degree != 1:
+                    raise NotImplementedError(
+                        f"cplib: ulysses_degree={self.ulysses_degree} applies to SDPA "
+                        "attention; FLEX attention gathers keys and values instead")
+            else:
+                raise ValueError(f"cplib: unknown attention type {self.attention_type!r}")
+
+        # Every rank parallelizes alike, before the first collective
+        # (usp_groups) or the first forward: one error on every rank, or none.
+        agreed("_ContextParallel", group.group_name, [], check)
+        sides = window_arg(self.window) or [-1, -1]
+        seq_dim = self.seq_dim if isinstance(self.seq_dim, int) else -99  # FLEX checks it later
+        handshake(group.group_name, "_ContextParallel",
+                  fields={"attention_type (1 = SDPA)": int(sdpa),
+                          "seq_dim": 2 if sdpa else seq_dim,
+                          "ulysses_degree": self.ulysses_degree,
+                          "window is not None": int(self.window is not None),
+                          "window[0]": sides[0], "window[1]": sides[1]})
+        if sdpa:
+            groups = usp_groups(group, self.ulysses_degree)  # collective, once per mesh
+            register_groups(group, groups.ulysses_group, groups.ring_group)  # CPU side groups
+            module.forward = functools.partial(_sdpa_forward, module.forward, group, groups,
+                                               self.window)
+            return module
+        return _register_flex_input_hook(module, mesh, self.seq_dim)
+
+    def flex_input_fn(self, module: nn.Module | None, args: Any, kwargs: Any,
+                      mesh: DeviceMesh) -> Any:
+        """Replaces the key and value arguments (positional or keyword, as
+        ``flex_attention(query, key, value, ...)``) by their all-gathered
+        full sequences."""
+        return _flex_input_hook(module, args, kwargs, seq_dim=self.seq_dim,
+                                group_name=check_mesh(mesh).group_name)
+
+
+# The documents of the SDPA calls of ``_ContextParallel`` modules made inside
+# ``attention_documents`` blocks (a stack, so blocks nest): (cu_seqlens, per_document).
+_documents: list[tuple[torch.Tensor, bool]] = []
+
+
+@contextlib.contextmanager
+def attention_documents(cu_seqlens: torch.Tensor | None = None, *,
+                        position_ids: torch.Tensor | None = None,
+                        per_document: bool = False) -> Generator[None, None, None]:
+    """Packed documents for the SDPA calls of ``_ContextParallel`` modules
+    made inside: ``cu_seqlens`` (``[0, s1, ..., S]``, global) or the full,
+    unsharded ``position_ids`` (restarting at 0 at each document), as
+    ``context_parallel`` takes them; attention stays within each document.
+    ``per_document=True``: the inputs were sharded head-tail inside every
+    document (``AnyLengthPerDocumentLoadBalancer``, or
+    ``usp_load_balancer(..., cu_seqlens=...)`` with ``ulysses_degree``)."""
+    from .documents import cu_seqlens_from_position_ids
+    from ..ring.args import check_cu_seqlens
+
+    if (cu_seqlens is None) == (position_ids is None):
+        raise ValueError("cplib.attention_documents: pass cu_seqlens or position_ids (one)")
+    if position_ids is not None:
+        cu_seqlens = cu_seqlens_from_position_ids(position_ids)
+    if not isinstance(cu_seqlens, torch.Tensor):
+        cu_seqlens = torch.tensor(cu_seqlens)
+    check_cu_seqlens("attention_documents", cu_seqlens, int(cu_seqlens[-1]))
+    _documents.append((cu_seqlens.to("cpu", torch.long), bool(per_document)))
+    try:
+        yield
+    finally:
+        _documents.pop()
+
+
+def _sdpa_forward(forward: Any, group: dist.ProcessGroup, groups: UspGroups, window: Any,
+                  *args: Any, **kwargs: Any) -> Any:
+    cu_seqlens, per_document = _documents[-1] if _documents else (None, False)
+
+    def check() -> RingConfig:
+        if not dispatcher_enabled():
+            raise RuntimeError(
+                "cplib: this module was parallelized with _ContextParallel but the context "
+                "parallel dispatcher is off; call cplib._enable_context_parallel_dispatcher() "
+                "first")
+        return RingConfig(groups.ring_group or group.group_name, dist.get_world_size(group),
+                          _cp_options.enable_load_balance or per_document,
+                          rotate_method_name(_cp_options.rotate_method), groups.ulysses_degree,
+                          groups.ulysses_group,
+                          seq_len=None if cu_seqlens is None else int(cu_seqlens[-1]),
+                          cu_seqlens=cu_seqlens, window=window, per_document=per_document)
+
+    # An error here meets the handshake the other ranks' SDPA calls start with.
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    config = agreed_before_attention("_ContextParallel", groups.ring_group or group.group_name,
+                                     groups.ulysses_group, tensors, check)
+    with CPDispatchMode(config):
+        return forward(*args, **kwargs)

@@ -1,0 +1,1 @@
+"""cplib.merge: see docs/merge.md."""

@@ -1,0 +1,1 @@
+"""cplib.ring: see docs/ring.md."""

@@ -1,0 +1,249 @@
+"""Autograd for ``cplib_c::ring_sdpa`` (ring attention over a
+process group, implemented in C++: csrc/torch/ring/) and its Python
+entry point ``ring_sdpa``. The argument checks are in cplib/ring/args.py and
+check.py, the fake kernels in fake.py."""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+import torch
+
+from ..comm.handshake import agreed, tracing
+from ..comm.native import GroupLike, group_name_of, ops
+from . import fake  # noqa: F401  (registers the fake kernels)
+from .args import (RING_PASS_CODES, _is_fake, backend_arg, check_inputs, int_arg, rotate_arg,
+                   scale_arg, window_arg)
+
+__all__ = ["ring_sdpa", "ring_pass_auto"]
+
+log = logging.getLogger("cplib")
+
+
+def sinks_grad(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+               sinks: torch.Tensor) -> torch.Tensor:
+    """d loss / d sinks from the sunk (out, lse): ``-sum over batch and rows of
+    rowsum(dO * O) * exp(s - lse)``, this rank's rows only (parameters'
+    gradients are summed over the context-parallel ranks, as for weights)."""
+    acc = lse.dtype
+    delta = (grad_out.to(acc) * out.to(acc)).sum(-1)
+    prob = torch.exp(sinks.to(acc).view(1, -1, 1) - lse)
+    return -(delta * prob).sum((0, 2)).to(sinks.dtype)
+
+
+def attention_autograd(backward_op, forward_op, covered_backward_op=None, agreed_lengths=None):
+    """(setup_context, backward) for an attention op returning (out, lse)
+    whose inputs are q, k, v and then non-tensor arguments, and whose
+    ``backward_op(grad_out, q, k, v, out, lse, *args)`` gives (dq, dk, dv).
+    A ``sinks`` argument of ``forward_op`` (found by name in its schema) is
+    left out of ``args``: the backward kernel run with the sunk (out, lse) is
+    already exact, and the sinks' own gradient is :func:`sinks_grad`.
+
+    ``covered_backward_op`` (same arguments by name, plus ``agreed_lengths``,
+    what ``agreed_lengths()`` returns right after the forward): the backward
+    without a handshake of its own, which its forward's covers (one handshake
+    per fwd+bwd). Used for real tensors; traced and fake ones (compile) keep
+    ``backward_op``, which handshakes when it runs."""
+    arguments = forward_op.default._schema.arguments
+    names = [a.name for a in arguments]
+    sinks_at = names.index("sinks") - 3 if "sinks" in names else None
+    # The backward's arguments after (grad_out, q, k, v, out, lse), by name,
+    # with the forward's defaults for those a caller left out.
+    arg_names = [a.name for a in arguments[3:] if a.name != "sinks"]
+    defaults = {a.name: a.default_value for a in arguments if a.has_default_value()}
+
+    def setup(ctx, inputs, output):
+        q, k, v, *args = inputs
+        out, lse = output
+        sinks = None
+        ctx.sinks_at = sinks_at if sinks_at is not None and sinks_at < len(args) else None
+        if ctx.sinks_at is not None:
+            sinks = args[sinks_at]
+            args = args[:sinks_at] + args[sinks_at + 1:]
+        ctx.args = args
+        ctx.agreed = None
+        if covered_backward_op is not None and not tracing((q,)):
+            # Plain meta tensors: the forward's fake kernel handshook (if due).
+            ctx.agreed = [] if q.device.type == "meta" else agreed_lengths()
+        ctx.has_sinks = sinks is not None
+        ctx.save_for_backward(q, k, v, out, lse, *([sinks] if sinks is not None else []))
+        # As for ATen's fused attention kernels, the log-sum-exp is an
+        # auxiliary output that autograd does not differentiate.
+        ctx.mark_non_differentiable(lse)
+        # No zeros for the lse's (never used) gradient; a missing grad_out
+        # is made below.
+        ctx.set_materialize_grads(False)
+
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse, *sinks = ctx.saved_tensors
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        if ctx.agreed is not None:
+            kwargs = dict(defaults)
+            kwargs.update(zip(arg_names, ctx.args))
+            kwargs = {n: kwargs[n] for n in arg_names}
+            dq, dk, dv = covered_backward_op(grad_out, q, k, v, out, lse, **kwargs,
+                                             agreed_lengths=ctx.agreed)
+        else:
+            dq, dk, dv = backward_op(grad_out, q, k, v, out, lse, *ctx.args)
+        grads = [None] * len(ctx.args)
+        if ctx.sinks_at is not None:
+            ds = None
+            if ctx.has_sinks and ctx.needs_input_grad[3 + ctx.sinks_at]:
+                ds = sinks_grad(grad_out, out, lse, sinks[0])
+            grads.insert(ctx.sinks_at, ds)
+        return (dq, dk, dv, *grads)
+
+    return setup, backward
+
+
+_setup, _backward = attention_autograd(ops.ring_sdpa_backward, ops.ring_sdpa,
+                                       ops.ring_sdpa_backward_covered,
+                                       lambda: list(ops.ring_agreed_lengths()))
+torch.library.register_autograd("cplib_c::ring_sdpa", _backward, setup_context=_setup)
+
+
+def ring_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: GroupLike,
+    *,
+    is_causal: bool = False,
+    load_balanced: bool = False,
+    scale: float | None = None,
+    rotate: str = "p2p",
+    backend: str | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    window: int | tuple[int | None, int | None] | None = None,
+    seq_len: int | None = None,
+    per_document: bool = False,
+    sinks: torch.Tensor | None = None,
+    q_positions: torch.Tensor | None = None,
+    kv_positions: torch.Tensor | None = None,
+    ring_pass: Literal["kv", "q", "auto"] = "kv",
+    attn_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ring attention of the local shards ``q`` (B, Hq, S_local, D) and ``k``/``v``
+    (B, Hkv, S_local, D; v's head dim may differ from q/k's, as in MLA) over
+    ``group`` (a ProcessGroup or its name).
+
+    Returns ``(out, lse)``: ``out`` (B, Hq, S_local, D_v) in q's dtype and ``lse``
+    (B, Hq, S_local), float32 (float64 for float64 inputs), the natural-log
+    log-sum-exp of the scaled scores over every key of the global sequence.
+    With ``load_balanced`` the shards are in head-tail layout (rank r holds
+    chunks r and 2N-1-r of 2N). K/V rotate with their own Hkv heads (GQA).
+    ``rotate`` is "p2p", "alltoall" or "allgather"; ``backend`` is None/"auto",
+    "flash", "efficient" or "cudnn" (CUDA only; CPU always uses flash).
+    Only ``out`` is differentiable.
+
+    ``cu_seqlens`` (integer tensor ``[0, s1, ..., S]`` of global document
+    boundaries, the same on every rank): attention stays within each document
+    (causal within it with ``is_causal``). ``window``: ``(left, right)`` or
+    ``w`` for ``(w, w)``; query i sees key j iff ``i - left <= j <= i + right``
+    in global positions (``None`` on a side: no limit; ``is_causal`` makes
+    right 0). ``seq_len``: the global length S when the shards are uneven
+    (any S >= world size; see ``cplib.ring.layout``); by default S is the
+    local length times the world size. Blocks nobody can see are neither
+    computed nor sent (p2p and alltoall). ``per_document``: the shards are
+    cut head-tail inside every document (``cplib.ring.layout`` with
+    ``documents``; needs ``cu_seqlens`` and ``seq_len``).
+
+    ``sinks`` (Hq,): attention sinks (gpt-oss), one logit per q head that
+    joins every row's softmax denominator once and contributes no value;
+    ``out`` and ``lse`` then include it. Differentiable in ``sinks`` too
+    (its gradient covers this rank's rows).
+
+    ``q_positions`` / ``kv_positions`` (1-D integer tensors, both or
+    neither): the global positions of this rank's q rows and k/v rows, in
+    local order, the same for every batch row. The mask is then read on them
+    (causal: ``kv_pos <= q_pos``; the window and the documents likewise), the
+    ranks may hold different lengths (zero queries too), and q and k/v may
+    cover different tokens: T new queries against a persistent cache of P + T
+    keys. They exclude ``load_balanced``, ``seq_len`` and ``per_document``.
+
+    ``ring_pass``: "kv" rotates k/v (differentiable); "q" rotates the queries
+    and returns each partial (out, lse) to its owner (forward only: cheaper
+    when few new queries meet a long cache); "auto" picks the one that moves
+    fewer bytes (:func:`ring_pass_auto`), and "kv" whenever a gradient is
+    needed. The choice is logged at debug level on the "cplib" logger.
+
+    ``attn_mask``: a key-padding mask (boolean, True = attend, or additive)
+    of this rank's keys, broadcastable to (B, 1, 1, S_local); it travels with
+    its K/V block (cplib/ring/key_padding.py). Other shapes raise
+    NotImplementedError.
+
+    Every call begins with cplib's handshake (see
+    :func:`cplib.consistency_checks`): every rank raises the same error, or
+    none does; its backward through autograd is covered by it (one handshake
+    per fwd+bwd). Plain meta tensors on a real process group compute shapes
+    only but take part in the handshake, so a rank on meta tensors beside
+    ranks on real ones raises the same ValueError naming the device on every
+    rank; under FakeTensorMode or torch.compile nothing communicates. On an
+    NCCL group, call :func:`cplib.register_group` once on every rank so that
+    the handshake runs in host memory (no wait for the GPU).
+    """
+    if attn_mask is not None:
+        from .key_padding import key_padding_inputs
+
+        # A mask rejected on one rank is rejected on every rank (the handshake).
+        q, k, v, scale, _ = agreed("ring_sdpa", group_name_of(group), (q, k, v, attn_mask),
+                                   lambda: key_padding_inputs("ring_sdpa", attn_mask, q, k, v,
+                                                              scale))
+        return ring_sdpa(q, k, v, group, is_causal=is_causal, load_balanced=load_balanced,
+                         scale=scale, rotate=rotate, backend=backend, cu_seqlens=cu_seqlens,
+                         window=window, seq_len=seq_len, per_document=per_document,
+                         sinks=sinks, q_positions=q_positions, kv_positions=kv_positions,
+                         ring_pass=ring_pass)
+    name = group_name_of(group)
+    wants_grad = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
+
+    def args():
+        check_inputs("ring_sdpa", q=q, k=k, v=v, cu_seqlens=cu_seqlens, sinks=sinks,
+                     q_positions=q_positions, kv_positions=kv_positions)
+        if not isinstance(ring_pass, str) or ring_pass not in RING_PASS_CODES:
+            raise ValueError(f"cplib.ring_sdpa: ring_pass={ring_pass!r} is not one of "
+                             "'kv', 'q', 'auto'")
+        if ring_pass == "q" and wants_grad:
+            raise ValueError("cplib.ring_sdpa: ring_pass='q' is forward only, but q, k or v "
+                             "requires grad: use ring_pass=\"kv\" (or run under "
+                             "torch.no_grad())")
+        return (rotate_arg("ring_sdpa", rotate), backend_arg("ring_sdpa", backend),
+                scale_arg("ring_sdpa", scale), window_arg(window),
+                int_arg("ring_sdpa", "seq_len", seq_len),
+                RING_PASS_CODES["kv" if wants_grad else ring_pass])
+
+    rotate_code, backend_code, scale, window, seq_len, pass_code = agreed(
+        "ring_sdpa", name, (q, k, v, cu_seqlens), args, meta_joins=True)
+    out = ops.ring_sdpa(q, k, v, name, bool(is_causal), bool(load_balanced), scale,
+                        backend_code, rotate_code, cu_seqlens, window, seq_len,
+                        bool(per_document), sinks, q_positions, kv_positions, pass_code)
+    if ring_pass == "auto" and log.isEnabledFor(logging.DEBUG) and not _is_fake(q):
+        chosen = "q" if ops.ring_debug_last_pass() == RING_PASS_CODES["q"] else "kv"
+        log.debug("cplib.ring_sdpa: ring_pass='auto' chose %r%s", chosen,
+                  " (a gradient is needed)" if wants_grad else "")
+    return out
+
+
+def ring_pass_auto(q_tokens: int, kv_tokens: int, q_heads: int, kv_heads: int, head_dim: int,
+                   v_head_dim: int | None = None, dtype: torch.dtype = torch.float32,
+                   requires_grad: bool = False) -> Literal["kv", "q"]:
+    """The ring pass ``ring_pass="auto"`` picks: "q" when sending every query
+    (``q_tokens * q_heads * head_dim`` elements) and returning its partial
+    out and lse (``q_tokens * q_heads * (v_head_dim + 1)`` in the accumulator
+    dtype, float32 or float64) moves fewer bytes than sending every key and
+    value (``kv_tokens * kv_heads * (head_dim + v_head_dim)``); else "kv".
+    Token counts are global (summed over the ranks). Always "kv" when a
+    gradient is needed. The same rule as csrc/torch/ring/ring_args.cpp."""
+    if requires_grad:
+        return "kv"
+    dv = head_dim if v_head_dim is None else v_head_dim
+    elem = torch.empty((), dtype=dtype).element_size()
+    acc = 8 if dtype == torch.float64 else 4
+    kv_bytes = kv_tokens * kv_heads * (head_dim + dv) * elem
+    q_bytes = q_tokens * q_heads * (head_dim * elem + (dv + 1) * acc)
+    return "q" if q_bytes < kv_bytes else "kv"
+
+

@@ -1,0 +1,1 @@
+"""cplib.ulysses: see docs/ulysses.md."""
