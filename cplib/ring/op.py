@@ -80,11 +80,10 @@ def attention_autograd(backward_op, forward_op, covered_backward_op=None, agreed
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         if ctx.agreed is not None:
-            kwargs = dict(defaults)
-            kwargs.update(zip(arg_names, ctx.args))
-            kwargs = {n: kwargs[n] for n in arg_names}
-            dq, dk, dv = covered_backward_op(grad_out, q, k, v, out, lse, **kwargs,
-                                             agreed_lengths=ctx.agreed)
+            # The arguments a caller left out, as the forward's defaults.
+            tail = [defaults[n] for n in arg_names[len(ctx.args):]]
+            dq, dk, dv = covered_backward_op(grad_out, q, k, v, out, lse, *ctx.args, *tail,
+                                             ctx.agreed)
         else:
             dq, dk, dv = backward_op(grad_out, q, k, v, out, lse, *ctx.args)
         grads = [None] * len(ctx.args)
@@ -102,6 +101,24 @@ _setup, _backward = attention_autograd(ops.ring_sdpa_backward, ops.ring_sdpa,
                                        ops.ring_sdpa_backward_covered,
                                        lambda: list(ops.ring_agreed_lengths()))
 torch.library.register_autograd("cplib_c::ring_sdpa", _backward, setup_context=_setup)
+
+
+class _RingSdpaFunction(torch.autograd.Function):
+    """The registered formula above, applied directly by :func:`ring_sdpa` in
+    eager mode: torch.library's wrapper refills the schema's defaults on every
+    call (``fill_defaults``, about 150 us of host time for these 17
+    arguments, more than the ring's own host work at small sizes)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, *args):
+        with torch._C._AutoDispatchBelowAutograd():
+            output = ops.ring_sdpa(q, k, v, *args)
+        _setup(ctx, (q, k, v, *args), output)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        return _backward(ctx, grad_out, grad_lse)
 
 
 def ring_sdpa(
@@ -217,9 +234,14 @@ def ring_sdpa(
 
     rotate_code, backend_code, scale, window, seq_len, pass_code = agreed(
         "ring_sdpa", name, (q, k, v, cu_seqlens), args, meta_joins=True)
-    out = ops.ring_sdpa(q, k, v, name, bool(is_causal), bool(load_balanced), scale,
-                        backend_code, rotate_code, cu_seqlens, window, seq_len,
-                        bool(per_document), sinks, q_positions, kv_positions, pass_code)
+    args = (q, k, v, name, bool(is_causal), bool(load_balanced), scale, backend_code,
+            rotate_code, cu_seqlens, window, seq_len, bool(per_document), sinks, q_positions,
+            kv_positions, pass_code)
+    # Compiled graphs keep the op itself (its registered autograd and fake).
+    direct = torch.compiler.is_compiling() or not (
+        torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                        for t in (q, k, v, sinks)))
+    out = ops.ring_sdpa(*args) if direct else _RingSdpaFunction.apply(*args)
     if ring_pass == "auto" and log.isEnabledFor(logging.DEBUG) and not _is_fake(q):
         chosen = "q" if ops.ring_debug_last_pass() == RING_PASS_CODES["q"] else "kv"
         log.debug("cplib.ring_sdpa: ring_pass='auto' chose %r%s", chosen,
