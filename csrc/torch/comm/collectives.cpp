@@ -4,7 +4,7 @@ namespace cplib {
 
 Group resolve_group(std::string_view group_name) {
   const std::string name(group_name);
-  // cplib_c::group_info is implemented in Python (cplib/_native.py): the
+  // cplib_c::group_info is implemented in Python (cplib/comm/native.py): the
   // stable ABI has no process-group API. It returns [] for an unknown name.
   auto stack = call("cplib_c::group_info", "", name);
   const auto info = ret<std::vector<int64_t>>(stack[0]);
@@ -44,7 +44,7 @@ void wait(const Tensor& t) {
 
 // torch's functional collectives take the group as `Any` from torch 2.13 on,
 // a type the stable dispatcher call cannot pass; these ops take it as `str`
-// and are implemented in Python (cplib/_native.py) by calling them.
+// and are implemented in Python (cplib/comm/native.py) by calling them.
 STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
   // [rank, size, NCCL?] of a group, or [] for an unknown name.
   m.def("group_info(str group_name) -> int[]");

@@ -128,7 +128,7 @@ struct HandshakeRoute {
 HandshakeRoute handshake_route(const Group& group);
 #pragma GCC visibility pop
 
-// Set by the Python side (cplib/_native.py). `on_host`: 1 when `via` takes
+// Set by the Python side (cplib/comm/native.py). `on_host`: 1 when `via` takes
 // CPU tensors, 0 when it does not (NCCL without a side group: the fallback),
 // -1 to derive it from the group's backend. `side`: `via` is a side group
 // that cplib made (never destroyed before the group), so it is not resolved

@@ -2,7 +2,7 @@
 // made of Python checks and tensors (sharding, context_parallel) and returns
 // every rank's local lengths; `handshake_error` is a wrapper's own invalid
 // argument, joining the handshake that the other ranks' op is in;
-// `handshake_set_route` is where cplib/_native.py says which group carries a
+// `handshake_set_route` is where cplib/comm/native.py says which group carries a
 // group's handshakes, and `handshake_debug_route` what the handshake then
 // uses (the route's group and the record buffer's device type), so that a
 // test can check without a GPU that CUDA tensors are handshaken on the host.

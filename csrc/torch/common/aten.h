@@ -137,7 +137,7 @@ std::tuple<Tensor, Tensor, Tensor> efficient_cuda_backward(
     const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& bias,
     const Tensor& out, const Tensor& lse, const Tensor& seed, const Tensor& offset, bool causal,
     std::optional<double> scale);
-// Through cplib_c::_cudnn_attention (cplib/_cuda_attention.py): lse (B, H, Lq, 1).
+// Through cplib_c::_cudnn_attention (cplib/comm/cuda_attention.py): lse (B, H, Lq, 1).
 std::tuple<Tensor, Tensor> cudnn_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
                                       bool causal, std::optional<double> scale);
 std::tuple<Tensor, Tensor, Tensor> cudnn_cuda_backward(

@@ -1,7 +1,7 @@
 // cplib's errors on the stable ABI. A kernel's exception reaches Python as a
 // RuntimeError carrying what(); what() starts with the Python class to raise
 // ("ValueError: ..."), and cplib's Python layer raises that class
-// (cplib/_native.py: native_errors). The handshake carries kind and message apart.
+// (cplib/comm/native.py: native_errors). The handshake carries kind and message apart.
 #pragma once
 
 #include <cstdint>

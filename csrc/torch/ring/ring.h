@@ -1,6 +1,6 @@
 // Ring scaled-dot-product attention: shared types of the ring_*.cpp files.
 //
-// Integer codes (also used by cplib/_ring.py):
+// Integer codes (also used by cplib/ring/args.py):
 //   rotate:  0 = "p2p", 1 = "alltoall": each step's block comes from its
 //            owner through a split all-to-all with one non-empty peer each
 //            way, double-buffered (both names run that exchange: torch 2.11's

@@ -70,7 +70,7 @@ void describe(CallSignature& sig,
 // Every rank's {q rows, k/v rows}, rank-major, as the last ring_sdpa of this
 // thread learned them (empty when it needed none: seq_len, documents,
 // positions, a ring of one). Read by the autograd formula right after the
-// forward (cplib/_ring.py) and handed to the backward, which then needs no
+// forward (cplib/ring/op.py) and handed to the backward, which then needs no
 // handshake and no all-gather of its own.
 thread_local std::vector<int64_t> t_agreed_lengths;
 

@@ -1,7 +1,7 @@
 // Attention sinks (gpt-oss): one learned logit per q head that joins every
 // row's softmax denominator and contributes no value. Applied once to the
 // merged (out, lse); the block backward run with the sunk (out', lse') is
-// then exact for q, k and v (cplib/_ring.py adds the sinks' own gradient).
+// then exact for q, k and v (cplib/ring/op.py adds the sinks' own gradient).
 #include "common/format.h"
 #include "ring/ring.h"
 #include "common/aten.h"

@@ -1,6 +1,6 @@
 // Schemas and CPU/CUDA registrations of the Ulysses ops:
 //   ulysses_reshard: sequence shard <-> head shard (one all-to-all; the
-//     backward of one direction is the other, registered in cplib/_ulysses.py);
+//     backward of one direction is the other, registered in cplib/ulysses/op.py);
 //   ulysses_local_sdpa(+_backward): full-sequence attention on the local heads;
 //   ulysses_debug_bytes_sent: what the exchanges have sent.
 #include "ulysses/ulysses.h"

@@ -1,7 +1,7 @@
 // cplib_c::ulysses_reshard_qkv: q, k and v re-sharded together (three
 // all-to-alls in flight at once, each packed while the previous one is on
 // the wire). Its backward is the same op in the other direction on
-// (dq, dk, dv), registered in cplib/_ulysses.py.
+// (dq, dk, dv), registered in cplib/ulysses/op.py.
 #include "ulysses/ulysses.h"
 
 namespace cplib::ulysses {
