@@ -65,14 +65,9 @@ struct Extras {
   bool has_positions() const { return q_positions.has_value() || kv_positions.has_value(); }
 };
 
-// Validates every argument (ValueError naming the value) and resolves the
-// group; nothing is communicated, so every rank fails the same way.
-Config check_args(const char* op, const Tensor& q, const Tensor& k, const Tensor& v,
-                  std::string_view group_name, bool is_causal, bool load_balanced,
-                  std::optional<double> scale, int64_t backend, int64_t rotate,
-                  const Extras& extras = {});
-// The same with the group already resolved (each resolution is a call into
-// Python: resolve it once per op).
+// Validates every argument (ValueError naming the value) against the group,
+// resolved once per op by the caller (each resolution is a call into
+// Python); nothing is communicated, so every rank fails the same way.
 Config check_args(const char* op, const Tensor& q, const Tensor& k, const Tensor& v,
                   const Group& group, bool is_causal, bool load_balanced,
                   std::optional<double> scale, int64_t backend, int64_t rotate,

@@ -222,14 +222,6 @@ Config check_local_args(const char* op, const Tensor& q, const Tensor& k,
 }
 
 Config check_args(const char* op, const Tensor& q, const Tensor& k, const Tensor& v,
-                  std::string_view group_name, bool is_causal, bool load_balanced,
-                  std::optional<double> scale, int64_t backend, int64_t rotate,
-                  const Extras& extras) {
-  return check_args(op, q, k, v, resolve_group(group_name), is_causal, load_balanced, scale,
-                    backend, rotate, extras);
-}
-
-Config check_args(const char* op, const Tensor& q, const Tensor& k, const Tensor& v,
                   const Group& group, bool is_causal, bool load_balanced,
                   std::optional<double> scale, int64_t backend, int64_t rotate,
                   const Extras& extras) {

@@ -92,8 +92,7 @@ Config agreed_config(const char* op, std::string_view group_name,
   Config cfg;
   auto checks = [&] {
     more_checks();
-    cfg = check_args(op, q, k, v, group_name, is_causal, load_balanced, scale, backend, rotate,
-                     ex);
+    cfg = check_args(op, q, k, v, group, is_causal, load_balanced, scale, backend, rotate, ex);
   };
   std::vector<int64_t> table;  // rank-major {q rows, k/v rows}, when exchanged
   if (covered) {
