@@ -6,10 +6,21 @@
    call cannot convert them: "Expected Tensor but got Int", every flash and
    cuDNN call of a24d28d on an H100). Sym *arguments* convert; they are
    listed in SYM_ARGUMENTS.
-2. ``cplib_c::_cuda_glue_probe`` runs one block forward and backward through
-   the CUDA block helpers (ring_block_cuda*.cpp, common/aten.cpp) on META
-   tensors, for every backend: the same helpers with the same arguments as on
-   a GPU, through the same argument and return conversion.
+2. ``aten::_flash_attention_forward`` gets exactly the running torch's
+   argument list (15 arguments on torch 2.11, 17 from 2.13): names, order and
+   types are checked against the running schema (``make test-torch
+   TORCH=oldest|newest TESTS=tests/test_cuda_glue.py`` runs this on 2.11 and
+   2.15).
+3. ``cplib_c::_cuda_glue_probe`` runs one block forward and backward along
+   the ring's own route to the CUDA kernels (K|V packed as they travel, GQA
+   heads expanded, the backend resolved as the ring resolves it,
+   block_forward/block_backward with the scale and MLA padding, the fp32 lse
+   rows of the accumulator fed to the backward, gradients summed back over
+   GQA groups) on META tensors, for every backend: the same functions with the
+   same arguments as on a GPU, through the same argument and return
+   conversion. Flash with a head dim that is not a multiple of 8 gets it
+   zero-padded at the call, scaled by the real one (torch.profiler's record
+   of the ATen call shows the shapes and the scale flash receives).
 """
 
 from __future__ import annotations
@@ -58,15 +69,14 @@ SYM_ARGUMENTS: dict[str, set[str]] = {
     "aten::logaddexp": set(),
     "aten::logical_and": set(),
     "aten::logical_not": set(),
-    "aten::masked_fill.Tensor": set(),
     "aten::movedim.int": set(),
     "aten::mul_.Tensor": set(),
     "aten::permute": set(),
     "aten::repeat": {"repeats"},
-    "aten::view.dtype": set(),
     "aten::where.self": set(),
     "_c10d_functional::wait_tensor": set(),
     "cplib_c::_cudnn_attention": set(),
+    "cplib_c::_schema_arguments": set(),
     "cplib_c::c10d_all_gather": set(),
     "cplib_c::c10d_all_to_all": set(),
     "cplib_c::c10d_reduce_scatter_sum": set(),
@@ -153,35 +163,89 @@ def test_no_called_op_returns_a_sym_value(qualified):
         "listed in SYM_ARGUMENTS")
 
 
-def test_flash_forward_gets_every_argument_of_the_running_schema():
-    # call() passes 17 arguments (torch 2.13's schema); a torch whose schema
-    # reads more would read slots cplib never set.
-    schema = _schema("aten::_flash_attention_forward")
-    assert len(schema.arguments) <= 17, schema
+# The type cplib passes for each argument of aten::_flash_attention_forward it
+# knows (csrc/torch/common/aten.cpp: FlashArg), as the schema spells it.
+FLASH_ARGUMENT_TYPES = {
+    "query": "Tensor", "key": "Tensor", "value": "Tensor", "cum_seq_q": "Tensor?",
+    "cum_seq_k": "Tensor?", "max_q": "SymInt", "max_k": "SymInt", "dropout_p": "float",
+    "is_causal": "bool", "return_debug_mask": "bool", "scale": "float?",
+    "window_size_left": "SymInt?", "window_size_right": "SymInt?", "seqused_k": "Tensor?",
+    "alibi_slopes": "Tensor?", "block_table": "Tensor?", "num_splits": "int?",
+}
+
+
+def test_flash_forward_gets_the_running_schemas_arguments_in_order():
+    # The stable call reads as many stack slots as the RUNNING schema has
+    # arguments: cplib passes exactly that list, by name, in its order.
+    args, _ = typed_fields(_schema("aten::_flash_attention_forward"))
+    passed = list(ops._flash_forward_arguments())
+    assert passed == [name for _, name in args], (torch.__version__, passed, args)
+    for typ, name in args:
+        assert FLASH_ARGUMENT_TYPES.get(name) == typ, (
+            f"torch {torch.__version__}: _flash_attention_forward's {name} is {typ}; cplib "
+            f"passes {FLASH_ARGUMENT_TYPES.get(name)}")
 
 
 BACKENDS = {"auto": -1, "flash": 1, "efficient": 2, "cudnn": 3}
 CASES = [("flash", False), ("efficient", False), ("cudnn", False), ("efficient", True)]
+# (q heads, k/v heads, q/k head dim, v head dim): MHA, GQA, MLA, and a head
+# dim that is not a multiple of 8.
+SHAPES = {"mha": (4, 4, 64, 64), "gqa": (4, 2, 64, 64), "mla": (4, 2, 64, 32),
+          "d60": (4, 4, 60, 60)}
 
 
 def _meta(*shape, dtype):
     return torch.empty(*shape, device="meta", dtype=dtype)
 
 
+def _inputs(shape: str, dtype, lq: int = 96, lk: int = 160):
+    hq, hkv, d, dv = SHAPES[shape]
+    return (_meta(2, hq, lq, d, dtype=dtype), _meta(2, hkv, lk, d, dtype=dtype),
+            _meta(2, hkv, lk, dv, dtype=dtype))
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("backend,masked", CASES, ids=[b + ("-masked" if m else "")
                                                        for b, m in CASES])
-def test_block_forward_and_backward_on_meta(backend, masked, dtype, causal):
-    b, h, lq, lk, d = 2, 4, 96, 160, 64
-    q = _meta(b, h, lq, d, dtype=dtype)
-    k, v = _meta(b, h, lk, d, dtype=dtype), _meta(b, h, lk, d, dtype=dtype)
+def test_block_forward_and_backward_on_meta(backend, masked, dtype, causal, shape):
+    q, k, v = _inputs(shape, dtype)
     out, lse, dq, dk, dv = ops._cuda_glue_probe(q, k, v, BACKENDS[backend], causal and not masked,
-                                                masked, True)
-    assert (out.shape, out.dtype, out.device.type) == ((b, h, lq, d), dtype, "meta")
+                                                masked, True, 0.125)
+    b, h, lq, _ = q.shape
+    assert (out.shape, out.dtype, out.device.type) == ((b, h, lq, v.shape[3]), dtype, "meta")
     assert (lse.shape, lse.dtype) == ((b, h, lq), torch.float32)
     for grad, like in ((dq, q), (dk, k), (dv, v)):
         assert (grad.shape, grad.dtype) == (like.shape, dtype)
+
+
+def _flash_calls(prof) -> list:
+    return [e for e in prof.events() if e.name in (
+        "aten::_flash_attention_forward", "aten::_scaled_dot_product_flash_attention_backward")]
+
+
+@pytest.mark.parametrize("scale", [None, 0.3], ids=["default-scale", "scale"])
+def test_flash_pads_head_dims_to_a_multiple_of_8_at_the_call(scale):
+    # SDPA pads before flash (which rejects other head dims); cplib does the
+    # same at the kernel call, with the scale of the real head dim, and slices
+    # the results back.
+    q, k, v = _inputs("d60", torch.bfloat16, lq=32, lk=48)
+    with torch.profiler.profile(record_shapes=True) as prof:
+        out, _, dq, dk, dv = ops._cuda_glue_probe(q, k, v, BACKENDS["flash"], False, False, True,
+                                                  *([] if scale is None else [scale]))
+    calls = _flash_calls(prof)
+    want = 60 ** -0.5 if scale is None else scale
+    for e in calls:
+        tensors = [s for s in e.input_shapes if len(s) == 4]
+        assert tensors and all(s[-1] == 64 for s in tensors), (e.name, e.input_shapes)
+        scales = [x for x in e.concrete_inputs if isinstance(x, float) and x not in (0.0,)]
+        assert scales and abs(scales[-1] - want) < 1e-12, (e.name, e.concrete_inputs)
+    # The forward, and the backward in two row halves (as the probe runs it).
+    assert [e.name for e in calls] == ["aten::_flash_attention_forward"] + \
+        ["aten::_scaled_dot_product_flash_attention_backward"] * 2, [e.name for e in calls]
+    for got, like in ((out, q), (dq, q), (dk, k), (dv, v)):
+        assert got.shape == like.shape, (got.shape, like.shape)
 
 
 def test_block_forward_only_on_meta():
@@ -192,7 +256,7 @@ def test_block_forward_only_on_meta():
 
 def test_auto_asks_sdpa_and_refuses_the_math_backend():
     # On meta tensors SDPA's choice (_fused_sdp_choice, through the ring's own
-    # resolve_backend_cuda) is the math backend, which returns no lse.
+    # resolve_ring_backend) is the math backend, which returns no lse.
     q = _meta(1, 2, 32, 64, dtype=torch.bfloat16)
     with pytest.raises(NotImplementedError, match="would pick backend 0"):
         ops._cuda_glue_probe(q, q, q, BACKENDS["auto"], True, False, True)

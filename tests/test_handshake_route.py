@@ -76,7 +76,7 @@ def _nccl_like_routes() -> dict:
         # register_group makes one side group for the ranks; both groups use it.
         cplib.register_group(nccl)
         cplib.register_group(nccl_twin)  # the same ranks: no second group
-        side = _native.side_groups[tuple(range(n))]
+        side = _native.side_group(tuple(range(n)))
         out["side"] = side.group_name
         out["side_backend"] = dist.get_backend(side)
         out["route"], out["twin_route"] = _route(nccl), _route(nccl_twin)
@@ -200,3 +200,37 @@ def _handshakes_of_other_ops() -> dict:
 def test_one_handshake_per_forward_and_backward_of_other_ops(ranks):
     for r in ranks(2).run(_handshakes_of_other_ops):
         assert r == {"ulysses": 1, "flex": 1, "tp_conv": 1, "flex direct backward": 1}, r
+
+
+def _ulysses_and_usp_handshakes() -> dict:
+    """Handshake collectives of one fwd+bwd of Ulysses (4 ranks) and USP (2
+    Ulysses x 2 ring ranks), causal and not, with equal and uneven lengths
+    (non-causal joint streams: 8 and 6 rows within each Ulysses group)."""
+    from cplib.ulysses.usp_layout import usp_groups
+
+    rank, world = dist.get_rank(), dist.group.WORLD
+    groups = usp_groups(world, 2)
+    counts = {}
+    for causal, uneven in ((True, False), (False, False), (False, True)):
+        length = 6 if uneven and rank % 2 else 8
+        torch.manual_seed(rank)
+        q, k, v = (torch.randn(1, 4, length, 8, requires_grad=True) for _ in range(3))
+        for name, run in (("ulysses", lambda: cplib.ulysses_sdpa(q, k, v, world,
+                                                                 is_causal=causal)),
+                          ("usp", lambda: cplib.usp_sdpa(q, k, v, groups.ulysses_group,
+                                                         groups.ring_group, is_causal=causal))):
+            ops.handshake_debug_count(True)
+            out, _ = run()
+            out.sum().backward()
+            key = f"{name} {'causal' if causal else 'full'}{' uneven' if uneven else ''}"
+            counts[key] = ops.handshake_debug_count(True)
+    return counts
+
+
+def test_one_handshake_per_group_per_forward_and_backward_of_ulysses_and_usp(ranks):
+    # Ulysses: one, in its group (its non-causal calls used to make two: the
+    # lengths' handshake and the exchange's). USP: one in its Ulysses group,
+    # one in its ring group.
+    for r in ranks(4).run(_ulysses_and_usp_handshakes):
+        assert r == {"ulysses causal": 1, "usp causal": 2, "ulysses full": 1, "usp full": 2,
+                     "ulysses full uneven": 1, "usp full uneven": 2}, r

@@ -1,11 +1,18 @@
-"""``cplib_c::_cudnn_attention``: ATen's cuDNN attention forward for the
-native layer, which cannot call it itself. Both of ATen's cuDNN forward ops
+"""What the native layer's CUDA glue needs from Python.
+
+``cplib_c::_cudnn_attention``: ATen's cuDNN attention forward, which the
+native layer cannot call itself. Both of ATen's cuDNN forward ops
 (``_scaled_dot_product_cudnn_attention``, ``_cudnn_attention_forward``)
 return ``max_q``/``max_k`` as SymInts, and torch's stable dispatcher call
-converts no SymInt return ("Expected Tensor but got Int"; DESIGN.md §10).
-This op calls the ATen op and returns its tensors only; csrc/torch/common/
-aten.cpp (cudnn_cuda) calls it through the dispatcher, one Python round
-trip per block forward."""
+converts no SymInt return ("Expected Tensor but got Int", torch 2.11 to
+2.15; see docs/ring.md, "CUDA kernels"). This op calls the ATen op and
+returns its tensors only; csrc/torch/common/aten.cpp (cudnn_cuda) calls it
+through the dispatcher, one Python round trip per block forward.
+
+``cplib_c::_schema_arguments``: the argument names of an op on the running
+torch, which the stable ABI cannot read; aten.cpp asks it once for
+``aten::_flash_attention_forward``, whose argument list grew in torch 2.13,
+so that the call passes exactly the running torch's arguments."""
 
 from __future__ import annotations
 
@@ -14,6 +21,11 @@ import torch
 _lib = torch.library.Library("cplib_c", "FRAGMENT")
 _lib.define("_cudnn_attention(Tensor query, Tensor key, Tensor value, bool is_causal, "
             "float? scale) -> (Tensor out, Tensor lse)")
+_lib.define("_schema_arguments(str name, str overload) -> str[]")
+
+
+def _schema_arguments(name: str, overload: str) -> list[str]:
+    return [a.name for a in torch._C._get_schema(name, overload).arguments]
 
 
 def _cudnn_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -27,3 +39,4 @@ def _cudnn_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 # CompositeExplicitAutograd: CUDA tensors on a GPU, meta tensors in the CPU
 # guard (tests/test_cuda_glue.py); grad mode is off inside the native kernels.
 _lib.impl("_cudnn_attention", _cudnn_attention, "CompositeExplicitAutograd")
+_lib.impl("_schema_arguments", _schema_arguments, "CompositeExplicitAutograd")

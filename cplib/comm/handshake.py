@@ -29,8 +29,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import native as _native
-from .native import GroupLike, check_mesh, forget_routes, group_size, \
-    ops, side_groups
+from .native import GroupLike, check_mesh, forget_routes, group_size, group_token, \
+    ops, side_group, side_groups
 
 __all__ = ["handshake_enabled", "agreed", "handshake", "can_handshake", "values_hash",
            "register_group"]
@@ -128,9 +128,10 @@ def values_hash(values: Sequence[int]) -> int:
 
 def handshake(group_name: str, op: str, tensors: Mapping[str, torch.Tensor] | None = None,
               fields: Mapping[str, int] | None = None,
-              lengths: Sequence[int] = ()) -> list[list[int]] | None:
+              lengths: Sequence[int] = (), skip_dim: int = -1) -> list[list[int]] | None:
     """One handshake for a call described by ``tensors`` (their rank, sizes,
-    dtype and device type) and ``fields`` (named integers): raises the same
+    dtype and device type; ``skip_dim``, a dim whose size may differ between
+    ranks, left out) and ``fields`` (named integers): raises the same
     ValueError on every rank when they differ. Returns every rank's
     ``lengths``, or None when there was no handshake (off, a world of one,
     fake tensors)."""
@@ -147,7 +148,8 @@ def handshake(group_name: str, op: str, tensors: Mapping[str, torch.Tensor] | No
         flat = ops.handshake(group_name, op, list(tensors.values()) if start == 0 else [],
                              list(tensors) if start == 0 else [],
                              list(fields) if start == 0 else [],
-                             [int(v) for v in fields.values()] if start == 0 else [], part)
+                             [int(v) for v in fields.values()] if start == 0 else [], part,
+                             skip_dim)
         for r in range(n):
             out[r] += flat[r * len(part):(r + 1) * len(part)]
     return out
@@ -168,7 +170,7 @@ def register_group(group: GroupLike | DeviceMesh) -> None:
     alone; groups over the same ranks share one side group. ``group``: a
     ProcessGroup, its name, or a 1-D DeviceMesh."""
     if isinstance(group, DeviceMesh):
-        group = check_mesh(group)
+        group = check_mesh(group, register=False)
     if isinstance(group, str):
         group_size(group)  # ValueError naming an unknown name
         group = dist.distributed_c10d._resolve_process_group(group)
@@ -178,16 +180,17 @@ def register_group(group: GroupLike | DeviceMesh) -> None:
     c10d = dist.distributed_c10d
     pg = group
     ranks = tuple(c10d.get_process_group_ranks(pg))
-    if not _native.carries_host_tensors(pg) and len(ranks) > 1 and ranks not in side_groups:
+    if not _native.carries_host_tensors(pg) and len(ranks) > 1 and side_group(ranks) is None:
         # The world: every rank calls new_group. A subgroup: only its members
         # do (use_local_synchronization; its ranks must make groups in one order).
         local = len(ranks) != dist.get_world_size()
-        side_groups[ranks] = dist.new_group(list(ranks), backend="gloo",
-                                            use_local_synchronization=local,
-                                            group_desc="cplib handshake")
+        key = (group_token(c10d._get_default_group()), ranks)
+        side_groups[key] = dist.new_group(list(ranks), backend="gloo",
+                                          use_local_synchronization=local,
+                                          group_desc="cplib handshake")
         forget_routes()  # groups over these ranks registered before: now on it too
-    _native.forget_route(pg.group_name)
-    _native._register_handshake_group(pg.group_name)
+    _native.forget_route(pg)
+    _native._register_handshake_group(pg.group_name, pg)
 
 
 def register_groups(*groups: GroupLike | None) -> None:

@@ -3,6 +3,9 @@ holds the small helpers the Python op registrations share."""
 
 from __future__ import annotations
 
+import itertools
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -17,10 +20,12 @@ _PYTHON_CLASSES = {cls.__name__: cls for cls in
 def native_error(exc: RuntimeError) -> Exception:
     """The exception a native op meant: on the stable ABI every kernel error
     reaches Python as a RuntimeError whose message starts with the class to
-    raise ("ValueError: cplib.ring_sdpa: ..."; csrc/torch/common/errors.h)."""
+    raise ("ValueError: cplib.ring_sdpa: ..."; csrc/torch/common/errors.h),
+    that one included ("RuntimeError: cplib...": raised without the prefix,
+    which Python's traceback adds itself)."""
     head, sep, message = str(exc).partition(": ")
     cls = _PYTHON_CLASSES.get(head) if sep else None
-    return exc if cls is None or cls is RuntimeError else cls(message)
+    return exc if cls is None else cls(message)
 
 
 class _NativeOp:
@@ -68,14 +73,37 @@ _comm_lib = torch.library.Library("cplib_c", "IMPL")
 _functional = torch.ops._c10d_functional
 
 
+# Group tokens: one number per process-group object this process has seen
+# (weakly held, by id). torch reuses group names after destroy_process_group
+# and a new init; what cplib keeps per group (the handshake's routes, its
+# side groups) is keyed by the token, so a new group under an old name
+# starts afresh. A token's entry goes with its group object.
+_tokens: dict[int, tuple[weakref.ref, int]] = {}
+_token_count = itertools.count(1)
+
+
+def group_token(pg: dist.ProcessGroup) -> int:
+    entry = _tokens.get(id(pg))
+    if entry is not None and entry[0]() is pg:
+        return entry[1]
+    key, token = id(pg), next(_token_count)
+
+    def gone(_ref, key=key, token=token):
+        if _tokens.get(key, (None, None))[1] == token:
+            del _tokens[key]
+        _routes.pop(token, None)
+    _tokens[key] = (weakref.ref(pg, gone), token)
+    return token
+
+
 def _group_info(group_name: str) -> list[int]:
-    """[rank, size, 1 for an NCCL group], or [] for an unknown name (the
-    op then raises ValueError naming it)."""
+    """[rank, size, 1 for an NCCL group, the group's token], or [] for an
+    unknown name (the op then raises ValueError naming it)."""
     c10d = dist.distributed_c10d
     try:
         pg = c10d._resolve_process_group(group_name)
         nccl = dist.get_backend(pg) == "nccl"
-        return [pg.rank(), pg.size(), int(nccl)]
+        return [pg.rank(), pg.size(), int(nccl), group_token(pg)]
     except Exception:  # unknown or destroyed
         return []
 
@@ -139,17 +167,29 @@ def group_name_of(group: GroupLike) -> str:
         raise ValueError(f"cplib: expected a process group or its name, got "
                          f"{type(group).__name__} ({group!r})")
     if not torch.compiler.is_compiling():
-        _register_handshake_group(name)
+        _register_handshake_group(name, group if isinstance(group, dist.ProcessGroup) else None)
     return name
 
 
 # The handshake's routes (csrc/torch/comm/handshake.h: HandshakeRoute): for
-# each group name, the group its handshakes travel on, in host memory.
-_routes: dict[str, str] = {}
+# each group (by token), the name of the group its handshakes travel on.
+_routes: dict[int, str] = {}
 # cplib's CPU (gloo) side groups of groups whose backend takes no CPU
-# tensors (NCCL), by their global ranks in group order; made by
+# tensors (NCCL), by (the token of the default group, the global ranks in
+# group order): a new init (a new default group) makes new ones. Made by
 # cplib.register_group, where every rank of the group is known to be.
-side_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+side_groups: dict[tuple[int, tuple[int, ...]], dist.ProcessGroup] = {}
+
+
+def side_group(ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
+    """The live side group over ``ranks`` of this init, if cplib made one."""
+    c10d = dist.distributed_c10d
+    key = (group_token(c10d._get_default_group()), ranks)
+    pg = side_groups.get(key)
+    if pg is not None and pg not in c10d._world.pg_names:  # destroyed since
+        del side_groups[key]
+        pg = None
+    return pg
 
 
 def carries_host_tensors(pg: dist.ProcessGroup) -> bool:
@@ -163,25 +203,26 @@ def carries_host_tensors(pg: dist.ProcessGroup) -> bool:
     return str(dist.get_backend(pg)).lower() not in ("nccl", "xccl", "hccl")
 
 
-def _register_handshake_group(name: str) -> None:
+def _register_handshake_group(name: str, pg: dist.ProcessGroup | None = None) -> None:
     """Handshakes of a group run in host memory over the first live group
     with the same ranks (in order) that takes CPU tensors, so that ranks
     passing different group objects for those ranks meet in one collective
     and are told so, instead of each waiting in its own; for an NCCL group,
     over its side group (cplib.register_group). An NCCL group without one
     falls back to a CUDA buffer read back to the host, and says so once."""
-    if name in _routes:
-        return
     c10d = dist.distributed_c10d
     try:
-        pg = c10d._resolve_process_group(name)
+        pg = c10d._resolve_process_group(name) if pg is None else pg
+        token = group_token(pg)
+        if token in _routes:
+            return
         ranks = c10d.get_process_group_ranks(pg)
     except Exception:  # unknown here: the op raises, naming it
         return
-    side = side_groups.get(tuple(ranks))
+    side = side_group(tuple(ranks))
     if side is not None and not carries_host_tensors(pg):
-        _routes[name] = side.group_name
-        ops.handshake_set_route(name, side.group_name, 1, True)
+        _routes[token] = side.group_name
+        ops.handshake_set_route(token, side.group_name, 1, True)
         return
     host = carries_host_tensors(pg)
     via = name
@@ -196,8 +237,8 @@ def _register_handshake_group(name: str) -> None:
                 break
         except Exception:  # not a member, or gone
             continue
-    _routes[name] = via
-    ops.handshake_set_route(name, via, int(host), False)
+    _routes[token] = via
+    ops.handshake_set_route(token, via, int(host), False)
     if not host and pg.size() > 1:
         import warnings
         warnings.warn(
@@ -208,18 +249,17 @@ def _register_handshake_group(name: str) -> None:
             stacklevel=3)
 
 
-def forget_route(name: str) -> None:
-    """Chooses ``name``'s route again at its next registration."""
-    _routes.pop(name, None)
+def forget_route(pg: dist.ProcessGroup) -> None:
+    """Chooses ``pg``'s route again at its next registration."""
+    _routes.pop(group_token(pg), None)
 
 
 def forget_routes() -> None:
-    """Chooses every known group's route again (after a side group was made;
-    groups that are gone are dropped)."""
-    names = list(_routes)
+    """Chooses every live group's route again (after a side group was made)."""
     _routes.clear()
-    for name in names:
-        _register_handshake_group(name)
+    for pg, name in list(dist.distributed_c10d._world.pg_names.items()):
+        if id(pg) in _tokens:
+            _register_handshake_group(name, pg)
 
 
 def reject_mixed_meta(op: str, **tensors) -> None:
@@ -267,8 +307,11 @@ def normalize_dim(dim: int, ndim: int, what: str) -> int:
     return dim % ndim
 
 
-def check_mesh(mesh: DeviceMesh) -> dist.ProcessGroup:
-    """The process group of a 1-D ``mesh``; anything else is a ValueError."""
+def check_mesh(mesh: DeviceMesh, register: bool = True) -> dist.ProcessGroup:
+    """The process group of a 1-D ``mesh``; anything else is a ValueError.
+    ``register``: choose its handshake route now (see group_name_of); callers
+    that register the group themselves first (context_parallel) say False,
+    so that an NCCL group is not warned about before it has its side group."""
     if not isinstance(mesh, DeviceMesh):
         raise ValueError(f"cplib: expected a DeviceMesh, got {type(mesh).__name__}")
     if mesh.ndim != 1:
@@ -288,5 +331,6 @@ def check_mesh(mesh: DeviceMesh) -> dist.ProcessGroup:
             f"{mesh.mesh.tolist()}) is not a live group: it was destroyed "
             "(destroy_process_group) or never initialised on this rank; build the mesh from a "
             "live group") from exc
-    group_name_of(group)  # its handshakes go where the ops' own go (see group_name_of)
+    if register:
+        group_name_of(group)  # its handshakes go where the ops' own go (see group_name_of)
     return group

@@ -285,7 +285,11 @@ def context_parallel(
     any-length shards, and the hooks are gone on exit. A backward() after
     the block exits gets the right gradients.
     """
-    group = check_mesh(mesh)
+    group = check_mesh(mesh, register=False)
+    # The handshake's CPU side group on NCCL (a collective, the first time
+    # only) before the first handshake, which then runs on it in host memory
+    # (and no warning says the group has none).
+    register_groups(group)
     buffers = [] if buffers is None else list(buffers)
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     # 1. Every check before the handshake, whose all-gather comes before any
@@ -304,8 +308,8 @@ def context_parallel(
 
     # 3. The shards, and the configuration of the attention calls inside.
     groups = usp_groups(group, ulysses_degree)  # collective the first time only
-    # The handshake's CPU side groups on NCCL (collective the first time only).
-    register_groups(group, groups.ulysses_group, groups.ring_group)
+    # Their side groups too (collective the first time only).
+    register_groups(groups.ulysses_group, groups.ring_group)
     with torch.no_grad():
         shards = [shard_tensor(b, d, rank, world_size, indices,
                                shard_lengths(b.shape[d], world_size, balancer))

@@ -61,7 +61,8 @@ class _ContextParallel(ParallelStyle):
     def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         from ..ring.args import window_arg
 
-        group = check_mesh(mesh)
+        group = check_mesh(mesh, register=False)
+        register_groups(group)  # its CPU side group on NCCL, before the first handshake
         sdpa = self.attention_type == self.AttentionType.SDPA
 
         def check() -> None:
@@ -96,7 +97,7 @@ class _ContextParallel(ParallelStyle):
                           "window[0]": sides[0], "window[1]": sides[1]})
         if sdpa:
             groups = usp_groups(group, self.ulysses_degree)  # collective, once per mesh
-            register_groups(group, groups.ulysses_group, groups.ring_group)  # CPU side groups
+            register_groups(groups.ulysses_group, groups.ring_group)  # their CPU side groups
             module.forward = functools.partial(_sdpa_forward, module.forward, group, groups,
                                                self.window)
             return module

@@ -78,7 +78,7 @@ def _ring_sdpa_backward_fake(grad_out, q, k, v, out, lse, group_name, is_causal,
 def _ring_sdpa_backward_covered_fake(grad_out, q, k, v, out, lse, group_name, is_causal,
                                      load_balanced, scale, backend, rotate, cu_seqlens, window,
                                      seq_len, per_document, q_positions, kv_positions, ring_pass,
-                                     agreed_lengths):
+                                     agreed_record):
     # Covered by its forward's handshake: checks only, nothing communicates.
     reject_real_in_fake("ring_sdpa_backward", grad_out, q, k, v, out, lse, cu_seqlens, q_positions,
                         kv_positions)

@@ -13,6 +13,7 @@ import torch
 from ..comm.handshake import agreed, tracing
 from ..comm.native import GroupLike, group_name_of, ops
 from . import fake  # noqa: F401  (registers the fake kernels)
+from .host_copy import host_copy
 from .args import (RING_PASS_CODES, _is_fake, backend_arg, check_inputs, int_arg, rotate_arg,
                    scale_arg, window_arg)
 
@@ -32,7 +33,7 @@ def sinks_grad(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     return -(delta * prob).sum((0, 2)).to(sinks.dtype)
 
 
-def attention_autograd(backward_op, forward_op, covered_backward_op=None, agreed_lengths=None):
+def attention_autograd(backward_op, forward_op, covered_backward_op=None, agreed_record=None):
     """(setup_context, backward) for an attention op returning (out, lse)
     whose inputs are q, k, v and then non-tensor arguments, and whose
     ``backward_op(grad_out, q, k, v, out, lse, *args)`` gives (dq, dk, dv).
@@ -40,11 +41,13 @@ def attention_autograd(backward_op, forward_op, covered_backward_op=None, agreed
     left out of ``args``: the backward kernel run with the sunk (out, lse) is
     already exact, and the sinks' own gradient is :func:`sinks_grad`.
 
-    ``covered_backward_op`` (same arguments by name, plus ``agreed_lengths``,
-    what ``agreed_lengths()`` returns right after the forward): the backward
-    without a handshake of its own, which its forward's covers (one handshake
-    per fwd+bwd). Used for real tensors; traced and fake ones (compile) keep
-    ``backward_op``, which handshakes when it runs."""
+    ``covered_backward_op`` (same arguments by name, plus ``agreed``, what
+    ``agreed_record()`` returns right after the forward: the lengths,
+    documents, positions and backend the forward agreed on, csrc/torch/ring/
+    ring_agreed.h): the backward without a handshake of its own, which its
+    forward's covers (one handshake per fwd+bwd), and which reads none of its
+    inputs' values again. Used for real tensors; traced and fake ones
+    (compile) keep ``backward_op``, which handshakes when it runs."""
     arguments = forward_op.default._schema.arguments
     names = [a.name for a in arguments]
     sinks_at = names.index("sinks") - 3 if "sinks" in names else None
@@ -65,7 +68,8 @@ def attention_autograd(backward_op, forward_op, covered_backward_op=None, agreed
         ctx.agreed = None
         if covered_backward_op is not None and not tracing((q,)):
             # Plain meta tensors: the forward's fake kernel handshook (if due).
-            ctx.agreed = [] if q.device.type == "meta" else agreed_lengths()
+            ctx.agreed = (q.new_empty(0, dtype=torch.long) if q.device.type == "meta"
+                          else agreed_record())
         ctx.has_sinks = sinks is not None
         ctx.save_for_backward(q, k, v, out, lse, *([sinks] if sinks is not None else []))
         # As for ATen's fused attention kernels, the log-sum-exp is an
@@ -98,8 +102,7 @@ def attention_autograd(backward_op, forward_op, covered_backward_op=None, agreed
 
 
 _setup, _backward = attention_autograd(ops.ring_sdpa_backward, ops.ring_sdpa,
-                                       ops.ring_sdpa_backward_covered,
-                                       lambda: list(ops.ring_agreed_lengths()))
+                                       ops.ring_sdpa_backward_covered, ops.ring_agreed_record)
 torch.library.register_autograd("cplib_c::ring_sdpa", _backward, setup_context=_setup)
 
 
@@ -234,6 +237,9 @@ def ring_sdpa(
 
     rotate_code, backend_code, scale, window, seq_len, pass_code = agreed(
         "ring_sdpa", name, (q, k, v, cu_seqlens), args, meta_joins=True)
+    # The plan reads these on the host: GPU tensors once per version (host_copy.py).
+    cu_seqlens, q_positions, kv_positions = (host_copy(t) for t in
+                                             (cu_seqlens, q_positions, kv_positions))
     args = (q, k, v, name, bool(is_causal), bool(load_balanced), scale, backend_code,
             rotate_code, cu_seqlens, window, seq_len, bool(per_document), sinks, q_positions,
             kv_positions, pass_code)

@@ -12,7 +12,7 @@ from ..comm.native import group_size, ops
 from ..ring.args import _group_rank, check_inputs, check_sinks
 from ..ring.check import _check
 
-__all__ = ["check_heads", "kv_head_repeat", "uneven_lengths"]
+__all__ = ["check_heads", "kv_head_repeat", "exchange_to_heads"]
 
 _SEQ_MAJOR = (2, 0, 1, 3)   # (S, B, H, D)
 _HEAD_MAJOR = (1, 0, 2, 3)  # (H, B, S, D)
@@ -98,26 +98,43 @@ def _check_qkv(op: str, q, k, v) -> None:
                              f"is {shape}")
 
 
-def uneven_lengths(op: str, q: torch.Tensor, name: str, degree: int,
-                   is_causal: bool) -> list[int] | None:
-    """Every rank's local length when they differ (non-causal joint text+image
-    shards), else None. Learned in a handshake, so that a rank whose own
-    checks failed meets the others there; causal calls skip it (a causal mask
-    needs global positions: their reshard's handshake names differing
-    lengths). While compiling, the lengths are taken to be equal (a traced
-    graph cannot depend on exchanged values)."""
-    if degree == 1 or is_causal or torch.compiler.is_compiling():
-        return None
+def exchange_to_heads(op: str, q, k, v, name: str, degree: int, may_differ: bool):
+    """``(lengths, (qh, kh, vh))``: the exchange of q, k and v to heads over
+    the Ulysses group, with one handshake in all. With ``may_differ``
+    (non-causal attention without a layout), ranks may hold different
+    lengths (joint text+image shards): every
+    rank's q and k/v lengths are learned in the handshake that also
+    describes the exchange (shapes but the sequence dim, dtypes, devices),
+    and the exchange then runs without one of its own
+    (``ulysses_reshard_qkv_covered``; its checks cannot fail on one rank
+    alone: the wrapper's ran before this handshake, and the lengths are the
+    same table on every rank). ``lengths`` is None when every rank holds
+    the same. Otherwise (causal: a causal mask needs global positions), and
+    for traces and meta tensors, the exchange's own handshake compares the
+    lengths. While compiling, lengths are taken to be equal (a traced graph
+    cannot depend on exchanged values)."""
+    repeat = kv_head_repeat(k.shape[1], degree)
     from torch._subclasses.fake_tensor import is_fake
-    if q.device.type == "meta" or is_fake(q):
-        return None
+    if (degree == 1 or not may_differ or torch.compiler.is_compiling()
+            or q.device.type == "meta" or is_fake(q)):
+        return None, ops.ulysses_reshard_qkv(q, k, v, name, True, repeat, None)
+    mine = [q.shape[2], k.shape[2]]
     if can_handshake(name):
-        table = handshake(name, op, fields={"local lengths (learned)": 0},
-                          lengths=[q.shape[2]])
-        lengths = [row[0] for row in table]
+        table = handshake(name, op, {"q": q, "k": k, "v": v},
+                          {"kv_head_repeat": repeat, "to_heads": 1}, lengths=mine, skip_dim=2)
     else:
-        lengths = list(ops.gather_local_lengths([q.shape[2]], name, q.device))
-    return None if len(set(lengths)) == 1 else lengths
+        flat = list(ops.gather_local_lengths(mine, name, q.device))
+        table = [flat[2 * r:2 * r + 2] for r in range(len(flat) // 2)]
+    lq, lk = [row[0] for row in table], [row[1] for row in table]
+    if len(set(lq)) == 1 and len(set(lk)) == 1:
+        lengths = None
+    elif lq != lk:
+        # The same table on every rank: every rank raises this.
+        raise ValueError(f"cplib.{op}: the ranks' local lengths differ (q {lq}, k/v {lk}); "
+                         "ranks of different lengths need q and k/v of one length each")
+    else:
+        lengths = lq
+    return lengths, ops.ulysses_reshard_qkv_covered(q, k, v, name, True, repeat, lengths)
 
 
 @torch.compiler.assume_constant_result
@@ -130,12 +147,6 @@ def _degree(group_name: str) -> int:
 def _check_local(op: str, q, k, v, is_causal, scale, backend) -> None:
     # ring_sdpa's checks minus the ring's (rotation, load balance, group).
     _check(op, q, k, v, None, is_causal, False, scale, backend, 0)
-
-
-def _to_heads(q, k, v, group_name: str, degree: int, lengths=None):
-    # One op for the three exchanges, all in flight at once.
-    return ops.ulysses_reshard_qkv(q, k, v, group_name, True, kv_head_repeat(k.shape[1], degree),
-                                   lengths)
 
 
 @torch.compiler.assume_constant_result

@@ -17,7 +17,7 @@ from ..comm.native import GroupLike, group_name_of, group_size, ops, reject_real
 from ..ring.args import _acc_dtype, _group_rank, backend_arg, check_inputs, check_sinks, scale_arg
 from ..ring.op import attention_autograd, ring_sdpa
 from .args import (_BSHD, _SEQ_MAJOR, _check_local, _check_qkv, _degree, _local_sinks,
-                   _reshard_shape, _to_heads, _to_seq, check_heads, uneven_lengths)
+                   _reshard_shape, _to_seq, check_heads, exchange_to_heads)
 from .usp import usp_attention
 
 __all__ = ["ulysses_reshard", "ulysses_sdpa", "ulysses_attention"]
@@ -162,19 +162,23 @@ torch.library.register_autograd("cplib_c::ulysses_local_sdpa", _local_backward,
 # ---------------------------------------------------------------- entry points
 
 
+# By the token of the default group (a new init makes a new one; see
+# cplib/comm/native.py: group_token).
 _self: dict[int, str] = {}
 
 
 @torch.compiler.assume_constant_result
 def _self_group() -> str:
-    """A group of this process alone (made once, by this process only): the
-    ring of one that runs pure Ulysses's masked attention."""
+    """A group of this process alone (made once per init, by this process
+    only): the ring of one that runs pure Ulysses's masked attention."""
     import torch.distributed as dist
 
-    me = dist.get_rank()
-    if me not in _self:
-        _self[me] = dist.new_group([me], use_local_synchronization=True).group_name
-    return _self[me]
+    from ..comm.native import group_token
+
+    key = group_token(dist.distributed_c10d._get_default_group())
+    if key not in _self:
+        _self[key] = dist.new_group([dist.get_rank()], use_local_synchronization=True).group_name
+    return _self[key]
 
 
 def ulysses_sdpa(
@@ -244,7 +248,6 @@ def ulysses_attention(q, k, v, group: GroupLike, is_causal: bool, scale: float |
         return degree, scale_, code, _local_sinks(op, q, sinks, name, degree)
 
     degree, scale, code, local_sinks = agreed(op, name, (q, k, v), args)
-    lengths = uneven_lengths(op, q, name, degree, is_causal)
-    qh, kh, vh = _to_heads(q, k, v, name, degree, lengths)
+    lengths, (qh, kh, vh) = exchange_to_heads(op, q, k, v, name, degree, not is_causal)
     out_h, lse_h = ops.ulysses_local_sdpa(qh, kh, vh, bool(is_causal), scale, code, local_sinks)
     return _to_seq(out_h, lse_h, name, lengths, need_lse)

@@ -11,8 +11,8 @@ from ..comm.handshake import agreed, forward_error
 from ..comm.native import GroupLike, group_name_of
 from ..ring.args import backend_arg, rotate_arg, scale_arg
 from ..ring.op import ring_sdpa
-from .args import (_check_local, _check_qkv, _degree, _local_sinks, _rank_in, _to_heads, _to_seq,
-                   check_heads, uneven_lengths)
+from .args import (_check_local, _check_qkv, _degree, _local_sinks, _rank_in, _to_seq,
+                   check_heads, exchange_to_heads)
 
 __all__ = ["usp_sdpa", "usp_attention"]
 
@@ -128,13 +128,13 @@ def usp_attention(q, k, v, ulysses_group: GroupLike, ring_group: GroupLike, is_c
     def to_heads():
         degree, scale_, lengths, local_sinks = agreed(op, uname, (q, k, v), args)
         # Joint streams (no layout): the exchange itself takes ranks of
-        # different lengths, and so does the ring after it.
-        sizes = uneven_lengths(op, q, uname, degree, is_causal) if even else None
+        # different lengths (learned in its one handshake), and so does the
+        # ring after it.
         keep = _real_rows(lengths, q.device)
         # Uneven pieces of a layout travel padded to one length; the ring sees
         # exactly its shard.
         padded = (q, k, v) if keep is None else _pad_rows((q, k, v), max(lengths))
-        heads = _to_heads(*padded, uname, degree, sizes)
+        sizes, heads = exchange_to_heads(op, *padded, uname, degree, even and not is_causal)
         if keep is not None:
             heads = tuple(t.index_select(2, keep) for t in heads)
         return scale_, degree, lengths, sizes, keep, local_sinks, heads

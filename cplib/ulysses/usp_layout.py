@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..comm.native import group_token
 from ..ring.load_balancer import _inverse, _LoadBalancer
 from ..ring.layout import chunk_range, shard_ranges
 
@@ -146,7 +147,9 @@ class UspGroups:
     ring_degree: int
 
 
-_cache: dict[tuple[str, int], UspGroups] = {}
+# By (group token, degree): torch reuses group names after destroy_process_group
+# and a new init (cplib/comm/native.py: group_token).
+_cache: dict[tuple[int, int], UspGroups] = {}
 
 
 def usp_groups(group: dist.ProcessGroup, ulysses_degree: int) -> UspGroups:
@@ -155,7 +158,7 @@ def usp_groups(group: dist.ProcessGroup, ulysses_degree: int) -> UspGroups:
     calls it, as ``context_parallel`` and ``_ContextParallel`` do)."""
     n = dist.get_world_size(group)
     ring_degree = check_degrees(n, ulysses_degree)
-    key = (group.group_name, ulysses_degree)
+    key = (group_token(group), ulysses_degree)
     found = _cache.get(key)
     if found is not None:
         return found

@@ -8,10 +8,10 @@ Group resolve_group(std::string_view group_name) {
   // stable ABI has no process-group API. It returns [] for an unknown name.
   auto stack = call("cplib_c::group_info", "", name);
   const auto info = ret<std::vector<int64_t>>(stack[0]);
-  CPLIB_CHECK_VALUE(info.size() == 3, "cplib: no process group is registered under the name '",
+  CPLIB_CHECK_VALUE(info.size() == 4, "cplib: no process group is registered under the name '",
                     name, "' (destroyed, or never initialised: pass group.group_name of a live "
                     "group)");
-  return Group{name, info[0], info[1], info[2] != 0};
+  return Group{name, info[0], info[1], info[2] != 0, info[3]};
 }
 
 Tensor all_gather_dim0(const Group& g, const Tensor& in) {
@@ -46,7 +46,7 @@ void wait(const Tensor& t) {
 // a type the stable dispatcher call cannot pass; these ops take it as `str`
 // and are implemented in Python (cplib/comm/native.py) by calling them.
 STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
-  // [rank, size, NCCL?] of a group, or [] for an unknown name.
+  // [rank, size, NCCL?, token] of a group, or [] for an unknown name.
   m.def("group_info(str group_name) -> int[]");
   m.def("c10d_all_gather(Tensor input, int group_size, str group_name) -> Tensor");
   m.def("c10d_reduce_scatter_sum(Tensor input, int group_size, str group_name) -> Tensor");

@@ -21,6 +21,9 @@ struct Group {
   int64_t rank = 0;
   int64_t size = 1;
   bool nccl = false;  // its collectives take CUDA tensors
+  // This process's number for the group object (cplib/comm/native.py:
+  // group_token): never reused, unlike names after a new init.
+  int64_t token = 0;
 };
 
 // Raises ValueError naming the group when nothing is registered under it.

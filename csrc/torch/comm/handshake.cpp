@@ -59,13 +59,15 @@ struct RouteEntry {
 };
 
 std::mutex g_route_mutex;
-std::unordered_map<std::string, RouteEntry> g_routes;
+std::unordered_map<int64_t, RouteEntry> g_routes;  // by group token
 std::atomic<int64_t> g_handshakes{0};
 
-RouteEntry route_entry(const std::string& group_name) {
+// Unregistered (a direct op call, or a new group under an old name before
+// its first registration): the group itself.
+RouteEntry route_entry(const Group& group) {
   std::lock_guard<std::mutex> lock(g_route_mutex);
-  auto it = g_routes.find(group_name);
-  return it == g_routes.end() ? RouteEntry{group_name, -1, false} : it->second;
+  auto it = g_routes.find(group.token);
+  return it == g_routes.end() ? RouteEntry{group.name, -1, false} : it->second;
 }
 
 Tensor to_host_int64(const Tensor& t) {
@@ -124,10 +126,10 @@ bool handshake_enabled() {
   return v == nullptr || std::strcmp(v, "0") != 0;
 }
 
-void register_handshake_group(const std::string& group_name, const std::string& via,
-                              int64_t on_host, bool side) {
+void register_handshake_group(int64_t token, const std::string& via, int64_t on_host,
+                              bool side) {
   std::lock_guard<std::mutex> lock(g_route_mutex);
-  g_routes[group_name] = RouteEntry{via, on_host, side};
+  g_routes[token] = RouteEntry{via, on_host, side};
 }
 
 int64_t handshake_count(bool reset) {
@@ -135,7 +137,7 @@ int64_t handshake_count(bool reset) {
 }
 
 HandshakeRoute handshake_route(const Group& group) {
-  const RouteEntry e = route_entry(group.name);
+  const RouteEntry e = route_entry(group);
   HandshakeRoute r{group, Device(DeviceType::CPU)};
   if (e.via != group.name) {
     // Over the same ranks in the same order: rank and size are the group's.

@@ -128,13 +128,15 @@ struct HandshakeRoute {
 HandshakeRoute handshake_route(const Group& group);
 #pragma GCC visibility pop
 
-// Set by the Python side (cplib/comm/native.py). `on_host`: 1 when `via` takes
-// CPU tensors, 0 when it does not (NCCL without a side group: the fallback),
-// -1 to derive it from the group's backend. `side`: `via` is a side group
-// that cplib made (never destroyed before the group), so it is not resolved
-// again at each handshake.
-void register_handshake_group(const std::string& group_name, const std::string& via,
-                              int64_t on_host = -1, bool side = false);
+// Set by the Python side (cplib/comm/native.py) for the group whose token
+// (Group::token) is `token`: routes are keyed by the group object, not by
+// its name, which torch reuses after destroy_process_group and a new init.
+// `on_host`: 1 when `via` takes CPU tensors, 0 when it does not (NCCL
+// without a side group: the fallback), -1 to derive it from the group's
+// backend. `side`: `via` is a side group that cplib made (never destroyed
+// before the group), so it is not resolved again at each handshake.
+void register_handshake_group(int64_t token, const std::string& via, int64_t on_host,
+                              bool side);
 
 // Handshakes (all-gathers) this process has made since the last reset: a
 // debug counter for tests and benchmarks.

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -49,9 +50,15 @@ Tensor zeros(const std::vector<int64_t>& sizes, const Opts& o);
 Tensor full(const std::vector<int64_t>& sizes, double value, const Opts& o);
 Tensor empty_strided(const std::vector<int64_t>& sizes, const std::vector<int64_t>& strides,
                      const Opts& o);
-// A 1-D int64 tensor of `values` on `device`.
+// A 1-D int64 tensor of `values` on `device` (sent to a GPU without
+// waiting for it).
 Tensor from_host(const std::vector<int64_t>& values, const Device& device);
-// The values of an integer tensor as int64, read on the host.
+// `t` on `device`: itself when there, else copied without waiting for the GPU.
+Tensor on_device(const Tensor& t, const Device& device);
+// The values of an integer tensor as int64, read on the host: for a tensor
+// on the GPU a device-to-host copy that waits for it (keep these out of
+// per-step and per-token paths; every cplib read of a tensor's values goes
+// through here or the handshake's values hash).
 std::vector<int64_t> to_host(const Tensor& t);
 
 
@@ -95,7 +102,8 @@ Tensor exp(const Tensor& t);
 Tensor logaddexp(const Tensor& a, const Tensor& b);
 Tensor sum_dim(const Tensor& t, int64_t dim, ScalarType dtype);
 void sum_dim_out(const Tensor& out, const Tensor& t, int64_t dim, ScalarType dtype);
-// t with the rows where `mask` is true set to `value`.
+// t with the rows where `mask` is true set to `value` (out of place; no read
+// of `value` back to the host, unlike ATen's masked_fill with a tensor value).
 Tensor masked_fill(const Tensor& t, const Tensor& mask, double value);
 Tensor ge(const Tensor& a, const Tensor& b);
 Tensor le(const Tensor& a, const Tensor& b);
@@ -123,13 +131,19 @@ std::tuple<Tensor, Tensor, Tensor> flash_cpu_backward(
 // run takes. None of the ops behind them returns a SymInt (see dispatch.h).
 int64_t fused_sdp_choice(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
                          std::optional<double> scale);
-// (B, H, L, D) in and out; lse (B, H, Lq) float32.
+// (B, H, L, D) in and out; lse (B, H, Lq) float32. Head dims that are not
+// a multiple of 8 are zero-padded at the call (as SDPA does), the scale
+// taken from the real one (nullopt: 1/sqrt of q's head dim).
 std::tuple<Tensor, Tensor> flash_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
                                       bool causal, std::optional<double> scale);
 std::tuple<Tensor, Tensor, Tensor> flash_cuda_backward(
     const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
     const Tensor& lse, int64_t max_q, int64_t max_k, bool causal, const Tensor& seed,
     const Tensor& offset, std::optional<double> scale);
+// The argument names cplib passes to aten::_flash_attention_forward, in
+// order: the running torch's schema (asked once; a name cplib cannot fill
+// raises NotImplementedError).
+std::vector<std::string> flash_forward_argument_names();
 std::tuple<Tensor, Tensor> efficient_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
                                           const std::optional<Tensor>& bias, bool causal,
                                           std::optional<double> scale);

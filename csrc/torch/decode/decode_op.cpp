@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <tuple>
 
 #include "comm/collectives.h"
 #include "comm/handshake.h"
@@ -74,27 +75,46 @@ void check_args(const Tensor& q, const Tensor& k, const Tensor& v,
                     scale ? *scale : 0.0, " must be a finite positive number or None");
 }
 
-// q's memory as bytes (its values, bit for bit).
-Tensor q_bytes(const Tensor& q) {
-  auto st = call("aten::view", "dtype", aten::flat(aten::contiguous(q)), ScalarType::Byte);
-  return ret<Tensor>(st[0]);
-}
-
-// What every rank must agree on: q itself (it is replicated by contract),
-// the cache's heads and head dims, the mask and the scale.
+// What every rank must agree on: q's shape and dtype (its values are
+// replicated by contract: comparing them would read q back from the GPU at
+// every generated token), the cache's heads and head dims, the mask and the
+// scale.
 void describe(CallSignature& sig, const Tensor& q, const Tensor& k, const Tensor& v,
               const std::optional<Tensor>& q_pos,
               const std::optional<std::vector<int64_t>>& window, std::optional<double> scale) {
   sig.add_meta("q", q);
-  sig.add_values_hash("q", q_bytes(q));
   sig.add_meta("k", k, /*skip_dim=*/2);
   sig.add_meta("v", v, /*skip_dim=*/2);
   sig.add_flag("q_positions is not None", q_pos.has_value());
-  if (q_pos) sig.add_values_hash("q_positions", *q_pos);
   sig.add_flag("window is not None", window.has_value());
   for (size_t i = 0; window && i < window->size(); ++i)
     sig.add("window[" + std::to_string(i) + "]", (*window)[i]);
   sig.add_optional_float("scale", scale);
+}
+
+// The mask of the T queries against this rank's L keys, built on q's device
+// from the positions without reading them on the host (no wait for the GPU
+// per token): query i sees key j iff kv_pos[j] <= q_pos[i] and, with a
+// window, kv_pos[j] >= q_pos[i] - left. Returns the additive (T, L) mask in
+// q's dtype and the (T) rows that see no key.
+std::pair<Tensor, Tensor> decode_mask(const Tensor& q, const Tensor& q_pos, const Tensor& kv_pos,
+                                      const std::optional<std::vector<int64_t>>& window) {
+  const Device dev = q.device();
+  const Tensor qp = aten::reshape(aten::on_device(q_pos, dev), {q_pos.numel(), 1});
+  const Tensor kp = aten::reshape(aten::on_device(kv_pos, dev), {1, kv_pos.numel()});
+  Tensor visible = aten::le(kp, qp);
+  if (window) {
+    // In float64 (ATen's integer subtraction takes no float alpha through
+    // the stable call): exact for positions below 2**53, and a window wider
+    // than that hides nothing.
+    const double left = std::min(static_cast<double>((*window)[0]), 9007199254740992.0);
+    const Tensor lo = aten::subtract(aten::to(qp, ScalarType::Double),
+                                     aten::full({}, left, aten::Opts{ScalarType::Double, dev}));
+    visible = aten::logical_and(visible, aten::ge(aten::to(kp, ScalarType::Double), lo));
+  }
+  const Tensor additive =
+      aten::where_scalars(visible, 0.0, -std::numeric_limits<double>::infinity(), aten::opts_of(q));
+  return {additive, aten::logical_not(aten::any_dim(visible, 1))};
 }
 
 std::tuple<Tensor, Tensor> decode_sdpa(Tensor q, Tensor k, Tensor v, std::string group_name,
@@ -104,10 +124,13 @@ std::tuple<Tensor, Tensor> decode_sdpa(Tensor q, Tensor k, Tensor v, std::string
                                        std::optional<double> scale) {
   aten::NoGradGuard no_grad;
   const Group group = resolve_group(group_name);
+  ring::Config cfg;
   Handshake hs("decode_sdpa");
   hs.validate([&] {
     check_args(q, k, v, q_positions, kv_positions, window, scale);
     describe(hs.sig(), q, k, v, q_positions, window, scale);
+    // The block's checks and backend here, so that an error joins the handshake.
+    if (k.size(2) > 0) cfg = ring::check_local_args("decode_sdpa", q, k, v, false, scale, -1);
     hs.set_lengths({k.size(2)});
   });
   hs.exchange(group);
@@ -118,52 +141,27 @@ std::tuple<Tensor, Tensor> decode_sdpa(Tensor q, Tensor k, Tensor v, std::string
   // This rank's partial, packed as (B, H, T, Dv + 1): out, then lse.
   Tensor packed = aten::empty({B, H, T, Dv + 1}, acc_opts);
   Tensor part_out = aten::narrow(packed, 3, 0, Dv), part_lse = torch::stable::select(packed, 3, Dv);
-  aten::zero_(part_out);
-  aten::fill_(part_lse, ninf);
-  if (L > 0) {
-    ring::Config cfg = ring::check_local_args("decode_sdpa", q, k, v, false, scale, -1);
+  if (L == 0) {
+    aten::zero_(part_out);
+    aten::fill_(part_lse, ninf);
+  } else {
     Tensor mask, no_key;
-    bool all_hidden = false;
-    if (q_positions) {
-      ring::Mask m;
-      m.causal = true;
-      const std::vector<int64_t> qp = aten::to_host(*q_positions), kp = aten::to_host(*kv_positions);
-      const int64_t top = std::max(*std::max_element(qp.begin(), qp.end()),
-                                   *std::max_element(kp.begin(), kp.end())) + 1;
-      m.seq_len = top;
-      m.left = window ? std::min((*window)[0], top) : top;
-      m.right = 0;
-      // What the mask hides, read on the host: nothing (no mask at all), or
-      // every key from every row (nothing to attend).
-      bool any_hidden = false;
-      all_hidden = true;
-      for (const int64_t i : qp) {
-        bool row_sees = false;
-        for (const int64_t j : kp) {
-          const bool visible = j >= i - m.left && j <= i;
-          row_sees = row_sees || visible;
-          any_hidden = any_hidden || !visible;
-        }
-        all_hidden = all_hidden && !row_sees;
-      }
-      if (any_hidden) std::tie(mask, no_key) = m.build_at(qp, kp, aten::opts_of(q));
+    if (q_positions) std::tie(mask, no_key) = decode_mask(q, *q_positions, *kv_positions, window);
+    // GQA without expanding k/v: the q heads of one group become rows of
+    // their k/v head, (B, Hkv, groups * T, D), rows ordered (group, token).
+    const int64_t G = cfg.groups, Hkv = k.size(1);
+    const Tensor qg = aten::reshape(q, {B, Hkv, G * T, q.size(3)});
+    const Tensor mg = mask.defined() && G > 1 ? aten::repeat(mask, {G, 1}) : mask;
+    cfg.groups = 1;
+    ring::BlockResult r = ring::block_forward(cfg, qg, k, v, /*causal=*/false, mg);
+    Tensor o = aten::reshape(r.out, {B, H, T, Dv}), l = aten::reshape(r.lse, {B, H, T});
+    if (mask.defined()) {
+      // Rows that see no key here contribute nothing (lse -inf in the merge).
+      o = aten::masked_fill(o, aten::view(no_key, {-1, 1}), 0.0);
+      l = aten::masked_fill(l, no_key, ninf);
     }
-    if (!all_hidden) {
-      // GQA without expanding k/v: the q heads of one group become rows of
-      // their k/v head, (B, Hkv, groups * T, D), rows ordered (group, token).
-      const int64_t G = cfg.groups, Hkv = k.size(1);
-      const Tensor qg = aten::reshape(q, {B, Hkv, G * T, q.size(3)});
-      const Tensor mg = mask.defined() && G > 1 ? aten::repeat(mask, {G, 1}) : mask;
-      cfg.groups = 1;
-      ring::BlockResult r = ring::block_forward(cfg, qg, k, v, /*causal=*/false, mg);
-      Tensor o = aten::reshape(r.out, {B, H, T, Dv}), l = aten::reshape(r.lse, {B, H, T});
-      if (mask.defined()) {
-        o = aten::masked_fill(o, aten::view(no_key, {-1, 1}), 0.0);
-        l = aten::masked_fill(l, no_key, ninf);
-      }
-      aten::copy_(part_out, o);
-      aten::copy_(part_lse, l);
-    }
+    aten::copy_(part_out, o);
+    aten::copy_(part_lse, l);
   }
   const int64_t n = group.size;
   Tensor all;

@@ -1,37 +1,95 @@
 // cplib_c::_cuda_glue_probe (internal): one block forward, and optionally its
-// backward, through the CUDA block helpers (ring_block_cuda*.cpp), the very
-// functions and arguments the ring and Ulysses use on a GPU. On META tensors
-// every ATen call goes through the stable dispatcher's argument and return
-// conversion without a GPU, which is where the H100 run of a24d28d failed
-// ("Expected Tensor but got Int" for ops returning SymInts):
-// tests/test_cuda_glue.py runs it on CPU-only machines, for every backend.
+// backward, along the ring's own route to the CUDA kernels: k and v packed
+// in one buffer as they travel (ring_rotate.h: Packing), GQA heads expanded
+// as the ring expands them (HeadExpander), the backend resolved as the ring
+// resolves it (resolve_ring_backend), block_forward/block_backward with the
+// scale and MLA padding the ring applies, the partial merged into the
+// accumulators, and the backward fed the accumulator's fp32 lse rows (in two
+// row halves when not causal, as load-balanced steps are) and its gradients
+// summed back over each GQA group. On META tensors every ATen call goes
+// through the stable dispatcher's argument and return conversion without a
+// GPU, which is where the H100 run of a24d28d failed ("Expected Tensor but
+// got Int" for ops returning SymInts): tests/test_cuda_glue.py runs it on
+// CPU-only machines, for every backend.
 // `backend`: the ring's codes (ring.h); auto (-1) resolves as the ring does.
 // `masked`: the windows/documents path (an all-zero additive mask).
 // Without `backward`, dq/dk/dv come back empty.
+#include <cmath>
+
 #include "common/aten.h"
+#include "ring/ring_agreed.h"
 #include "ring/ring_block.h"
+#include "ring/ring_heads.h"
+#include "ring/ring_rotate.h"
 
 namespace cplib::ring {
 namespace {
 
+// The ring's configuration of a one-rank ring over these tensors, taking the
+// CUDA kernels whatever the device (meta, here).
+Config probe_config(const Tensor& q, const Tensor& k, const Tensor& v, int64_t backend,
+                    bool causal, std::optional<double> scale) {
+  Config cfg;
+  cfg.causal = causal;
+  cfg.cuda = true;
+  cfg.backend = backend;
+  cfg.groups = q.size(1) / k.size(1);
+  // As check_args fixes it for MLA (the kernels may see padded head dims).
+  if (!scale && q.size(3) != v.size(3)) scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
+  cfg.scale = scale;
+  cfg.q_layout = {q.size(2), 1, false, {}, {}, {}};
+  cfg.kv_layout = {k.size(2), 1, false, {}, {}, {}};
+  cfg.backend = resolve_ring_backend(cfg, q, k, v);
+  return cfg;
+}
+
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> cuda_glue_probe(
     const Tensor& q, const Tensor& k, const Tensor& v, int64_t backend, bool is_causal,
-    bool masked, bool backward) {
+    bool masked, bool backward, std::optional<double> scale) {
   aten::NoGradGuard no_grad;
-  Config cfg;
-  cfg.backend = resolve_backend_cuda(backend, q, k, v, is_causal, std::nullopt);
-  const Tensor mask = masked ? aten::zeros({q.size(2), k.size(2)}, aten::opts_of(q)) : Tensor();
-  BlockResult r = masked ? block_forward_cuda_masked(cfg, q, k, v, mask)
-                         : block_forward_cuda(cfg, q, k, v, is_causal);
+  CPLIB_CHECK_VALUE(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k.size(1) > 0 &&
+                        q.size(1) % k.size(1) == 0,
+                    "cplib._cuda_glue_probe: q (B, Hq, Lq, D), k/v (B, Hkv, Lk, D/Dv) with Hkv "
+                    "dividing Hq");
+  const bool causal = is_causal && !masked;
+  const Config cfg = probe_config(q, k, v, backend, causal, scale);
+  const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2), Dv = v.size(3);
+  // K|V as a block arrives: one flat buffer, k then v.
+  const Packing pack(k, v);
+  const Tensor arrived = aten::empty({pack.total(Lk)}, aten::opts_of(k));
+  const KV blk = pack.views(arrived, Lk);
+  aten::copy_(blk[0], k);
+  aten::copy_(blk[1], v);
+  HeadExpander expand_k(cfg.groups, k, Lk), expand_v(cfg.groups, v, Lk);
+  const Tensor ek = expand_k(blk[0]), ev = expand_v(blk[1]);
+  const Tensor mask = masked ? aten::zeros({Lq, Lk}, aten::opts_of(q)) : Tensor();
+
+  const aten::Opts acc = aten::opts_of(q).dtype_(acc_dtype(q));
+  const BlockResult r = block_forward(cfg, q, ek, ev, causal, mask);
+  Tensor out_acc = aten::empty({B, H, Lq, Dv}, acc), lse = aten::empty({B, H, Lq}, acc);
+  aten::copy_(out_acc, r.out);
+  aten::copy_(lse, r.lse);
+  const Tensor out = aten::to(out_acc, q.scalar_type());
   if (!backward) {
     const Tensor none = aten::empty({0}, aten::opts_of(q));
-    return {r.out, r.lse, none, none, none};
+    return {out, lse, none, none, none};
   }
-  const Tensor grad_out = aten::full(aten::sizes_of(r.out), 1.0, aten::opts_of(r.out));
-  auto [dq, dk, dv] =
-      masked ? block_backward_cuda_masked(cfg, grad_out, q, k, v, r.out, r.lse, mask)
-             : block_backward_cuda(cfg, grad_out, q, k, v, r.out, r.lse, is_causal);
-  return {r.out, r.lse, dq, dk, dv};
+  const Tensor grad_out = aten::full({B, H, Lq, Dv}, 1.0, aten::opts_of(q));
+  Tensor dq = aten::zeros(aten::sizes_of(q), acc);
+  Tensor dk = aten::zeros(aten::sizes_of(k), acc), dv = aten::zeros(aten::sizes_of(v), acc);
+  const int64_t half = causal || Lq < 2 ? Lq : Lq / 2;
+  for (int64_t start = 0; start < Lq; start += half) {
+    const int64_t len = std::min(half, Lq - start);
+    auto rows = [&](const Tensor& t) { return aten::rows(t, 2, start, len); };
+    const Tensor m = masked ? aten::narrow(mask, 0, start, len) : Tensor();
+    auto [gq, gk, gv] = block_backward(cfg, rows(grad_out), rows(q), ek, ev, rows(out),
+                                       rows(lse), causal, m);
+    aten::add_(rows(dq), gq);
+    reduce_heads_into(dk, gk, cfg.groups, /*accumulate=*/true);
+    reduce_heads_into(dv, gv, cfg.groups, /*accumulate=*/true);
+  }
+  const ScalarType dt = q.scalar_type();
+  return {out, lse, aten::to(dq, dt), aten::to(dk, dt), aten::to(dv, dt)};
 }
 
 }  // namespace
@@ -39,7 +97,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> cuda_glue_probe(
 STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
   m.def(
       "_cuda_glue_probe(Tensor q, Tensor k, Tensor v, int backend, bool is_causal, bool masked, "
-      "bool backward) -> (Tensor out, Tensor lse, Tensor dq, Tensor dk, Tensor dv)");
+      "bool backward, float? scale=None) -> (Tensor out, Tensor lse, Tensor dq, Tensor dk, "
+      "Tensor dv)");
+  // The argument names cplib passes to aten::_flash_attention_forward, in
+  // order (the running torch's schema; tests/test_cuda_glue.py compares them).
+  m.def("_flash_forward_arguments() -> str[]");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, Meta, m) {
@@ -51,5 +113,9 @@ STABLE_TORCH_LIBRARY_IMPL(cplib_c, CUDA, m) {
   m.impl("_cuda_glue_probe", TORCH_BOX(&cuda_glue_probe));
 }
 #endif
+
+STABLE_TORCH_LIBRARY_IMPL(cplib_c, CompositeExplicitAutograd, m) {
+  m.impl("_flash_forward_arguments", TORCH_BOX(&aten::flash_forward_argument_names));
+}
 
 }  // namespace cplib::ring

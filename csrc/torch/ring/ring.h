@@ -45,6 +45,9 @@ struct Config {
   Layout q_layout, kv_layout;  // where every rank's q and k/v rows sit globally
   Mask mask;                   // causal, documents, window, in global positions
   bool pass_q = false;         // queries travel, k/v stay (forward only)
+  // The CUDA block kernels (ring_block_cuda*.cpp): q on a CUDA device, or
+  // meta tensors in the guard (cuda_glue_probe.cpp).
+  bool cuda = false;
 };
 
 // ring_pass codes: 0 = "kv" (k/v travel), 1 = "q" (queries travel and the
@@ -52,6 +55,15 @@ struct Config {
 constexpr int64_t kPassKV = 0;
 constexpr int64_t kPassQ = 1;
 constexpr int64_t kPassAuto = 2;
+
+// The values of the integer tensors a ring plans with, on the host: each
+// read at most once per op (for a tensor on the GPU, one device-to-host copy;
+// cplib's Python layer passes host copies, read once per tensor version), or
+// for a backward that its forward's handshake covers, the forward's own
+// (Agreed, ring_agreed.h): it reads none.
+struct HostValues {
+  std::optional<std::vector<int64_t>> cu_seqlens, q_positions, kv_positions;
+};
 
 // The optional arguments of the ops (documents, window, global length).
 struct Extras {
@@ -63,6 +75,12 @@ struct Extras {
   std::optional<Tensor> q_positions, kv_positions;
   int64_t ring_pass = kPassKV;
   bool has_positions() const { return q_positions.has_value() || kv_positions.has_value(); }
+  // The values of cu_seqlens / q_positions / kv_positions, read on first use
+  // (call after their dtype and shape were checked).
+  const std::vector<int64_t>& cu_seqlens_values() const;
+  const std::vector<int64_t>& q_positions_values() const;
+  const std::vector<int64_t>& kv_positions_values() const;
+  mutable HostValues host;
 };
 
 // Validates every argument (ValueError naming the value) against the group,
@@ -72,15 +90,6 @@ Config check_args(const char* op, const Tensor& q, const Tensor& k, const Tensor
                   const Group& group, bool is_causal, bool load_balanced,
                   std::optional<double> scale, int64_t backend, int64_t rotate,
                   const Extras& extras = {});
-
-// After check_args, before the ring: with explicit positions gathers every
-// rank's positions (two small all-gathers of integers; check_args has
-// validated the local ones), fills the layouts and completes the mask; then
-// resolves ring_pass ("auto" from the global counts). The choice of the last
-// call is kept for ring_debug_last_pass.
-void finish_config(Config& cfg, const Extras& extras, const Tensor& q, const Tensor& k,
-                   const Tensor& v);
-int64_t last_ring_pass();
 
 // ring_pass="auto": "q" (true) when passing the queries and returning the
 // partial (out, lse) moves fewer bytes than passing k and v, from the global

@@ -2,7 +2,6 @@
 // communication and reads nothing another rank could see differently, except
 // cu_seqlens (the same on every rank by contract).
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <sstream>
 
@@ -15,9 +14,6 @@
 namespace cplib::ring {
 
 namespace {
-
-
-std::atomic<int64_t> g_last_pass{kPassKV};
 
 // With explicit positions a rank may hold no queries or no keys.
 void check_tensors(const char* op, const Tensor& q, const Tensor& k, const Tensor& v,
@@ -66,15 +62,17 @@ std::string join(const std::vector<int64_t>& v) {
   return os.str();
 }
 
-// cu_seqlens as host integers, checked: [0, ..., S], strictly increasing.
-std::vector<int64_t> document_bounds(const char* op, const Tensor& cu, int64_t seq_len) {
+// cu_seqlens as host integers (read once, Extras), checked: [0, ..., S],
+// strictly increasing.
+const std::vector<int64_t>& document_bounds(const char* op, const Extras& ex, int64_t seq_len) {
+  const Tensor& cu = *ex.cu_seqlens;
   CPLIB_CHECK_VALUE(is_integer(cu.scalar_type()),
                     "cplib.", op, ": cu_seqlens must be an integer tensor, got dtype ",
                     cu.scalar_type());
   CPLIB_CHECK_VALUE(cu.dim() == 1 && cu.numel() >= 2, "cplib.", op,
                     ": cu_seqlens must be 1-D with at least 2 entries [0, ..., S], got shape ",
                     cu.sizes());
-  std::vector<int64_t> b = aten::to_host(cu);
+  const std::vector<int64_t>& b = ex.cu_seqlens_values();
   CPLIB_CHECK_VALUE(b.front() == 0, "cplib.", op, ": cu_seqlens must start at 0, got ",
                     b.front(), " in ", join(b));
   CPLIB_CHECK_VALUE(b.back() == seq_len, "cplib.", op, ": cu_seqlens must end at the sequence "
@@ -86,8 +84,9 @@ std::vector<int64_t> document_bounds(const char* op, const Tensor& cu, int64_t s
 }
 
 // Explicit positions: 1-D integers, one per row, non-negative, inside the
-// documents if any. Reads only this rank's values.
+// documents if any. Reads only this rank's values (once, Extras).
 void check_positions(const char* op, const char* name, const std::optional<Tensor>& pos,
+                     const std::vector<int64_t>& (Extras::*values)() const, const Extras& ex,
                      int64_t rows, const char* rows_of) {
   CPLIB_CHECK_VALUE(pos.has_value(), "cplib.", op, ": ", name,
                     " is missing: give q_positions and kv_positions together, or neither");
@@ -100,32 +99,41 @@ void check_positions(const char* op, const char* name, const std::optional<Tenso
   CPLIB_CHECK_VALUE(p.numel() == rows, "cplib.", op, ": ", name, " has ", p.numel(),
                     " positions but ", rows_of, " has ", rows, " rows");
   if (rows > 0) {
-    const std::vector<int64_t> values = aten::to_host(p);
-    const int64_t lo = *std::min_element(values.begin(), values.end());
+    const std::vector<int64_t>& v = (ex.*values)();
+    const int64_t lo = *std::min_element(v.begin(), v.end());
     CPLIB_CHECK_VALUE(lo >= 0, "cplib.", op, ": ", name, " must be non-negative, got ", lo);
   }
 }
 
+// cu_seqlens' last entry (its shape checked), from the values read once.
+int64_t documents_end(const char* op, const Extras& ex) {
+  const Tensor& cu = *ex.cu_seqlens;
+  CPLIB_CHECK_VALUE(cu.dim() == 1 && cu.numel() >= 2, "cplib.", op,
+                    ": cu_seqlens must be 1-D with at least 2 entries [0, ..., S], got shape ",
+                    cu.sizes());
+  CPLIB_CHECK_VALUE(is_integer(cu.scalar_type()),
+                    "cplib.", op, ": cu_seqlens must be an integer tensor, got dtype ",
+                    cu.scalar_type());
+  return ex.cu_seqlens_values().back();
+}
+
 void check_explicit(const char* op, const Config& cfg, const Tensor& q, const Tensor& k,
                     const Extras& ex) {
-  check_positions(op, "q_positions", ex.q_positions, q.size(2), "q");
-  check_positions(op, "kv_positions", ex.kv_positions, k.size(2), "k/v");
+  check_positions(op, "q_positions", ex.q_positions, &Extras::q_positions_values, ex, q.size(2),
+                  "q");
+  check_positions(op, "kv_positions", ex.kv_positions, &Extras::kv_positions_values, ex,
+                  k.size(2), "k/v");
   CPLIB_CHECK_VALUE(!cfg.load_balanced && !ex.seq_len && !ex.per_document, "cplib.", op,
                     ": q_positions/kv_positions describe the layout themselves: they exclude "
                     "load_balanced, seq_len and per_document");
   if (ex.cu_seqlens) {
-    const Tensor& cu = *ex.cu_seqlens;
-    CPLIB_CHECK_VALUE(cu.dim() == 1 && cu.numel() >= 2, "cplib.", op,
-                      ": cu_seqlens must be 1-D with at least 2 entries [0, ..., S], got shape ",
-                      cu.sizes());
-    const int64_t end = aten::to_host(torch::stable::select(cu, 0, -1)).at(0);
-    for (const auto* pos : {&*ex.q_positions, &*ex.kv_positions}) {
-      if (pos->numel() == 0) continue;
-      const std::vector<int64_t> values = aten::to_host(*pos);
-      const int64_t hi = *std::max_element(values.begin(), values.end());
-      CPLIB_CHECK_VALUE(hi < end, "cplib.", op, ": ",
-                        pos == &*ex.q_positions ? "q_positions" : "kv_positions", " holds ", hi,
-                        ", past the last document (cu_seqlens ends at ", end, ")");
+    const int64_t end = documents_end(op, ex);
+    for (const bool is_q : {true, false}) {
+      const std::vector<int64_t>& v = is_q ? ex.q_positions_values() : ex.kv_positions_values();
+      if (v.empty()) continue;
+      const int64_t hi = *std::max_element(v.begin(), v.end());
+      CPLIB_CHECK_VALUE(hi < end, "cplib.", op, ": ", is_q ? "q_positions" : "kv_positions",
+                        " holds ", hi, ", past the last document (cu_seqlens ends at ", end, ")");
     }
   }
 }
@@ -143,7 +151,7 @@ void check_extras(const char* op, Config& cfg, const Tensor& q, const Tensor& k,
   }
   if (ex.has_positions()) {
     check_explicit(op, cfg, q, k, ex);
-    if (ex.cu_seqlens) sq = sk = aten::to_host(torch::stable::select(*ex.cu_seqlens, 0, -1)).at(0);
+    if (ex.cu_seqlens) sq = sk = documents_end(op, ex);
   }
   const bool masked = ex.cu_seqlens.has_value() || ex.window.has_value();
   CPLIB_CHECK_VALUE(!masked || sq == sk || ex.has_positions(), "cplib.", op, ": cu_seqlens and window need q and k/v "
@@ -152,7 +160,7 @@ void check_extras(const char* op, Config& cfg, const Tensor& q, const Tensor& k,
                     ": per_document=True (head-tail inside every document) needs cu_seqlens and "
                     "seq_len");
   Mask& m = cfg.mask;
-  if (ex.cu_seqlens) m.bounds = document_bounds(op, *ex.cu_seqlens, sq);
+  if (ex.cu_seqlens) m.bounds = document_bounds(op, ex, sq);
   cfg.q_layout = {sq, n, cfg.load_balanced, {}, {}, {}};
   cfg.kv_layout = {sk, n, cfg.load_balanced, {}, {}, {}};
   if (ex.per_document) cfg.q_layout.documents = cfg.kv_layout.documents = m.bounds;
@@ -204,11 +212,7 @@ Config check_local(const char* op, const Tensor& q, const Tensor& k, const Tenso
   if (!scale && q.size(3) != v.size(3)) scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
   cfg.scale = scale;
   cfg.backend = backend;
-#ifdef CPLIB_WITH_CUDA
-  // Chosen once, before any communication, so every rank fails alike.
-  if (q.is_cuda() && q.size(2) > 0 && k.size(2) > 0)
-    cfg.backend = resolve_backend_cuda(backend, q, k, v, is_causal && !positions, scale);
-#endif
+  cfg.cuda = q.is_cuda();
   cfg.groups = q.size(1) / k.size(1);
   return cfg;
 }
@@ -218,7 +222,27 @@ Config check_local(const char* op, const Tensor& q, const Tensor& k, const Tenso
 Config check_local_args(const char* op, const Tensor& q, const Tensor& k,
                         const Tensor& v, bool is_causal, std::optional<double> scale,
                         int64_t backend) {
-  return check_local(op, q, k, v, is_causal, scale, backend, false);
+  Config cfg = check_local(op, q, k, v, is_causal, scale, backend, false);
+  // One call on these very shapes (the ring instead resolves from what
+  // every rank agrees on: resolve_ring_backend).
+  if (cfg.cuda && q.size(2) > 0 && k.size(2) > 0)
+    cfg.backend = resolve_backend_cuda(backend, q, k, v, is_causal, cfg.scale);
+  return cfg;
+}
+
+const std::vector<int64_t>& Extras::cu_seqlens_values() const {
+  if (!host.cu_seqlens) host.cu_seqlens = aten::to_host(*cu_seqlens);
+  return *host.cu_seqlens;
+}
+
+const std::vector<int64_t>& Extras::q_positions_values() const {
+  if (!host.q_positions) host.q_positions = aten::to_host(*q_positions);
+  return *host.q_positions;
+}
+
+const std::vector<int64_t>& Extras::kv_positions_values() const {
+  if (!host.kv_positions) host.kv_positions = aten::to_host(*kv_positions);
+  return *host.kv_positions;
 }
 
 Config check_args(const char* op, const Tensor& q, const Tensor& k, const Tensor& v,
@@ -257,63 +281,6 @@ bool pass_q_moves_less(int64_t q_tokens, int64_t kv_tokens, int64_t q_heads, int
   const double qb = static_cast<double>(q_tokens) * q_heads *
                     (head_dim * elem_size + (v_head_dim + 1) * acc_size);
   return qb < kv;
-}
-
-int64_t last_ring_pass() { return g_last_pass.load(); }
-
-void finish_config(Config& cfg, const Extras& ex, const Tensor& q, const Tensor& k,
-                   const Tensor& v) {
-  if (ex.has_positions()) {
-    const int64_t n = cfg.size;
-    const aten::Opts idx{ScalarType::Long, q.device()};
-    const Tensor lens = all_gather_dim0(cfg.group, aten::from_host({q.size(2), k.size(2)}, idx.device));
-    wait(lens);
-    const std::vector<int64_t> hl = aten::to_host(lens);
-    const int64_t* l = hl.data();
-    int64_t wq = 1, wk = 1;
-    for (int64_t r = 0; r < n; ++r) wq = std::max(wq, l[2 * r]), wk = std::max(wk, l[2 * r + 1]);
-    // [q positions padded to wq | kv positions padded to wk] per rank.
-    Tensor in = aten::full({wq + wk}, -1, idx);
-    aten::copy_(aten::narrow(in, 0, 0, q.size(2)), *ex.q_positions);
-    aten::copy_(aten::narrow(in, 0, wq, k.size(2)), *ex.kv_positions);
-    const Tensor all = all_gather_dim0(cfg.group, in);
-    wait(all);
-    const std::vector<int64_t> ha = aten::to_host(all);
-    const int64_t* a = ha.data();
-    Layout ql, kl;
-    ql.size = kl.size = n;
-    int64_t top = 0;
-    for (int64_t r = 0; r < n; ++r) {
-      const int64_t* row = a + r * (wq + wk);
-      ql.positions.emplace_back(row, row + l[2 * r]);
-      kl.positions.emplace_back(row + wq, row + wq + l[2 * r + 1]);
-      for (const auto* p : {&ql.positions.back(), &kl.positions.back()})
-        for (const int64_t x : *p) top = std::max(top, x + 1);
-    }
-    cfg.q_layout = std::move(ql);
-    cfg.kv_layout = std::move(kl);
-    Mask& m = cfg.mask;
-    m.seq_len = std::max<int64_t>({top, m.bounds.empty() ? 0 : m.bounds.back(), 1});
-    m.left = m.right = m.seq_len;
-    if (ex.window) {
-      m.left = std::min((*ex.window)[0], m.seq_len);
-      m.right = std::min((*ex.window)[1], m.seq_len);
-    }
-    if (cfg.causal) m.right = 0;
-  }
-  int64_t pass = ex.ring_pass;
-  if (pass == kPassAuto) {
-    int64_t tq = 0, tk = 0;
-    for (int64_t r = 0; r < cfg.size; ++r)
-      tq += cfg.q_layout.local_len(r), tk += cfg.kv_layout.local_len(r);
-    pass = pass_q_moves_less(tq, tk, q.size(1), k.size(1), q.size(3), v.size(3),
-                             static_cast<int64_t>(q.element_size()),
-                             acc_dtype(q) == ScalarType::Double ? 8 : 4)
-               ? kPassQ
-               : kPassKV;
-  }
-  cfg.pass_q = pass == kPassQ;
-  g_last_pass = pass;
 }
 
 }  // namespace cplib::ring

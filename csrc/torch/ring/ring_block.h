@@ -37,15 +37,23 @@ std::tuple<Tensor, Tensor, Tensor> block_backward_cpu(
     const Tensor& v, const Tensor& out, const Tensor& lse, bool causal,
     const Tensor& mask);
 
-// The CUDA blocks: compiled into every build (the CPU build reaches them only
-// from the meta-tensor guard, cuda_glue_probe.cpp; the ring dispatches to
-// them for CUDA tensors in CUDA builds).
-// The backend every block of this ring uses: `backend` itself, or for auto
-// the one scaled_dot_product_attention would pick for the local shapes (so
+// The CUDA blocks: compiled into every build (block_forward/block_backward
+// take them for cfg.cuda: CUDA tensors, or meta tensors in the guard,
+// cuda_glue_probe.cpp).
+// The backend of one block call: `backend` itself, or for auto the one
+// scaled_dot_product_attention would pick for these shapes (so
 // torch.nn.attention.sdpa_kernel is honoured). Raises NotImplementedError
 // when only the math backend would do.
 int64_t resolve_backend_cuda(int64_t backend, const Tensor& q, const Tensor& k,
                              const Tensor& v, bool causal, std::optional<double> scale);
+// The same for blocks of the given sizes (q heads; k/v seen expanded), with
+// `like`'s dtype and device: what the ring resolves from inputs every rank
+// agrees on (ring_args.cpp: resolve_ring_backend).
+struct BlockShape {
+  int64_t batch = 1, heads = 1, q_len = 1, kv_len = 1, head_dim = 1, v_head_dim = 1;
+};
+int64_t resolve_backend_cuda(int64_t backend, const Tensor& like, const BlockShape& shape,
+                             bool causal, std::optional<double> scale);
 BlockResult block_forward_cuda(const Config& cfg, const Tensor& q, const Tensor& k,
                                const Tensor& v, bool causal);
 std::tuple<Tensor, Tensor, Tensor> block_backward_cuda(

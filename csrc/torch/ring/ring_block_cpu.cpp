@@ -1,5 +1,6 @@
 // Block attention on CPU: ATen's flash kernel for CPU (lse is (B,H,L) in
-// float32, float64 for float64 inputs, and strided).
+// float32, float64 for float64 inputs, and strided); and block_forward /
+// block_backward, which pick the CPU or the CUDA kernels (cfg.cuda).
 #include <algorithm>
 
 #include "common/aten.h"
@@ -36,16 +37,14 @@ namespace {
 // scale was fixed from q's head dim in check_local_args.
 bool pads(const Config& cfg, const Tensor& q, const Tensor& v, bool masked) {
   if (q.size(3) == v.size(3)) return false;
-  if (!q.is_cuda()) return true;
+  if (!cfg.cuda) return true;
   return !masked && cfg.backend != kBackendEfficient;
 }
 
 BlockResult forward_kernel(const Config& cfg, const Tensor& q, const Tensor& k,
                            const Tensor& v, bool causal, const Tensor& mask) {
-#ifdef CPLIB_WITH_CUDA
-  if (q.is_cuda() && mask.defined()) return block_forward_cuda_masked(cfg, q, k, v, mask);
-  if (q.is_cuda()) return block_forward_cuda(cfg, q, k, v, causal);
-#endif
+  if (cfg.cuda && mask.defined()) return block_forward_cuda_masked(cfg, q, k, v, mask);
+  if (cfg.cuda) return block_forward_cuda(cfg, q, k, v, causal);
   return block_forward_cpu(cfg, q, k, v, causal, mask);
 }
 
@@ -53,11 +52,9 @@ std::tuple<Tensor, Tensor, Tensor> backward_kernel(
     const Config& cfg, const Tensor& grad_out, const Tensor& q, const Tensor& k,
     const Tensor& v, const Tensor& out, const Tensor& lse, bool causal,
     const Tensor& mask) {
-#ifdef CPLIB_WITH_CUDA
-  if (q.is_cuda() && mask.defined())
+  if (cfg.cuda && mask.defined())
     return block_backward_cuda_masked(cfg, grad_out, q, k, v, out, lse, mask);
-  if (q.is_cuda()) return block_backward_cuda(cfg, grad_out, q, k, v, out, lse, causal);
-#endif
+  if (cfg.cuda) return block_backward_cuda(cfg, grad_out, q, k, v, out, lse, causal);
   return block_backward_cpu(cfg, grad_out, q, k, v, out, lse, causal, mask);
 }
 

@@ -5,31 +5,29 @@
 // Compiled into every build: no CUDA runtime call here, and the CPU build's
 // guard (cuda_glue_probe.cpp) runs these functions on meta tensors.
 
-#include <limits>
+#include <algorithm>
 
 #include "common/aten.h"
+#include "ring/cuda_tiles.h"
 #include "ring/ring_block.h"
 
 namespace cplib::ring {
 namespace {
 
 int64_t pick_backend(const Config& cfg) {
-  CPLIB_CHECK(cfg.backend != kBackendAuto, "cplib.ring_sdpa: backend not resolved");
+  // Resolved before the first exchange, alike on every rank (resolve_ring_backend).
+  CPLIB_ASSERT(cfg.backend != kBackendAuto);
   return cfg.backend;
 }
 
-Tensor philox_placeholder(const Tensor& like) {
-  return aten::empty({}, aten::opts_of(like).dtype_(ScalarType::Long));
+int64_t checked_choice(int64_t b, const Tensor& like, int64_t head_dim) {
+  CPLIB_CHECK_NOT_IMPLEMENTED(b == kBackendFlash || b == kBackendEfficient || b == kBackendCudnn,
+                              "cplib.ring_sdpa: no fused SDPA backend returning a log-sum-exp "
+                              "accepts these inputs (dtype ",
+                              torch::headeronly::toString(like.scalar_type()), ", head dim ",
+                              head_dim, "); scaled_dot_product_attention would pick backend ", b);
+  return b;
 }
-
-// A (B, H, L, D) view of `t` whose memory is (B, L, H, D)-dense, the layout
-// the efficient kernels' outputs have and their backward assumes for `out`.
-Tensor seq_major(const Tensor& t) {
-  return torch::stable::transpose(aten::contiguous(torch::stable::transpose(t, 1, 2)), 1, 2);
-}
-
-// The efficient kernel pads its lse rows to a multiple of 32.
-constexpr int64_t kEfficientLseAlign = 32;
 
 }  // namespace
 
@@ -44,13 +42,26 @@ int64_t resolve_backend_cuda(int64_t backend, const Tensor& q, const Tensor& k,
   // MLA (v's head dim below q/k's): flash and cuDNN get v zero-padded to
   // q/k's head dim (ring_block_cpu.cpp), so ask about that shape.
   const Tensor& v_seen = v.size(3) < q.size(3) ? k : v;
-  const int64_t b = aten::fused_sdp_choice(q, as_q_heads(k), as_q_heads(v_seen), causal, scale);
-  CPLIB_CHECK_NOT_IMPLEMENTED(b == kBackendFlash || b == kBackendEfficient || b == kBackendCudnn,
-                              "cplib.ring_sdpa: no fused SDPA backend returning a log-sum-exp "
-                              "accepts these inputs (dtype ",
-                              torch::headeronly::toString(q.scalar_type()), ", head dim ",
-                              q.size(3), "); scaled_dot_product_attention would pick backend ", b);
-  return b;
+  return checked_choice(aten::fused_sdp_choice(q, as_q_heads(k), as_q_heads(v_seen), causal, scale),
+                        q, q.size(3));
+}
+
+int64_t resolve_backend_cuda(int64_t backend, const Tensor& like, const BlockShape& shape,
+                             bool causal, std::optional<double> scale) {
+  if (backend != kBackendAuto) return backend;
+  // Stand-ins of the given sizes, dense (B, H, L, D) strides, over one small
+  // buffer: _fused_sdp_choice reads sizes, strides, dtype and device, never
+  // the data, so they need no memory of their own. MLA as above.
+  const int64_t dv = shape.v_head_dim < shape.head_dim ? shape.head_dim : shape.v_head_dim;
+  const Tensor buf = aten::empty({std::max(shape.head_dim, dv)}, aten::opts_of(like));
+  auto stand_in = [&](int64_t len, int64_t d) {
+    const std::vector<int64_t> sizes{shape.batch, shape.heads, len, d};
+    return aten::reinterpret(buf, sizes, aten::contiguous_strides(sizes), 0);
+  };
+  const int64_t b = aten::fused_sdp_choice(stand_in(shape.q_len, shape.head_dim),
+                                           stand_in(shape.kv_len, shape.head_dim),
+                                           stand_in(shape.kv_len, dv), causal, scale);
+  return checked_choice(b, like, shape.head_dim);
 }
 
 BlockResult block_forward_cuda(const Config& cfg, const Tensor& q, const Tensor& k,
@@ -84,21 +95,16 @@ std::tuple<Tensor, Tensor, Tensor> block_backward_cuda(
       return aten::flash_cuda_backward(aten::contiguous(grad_out), q, k, v, aten::contiguous(out),
                                        aten::contiguous(lse), Lq, Lk, causal, seed, offset,
                                        cfg.scale);
-    case kBackendEfficient: {
+    case kBackendEfficient:
       // The CUTLASS backward never reads out's row stride: it assumes the
       // (B, L, H, D)-dense memory its own forward returns (o_strideM() =
       // num_heads * head_dim in kernel_backward.h) when the f16/bf16 kernels
       // compute delta = rowsum(dO * O). A (B, H, L, D)-contiguous `out` was
       // read at the wrong rows and past its end: NaN or wrong dq/dk (dv, which
       // needs no delta, stayed right).
-      const int64_t padded = (Lq + kEfficientLseAlign - 1) / kEfficientLseAlign * kEfficientLseAlign;
-      // Padded as the forward pads it (+inf: those rows get probability 0).
-      Tensor lse_padded = aten::full({lse.size(0), lse.size(1), padded},
-                                     std::numeric_limits<double>::infinity(), aten::opts_of(lse));
-      aten::copy_(aten::narrow(lse_padded, 2, 0, Lq), lse);
       return aten::efficient_cuda_backward(seq_major(grad_out), q, k, v, Tensor(), seq_major(out),
-                                           lse_padded, seed, offset, causal, cfg.scale);
-    }
+                                           efficient_lse_padded(lse), seed, offset, causal,
+                                           cfg.scale);
     default:
       return aten::cudnn_cuda_backward(aten::contiguous(grad_out), q, k, v, aten::contiguous(out),
                                        aten::contiguous(torch::stable::unsqueeze(lse, -1)), seed,

@@ -9,18 +9,15 @@
 // Compiled into every build; the CPU build's guard (cuda_glue_probe.cpp)
 // runs these functions on meta tensors.
 
-#include <limits>
-
 #include "common/aten.h"
+#include "ring/cuda_tiles.h"
 #include "ring/ring_block.h"
 
 namespace cplib::ring {
 namespace {
 
-// The efficient kernel needs the bias rows 16-element aligned, and pads its
-// lse rows to a multiple of 32.
+// The efficient kernel needs the bias rows 16-element aligned.
 constexpr int64_t kBiasAlign = 16;
-constexpr int64_t kLseAlign = 32;
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -30,12 +27,6 @@ Tensor as_bias(const Tensor& mask, const Tensor& q, const Tensor& k) {
   Tensor aligned = aten::empty({lq, round_up(lk, kBiasAlign)}, aten::opts_of(mask));
   aten::copy_(aten::narrow(aligned, 1, 0, lk), mask);
   return aten::expand(aten::narrow(aligned, 1, 0, lk), {q.size(0), q.size(1), lq, k.size(2)});
-}
-
-// A (B, H, L, D) view whose memory is (B, L, H, D)-dense: the efficient
-// backward assumes that layout for out and grad_out (see ring_block_cuda.cpp).
-Tensor seq_major(const Tensor& t) {
-  return torch::stable::transpose(aten::contiguous(torch::stable::transpose(t, 1, 2)), 1, 2);
 }
 
 }  // namespace
@@ -49,16 +40,9 @@ BlockResult block_forward_cuda_masked(const Config& cfg, const Tensor& q, const 
 std::tuple<Tensor, Tensor, Tensor> block_backward_cuda_masked(
     const Config& cfg, const Tensor& grad_out, const Tensor& q, const Tensor& k,
     const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& mask) {
-  const int64_t lq = q.size(2);
-  // Padded as the forward pads it (+inf: those rows get probability 0).
-  Tensor lse_padded = aten::full({lse.size(0), lse.size(1), round_up(lq, kLseAlign)},
-                                 std::numeric_limits<double>::infinity(),
-                                 aten::opts_of(lse).dtype_(ScalarType::Float));
-  aten::copy_(aten::narrow(lse_padded, 2, 0, lq), lse);
-  const Tensor seed = aten::empty({}, aten::opts_of(q).dtype_(ScalarType::Long));
-  const Tensor offset = aten::empty({}, aten::opts_of(q).dtype_(ScalarType::Long));
+  const Tensor seed = philox_placeholder(q), offset = philox_placeholder(q);
   return aten::efficient_cuda_backward(seq_major(grad_out), q, k, v, as_bias(mask, q, k),
-                                       seq_major(out), lse_padded, seed, offset,
+                                       seq_major(out), efficient_lse_padded(lse), seed, offset,
                                        /*is_causal=*/false, cfg.scale);
 }
 

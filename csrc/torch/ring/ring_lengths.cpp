@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <sstream>
 
+#include "comm/handshake.h"
 #include "common/aten.h"
 
 namespace cplib::ring {
@@ -35,16 +36,6 @@ std::vector<int64_t> gather_local_lengths(const Group& group, const std::vector<
   const Tensor out = all_gather_dim0(route.via, aten::from_host(local, on));
   wait(out);
   return aten::to_host(out);
-}
-
-void learn_local_lengths(const char* op, Config& cfg, const Tensor& q, const Tensor& k,
-                         const Extras& ex, const Handshake& hs) {
-  std::vector<int64_t> table;
-  for (int64_t r = 0; hs.exchanged() && r < cfg.size; ++r) {
-    const std::vector<int64_t> mine = hs.lengths(r);  // {q rows, k/v rows}
-    table.insert(table.end(), mine.begin(), mine.end());
-  }
-  learn_local_lengths(op, cfg, q, k, ex, table);
 }
 
 void learn_local_lengths(const char* op, Config& cfg, const Tensor& q, const Tensor& k,

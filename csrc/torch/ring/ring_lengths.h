@@ -6,7 +6,6 @@
 #include <vector>
 
 #include "comm/collectives.h"
-#include "comm/handshake.h"
 #include "common/stable.h"
 #include "ring/ring.h"
 
@@ -23,17 +22,13 @@ std::vector<int64_t> gather_local_lengths(const Group& group, const std::vector<
                                           const Device& device);
 
 // Without seq_len or documents the ring derives every rank's rows from equal
-// shards; this reads the actual q and k/v lengths of every rank from the
-// handshake `hs` (its own all-gather when no handshake ran) and, where
-// they differ, gives the layouts explicit per-rank lengths (non-causal
-// attention only: causal masks, windows, documents and load balancing need
-// global positions, so they raise ValueError naming the lengths and seq_len,
-// alike on every rank).
-void learn_local_lengths(const char* op, Config& cfg, const Tensor& q, const Tensor& k,
-                         const Extras& ex, const Handshake& hs);
-// The same from `table`, every rank's {q rows, k/v rows} rank-major (a
-// handshake's, or the forward's for a backward it covers); gathered into it
-// when empty and needed, cleared when not needed.
+// shards; this reads the actual q and k/v lengths of every rank from `table`
+// (rank-major {q rows, k/v rows}: a handshake's, or the forward's for a
+// backward it covers; gathered into it when empty and needed, cleared when
+// not needed) and, where they differ, gives the layouts explicit per-rank
+// lengths (non-causal attention only: causal masks, windows, documents and
+// load balancing need global positions, so they raise ValueError naming the
+// lengths and seq_len, alike on every rank).
 void learn_local_lengths(const char* op, Config& cfg, const Tensor& q, const Tensor& k,
                          const Extras& ex, std::vector<int64_t>& table);
 

@@ -5,6 +5,7 @@
 
 #include "comm/handshake.h"
 #include "common/format.h"
+#include "ring/ring_agreed.h"
 #include "ring/ring_forward.h"
 #include "ring/ring_lengths.h"
 #include "ring/ring_rotate.h"
@@ -67,24 +68,25 @@ void describe(CallSignature& sig,
   for (const auto& [name, t] : tensors) sig.add_meta(name, *t, uneven ? 2 : -1);
 }
 
-// Every rank's {q rows, k/v rows}, rank-major, as the last ring_sdpa of this
-// thread learned them (empty when it needed none: seq_len, documents,
-// positions, a ring of one). Read by the autograd formula right after the
-// forward (cplib/ring/op.py) and handed to the backward, which then needs no
-// handshake and no all-gather of its own.
-thread_local std::vector<int64_t> t_agreed_lengths;
+// What the last ring_sdpa of this thread agreed (ring_agreed.h). Read by the
+// autograd formula right after the forward (cplib/ring/op.py) and handed to
+// the backward, which then reads none of its inputs again and makes no
+// handshake, no all-gather of its own.
+thread_local Agreed t_agreed;
 
 // Local validation, then the handshake: every rank raises alike or none does.
-// `more_checks` are the backward's own checks. With `covered` (the lengths
-// table of the forward whose handshake covers this call: the backward
-// through autograd) there is no handshake: the checks raise here.
+// `more_checks` are the backward's own checks. With `covered` (what the
+// forward whose handshake covers this call agreed: the backward through
+// autograd) there is no handshake, and the checks run on the forward's
+// values (its documents and positions, as it read them), which passed its
+// handshake on every rank: nothing is re-read that could fail on one rank
+// alone. `learned`: every rank's {q rows, k/v rows}, when exchanged.
 template <class F>
 Config agreed_config(const char* op, std::string_view group_name,
                      std::initializer_list<std::pair<const char*, const Tensor*>> tensors,
                      bool is_causal, bool load_balanced, std::optional<double> scale,
                      int64_t backend, int64_t rotate, const Extras& ex, F&& more_checks,
-                     const std::vector<int64_t>* covered = nullptr,
-                     std::vector<int64_t>* learned = nullptr) {
+                     const Agreed* covered, std::vector<int64_t>& learned) {
   const Group group = resolve_group(group_name);
   const Tensor& q = *tensors.begin()->second;
   const Tensor& k = *(tensors.begin() + 1)->second;
@@ -96,8 +98,13 @@ Config agreed_config(const char* op, std::string_view group_name,
   };
   std::vector<int64_t> table;  // rank-major {q rows, k/v rows}, when exchanged
   if (covered) {
+    if (covered->has_bounds) ex.host.cu_seqlens = covered->bounds;
+    if (static_cast<int64_t>(covered->q_positions.size()) > group.rank) {
+      ex.host.q_positions = covered->q_positions[group.rank];
+      ex.host.kv_positions = covered->kv_positions[group.rank];
+    }
     checks();
-    table = *covered;
+    table = covered->lengths;
   } else {
     Handshake hs(op);
     hs.validate([&] {
@@ -112,11 +119,9 @@ Config agreed_config(const char* op, std::string_view group_name,
       table.insert(table.end(), l.begin(), l.end());
     }
   }
-  if (ex.has_positions())
-    table.clear();
-  else
-    learn_local_lengths(op, cfg, q, k, ex, table);
-  if (learned) *learned = std::move(table);
+  // Explicit positions keep the table for gathering them (finish_config).
+  if (!ex.has_positions()) learn_local_lengths(op, cfg, q, k, ex, table);
+  learned = std::move(table);
   return cfg;
 }
 
@@ -167,12 +172,15 @@ std::tuple<Tensor, Tensor> ring_sdpa(Tensor q, Tensor k, Tensor v, std::string g
   aten::NoGradGuard no_grad;
   const Extras ex =
       extras(cu_seqlens, window, seq_len, per_document, q_positions, kv_positions, ring_pass);
+  std::vector<int64_t> lengths;
   Config cfg = agreed_config("ring_sdpa", group_name, {{"q", &q}, {"k", &k}, {"v", &v}},
                              is_causal, load_balanced, scale, backend, rotate, ex, [&] {
                                if (sinks) check_sinks("ring_sdpa", q, *sinks);
-                             }, nullptr, &t_agreed_lengths);
-  finish_config(cfg, ex, q, k, v);
-  return ring_forward(cfg, q, k, v, sinks ? *sinks : Tensor());
+                             }, nullptr, lengths);
+  finish_config(cfg, ex, q, k, v, lengths);
+  auto result = ring_forward(cfg, q, k, v, sinks ? *sinks : Tensor());
+  t_agreed = agreed_of(cfg, ex, std::move(lengths));
+  return result;
 }
 
 // The backward's checks of its extra tensors (the forward's outputs).
@@ -203,16 +211,17 @@ std::tuple<Tensor, Tensor, Tensor> backward_impl(
     std::optional<double> scale, int64_t backend, int64_t rotate,
     const std::optional<Tensor>& cu_seqlens, const std::optional<std::vector<int64_t>>& window,
     std::optional<int64_t> seq_len, bool per_document, const std::optional<Tensor>& q_positions,
-    const std::optional<Tensor>& kv_positions, const std::vector<int64_t>* covered) {
+    const std::optional<Tensor>& kv_positions, const Agreed* covered) {
   aten::NoGradGuard no_grad;
   // The backward always runs the pass-KV ring (pass-Q is forward only).
   const Extras ex = extras(cu_seqlens, window, seq_len, per_document, q_positions, kv_positions);
+  std::vector<int64_t> lengths;
   Config cfg = agreed_config(
       "ring_sdpa_backward", group_name,
       {{"q", &q}, {"k", &k}, {"v", &v}, {"grad_out", &grad_out}, {"out", &out}, {"lse", &lse}},
       is_causal, load_balanced, scale, backend, rotate, ex,
-      [&] { check_backward_tensors(grad_out, q, v, out, lse); }, covered);
-  finish_config(cfg, ex, q, k, v);
+      [&] { check_backward_tensors(grad_out, q, v, out, lse); }, covered, lengths);
+  finish_config(cfg, ex, q, k, v, std::move(lengths), covered);
   return ring_backward(cfg, grad_out, q, k, v, out, lse);
 }
 
@@ -229,24 +238,26 @@ std::tuple<Tensor, Tensor, Tensor> ring_sdpa_backward(
 }
 
 // The backward reached through autograd: its forward's handshake covers it
-// (the same group, arguments and shapes; `agreed_lengths` is what that
-// handshake learned), so it makes none of its own.
+// (the same group, arguments and shapes; `agreed` is the record of what that
+// forward agreed, ring_agreed.h), so it makes none of its own.
 std::tuple<Tensor, Tensor, Tensor> ring_sdpa_backward_covered(
     Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, std::string group_name,
     bool is_causal, bool load_balanced, std::optional<double> scale, int64_t backend,
     int64_t rotate, std::optional<Tensor> cu_seqlens, std::optional<std::vector<int64_t>> window,
     std::optional<int64_t> seq_len, bool per_document, std::optional<Tensor> q_positions,
-    std::optional<Tensor> kv_positions, int64_t ring_pass, std::vector<int64_t> agreed_lengths) {
+    std::optional<Tensor> kv_positions, int64_t ring_pass, Tensor agreed) {
   (void)ring_pass;
+  const Agreed a = Agreed::from_record(agreed);
   return backward_impl(grad_out, q, k, v, out, lse, group_name, is_causal, load_balanced, scale,
                        backend, rotate, cu_seqlens, window, seq_len, per_document, q_positions,
-                       kv_positions, &agreed_lengths);
+                       kv_positions, &a);
 }
 
-std::vector<int64_t> ring_agreed_lengths() { return t_agreed_lengths; }
+Tensor ring_agreed_record() { return t_agreed.to_record(); }
 
 int64_t ring_debug_bytes_sent(bool reset) { return bytes_sent(reset); }
 int64_t ring_debug_last_pass() { return last_ring_pass(); }
+std::vector<int64_t> ring_debug_block_shape() { return last_block_shape(); }
 
 }  // namespace
 
@@ -269,8 +280,9 @@ STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
       "Tensor lse, str group_name, bool is_causal, bool load_balanced, float? scale, "
       "int backend, int rotate, Tensor? cu_seqlens, int[]? window, int? seq_len, "
       "bool per_document, Tensor? q_positions, Tensor? kv_positions, int ring_pass, "
-      "int[] agreed_lengths) -> (Tensor dq, Tensor dk, Tensor dv)");
-  m.def("ring_agreed_lengths() -> int[]");
+      "Tensor agreed) -> (Tensor dq, Tensor dk, Tensor dv)");
+  // Internal: what the last ring_sdpa of this thread agreed, for its covered backward.
+  m.def("ring_agreed_record() -> Tensor");
   // Internal: the handshake of a call on meta tensors (the fake kernels).
   m.def(
       "ring_describe_call(str op, Tensor[] tensors, str group_name, bool is_causal, "
@@ -280,6 +292,10 @@ STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
   m.def("ring_debug_bytes_sent(bool reset=False) -> int");
   // The ring pass (0 = kv, 1 = q) the last ring_sdpa ran, "auto" resolved.
   m.def("ring_debug_last_pass() -> int");
+  // The block shape the last ring_sdpa (or backward) of this thread resolved
+  // its CUDA backend from (computed on every device): [batch, heads, q rows,
+  // k/v rows, head dim, v head dim], the same on every rank.
+  m.def("ring_debug_block_shape() -> int[]");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CPU, m) {
@@ -300,7 +316,8 @@ STABLE_TORCH_LIBRARY_IMPL(cplib_c, CUDA, m) {
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CompositeExplicitAutograd, m) {
   m.impl("ring_debug_bytes_sent", TORCH_BOX(&ring_debug_bytes_sent));
   m.impl("ring_debug_last_pass", TORCH_BOX(&ring_debug_last_pass));
-  m.impl("ring_agreed_lengths", TORCH_BOX(&ring_agreed_lengths));
+  m.impl("ring_debug_block_shape", TORCH_BOX(&ring_debug_block_shape));
+  m.impl("ring_agreed_record", TORCH_BOX(&ring_agreed_record));
   m.impl("ring_describe_call", TORCH_BOX(&describe_call));
 }
 
