@@ -83,7 +83,11 @@ Tensor Agreed::to_record() const {
     put(r, q_positions[i]);
     put(r, kv_positions[i]);
   }
-  return aten::from_host(r, Device(DeviceType::CPU));
+  // One allocation, filled on the host (no copy through the dispatcher).
+  Tensor record = aten::empty({static_cast<int64_t>(r.size())},
+                              aten::Opts{ScalarType::Long, Device(DeviceType::CPU)});
+  std::copy(r.begin(), r.end(), static_cast<int64_t*>(record.mutable_data_ptr()));
+  return record;
 }
 
 Agreed Agreed::from_record(const Tensor& record) {
