@@ -32,10 +32,15 @@ def _nccl_like_mesh() -> tuple[DeviceMesh, object]:
     """A mesh over a fresh group that cplib takes for NCCL; and the undo."""
     group = dist.new_group(list(range(dist.get_world_size())))
     real = _native.carries_host_tensors
+    sides = dict(_native.side_groups)
     _native.carries_host_tensors = lambda pg: pg.group_name != group.group_name and real(pg)
 
     def undo():
+        # These ranks' processes are shared with other tests: no side group
+        # made here outlives the test.
         _native.carries_host_tensors = real
+        _native.side_groups.clear()
+        _native.side_groups.update(sides)
         _native.forget_routes()
     return DeviceMesh.from_group(group, "cpu"), undo
 
