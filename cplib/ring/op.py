@@ -68,8 +68,15 @@ def attention_autograd(backward_op, forward_op, covered_backward_op=None, agreed
         ctx.agreed = None
         if covered_backward_op is not None and not tracing((q,)):
             # Plain meta tensors: the forward's fake kernel handshook (if due).
-            ctx.agreed = (q.new_empty(0, dtype=torch.long) if q.device.type == "meta"
-                          else agreed_record())
+            if q.device.type == "meta":
+                ctx.agreed = q.new_empty(0, dtype=torch.long)
+            else:
+                # A host-side record, not part of the computation: dispatch
+                # modes that run the ops for real (a FlopCounterMode, opcheck's
+                # cross-check against fake tensors) do not see it.
+                from torch.utils._python_dispatch import _disable_current_modes
+                with _disable_current_modes():
+                    ctx.agreed = agreed_record()
         ctx.has_sinks = sinks is not None
         ctx.save_for_backward(q, k, v, out, lse, *([sinks] if sinks is not None else []))
         # As for ATen's fused attention kernels, the log-sum-exp is an
