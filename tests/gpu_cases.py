@@ -131,13 +131,21 @@ def fused_lse(q, k, see, scale) -> torch.Tensor:
 
 
 def single_device(q, k, v, cot, see: torch.Tensor, sinks=None, scale=None, *,
-                  causal_hint: bool | None = None) -> dict[str, torch.Tensor]:
+                  causal_hint: bool | None = None, sink_rows=None) -> dict[str, torch.Tensor]:
     """The same attention in one SDPA call on DEVICE in the inputs' dtype (main
     thread only: SDPA picks its kernel from process-global flags), with
     ``sinks`` applied in fp32 after it. ``causal_hint``: ``see`` is plain
     causal (True) or full (False), so SDPA may take flash or cuDNN. Rows that
     see nothing get the mask of all keys and a zero cotangent (SDPA has no
-    answer for them; they add nothing to dk, dv)."""
+    answer for them; they add nothing to dk, dv).
+
+    MLA (v's head dim below q/k's): v is zero-padded to q/k's head dim and
+    the output sliced, as the ring does at its kernel calls, so both run the
+    same kernels. ``sink_rows``: the q rows of each rank, in rank order; the
+    sinks' gradient is then one gradient per rank's rows (stacked), each in
+    the dtype, as the ring returns it (every rank's covers its own rows),
+    taken from the output as a fused kernel with sinks takes it; the
+    gradients of q, k, v go through autograd of the fp32 sink factor."""
     dev = DEVICE
     empty = ~see.any(-1)
     see_ok = see.clone()
@@ -147,11 +155,15 @@ def single_device(q, k, v, cot, see: torch.Tensor, sinks=None, scale=None, *,
     qd, kd, vd = (t.to(dev, copy=True).requires_grad_(True) for t in (q, k, v))
     g = q.shape[1] // k.shape[1]
     kx, vx = kd.repeat_interleave(g, 1), vd.repeat_interleave(g, 1)
+    dv = v.shape[-1]
+    if dv < q.shape[-1]:
+        vx = F.pad(vx, (0, q.shape[-1] - dv))
     sc = q.shape[-1] ** -0.5 if scale is None else scale
     if causal_hint is None:
         out = F.scaled_dot_product_attention(qd, kx, vx, attn_mask=see_ok.to(dev), scale=scale)
     else:
         out = F.scaled_dot_product_attention(qd, kx, vx, is_causal=causal_hint, scale=scale)
+    out = out[..., :dv]
     lse = fused_lse(qd.detach(), kx.detach(), see_ok, sc)
     res: dict[str, Any] = {}
     sd = None
@@ -164,12 +176,18 @@ def single_device(q, k, v, cot, see: torch.Tensor, sinks=None, scale=None, *,
         lse_all = torch.logaddexp(lse32, sd.float().view(1, -1, 1))
         out = (out.float() * torch.exp(lse32 - lse_all).unsqueeze(-1)).to(q.dtype)
         lse = torch.logaddexp(lse, sd.detach().float().view(1, -1, 1))
+    if sd is not None:
+        # As a fused kernel with sinks computes it: from its output in the
+        # dtype (FlashAttention's backward takes rowsum(dO * O) so).
+        delta = (cot.to(dev).float() * out.detach().float()).sum(-1)
+        per_row = -(delta * torch.exp(sd.detach().float().view(1, -1, 1) - lse)).cpu()
+        parts = [torch.arange(q.shape[2])] if sink_rows is None else sink_rows
+        res["dsinks"] = torch.stack([per_row[:, :, rows].sum((0, 2)).to(q.dtype).double()
+                                     for rows in parts])
     out.backward(cot.to(dev))
     sync()
     res.update(out=out.detach().cpu(), lse=lse.cpu(), dq=qd.grad.cpu(), dk=kd.grad.cpu(),
                dv=vd.grad.cpu())
-    if sd is not None:
-        res["dsinks"] = sd.grad.cpu()
     return res
 
 
@@ -197,7 +215,7 @@ class Case:
 
 
 def make_case(b, hq, hkv, lq, lk, d, dtype, seed, see, *, dv=None, sinks=False, scale=None,
-              what="", causal_hint=None, grads=True) -> Case:
+              what="", causal_hint=None, grads=True, sink_rows=None) -> Case:
     """Inputs, fp64 truth and the single-device result (main thread)."""
     dv = d if dv is None else dv
     q = global_input((b, hq, lq, d), dtype, seed)
@@ -208,7 +226,13 @@ def make_case(b, hq, hkv, lq, lk, d, dtype, seed, see, *, dv=None, sinks=False, 
     snk = global_input((hq,), dtype, seed + 4) if sinks else None
     c = Case(q, k, v, cot, see, snk, scale, what)
     c.want = truth(q, k, v, cot, see, snk, scale)
-    c.single = single_device(q, k, v, cot, see, snk, scale, causal_hint=causal_hint)
+    if sinks:  # per rank, as the ring returns it: -rowsum(dO * O) exp(s - lse) over its rows
+        per_row = -((cot.double() * c.want["out"]).sum(-1)
+                    * torch.exp(snk.double().view(1, -1, 1) - c.want["lse"]))
+        parts = [torch.arange(lq)] if sink_rows is None else sink_rows
+        c.want["dsinks"] = torch.stack([per_row[:, :, r].sum((0, 2)) for r in parts])
+    c.single = single_device(q, k, v, cot, see, snk, scale, causal_hint=causal_hint,
+                             sink_rows=sink_rows)
     return c
 
 
@@ -248,11 +272,12 @@ def judge(case: Case, got: dict[str, torch.Tensor], names=("out", "lse", "dq", "
 
 def place(per_rank: list[dict], shapes: dict[str, tuple], rows: dict[str, str]) -> dict:
     """Global tensors from the ranks' rows: ``rows`` maps a result name to the
-    index name ("qpos" or "kvpos") of the rows it holds; "dsinks" is summed."""
+    index name ("qpos" or "kvpos") of the rows it holds; "dsinks" is stacked
+    in rank order (make_case's ``sink_rows`` must be in rank order too)."""
     out = {}
     for name, shape in shapes.items():
-        if name == "dsinks":
-            out[name] = sum(r[name].double() for r in per_rank)
+        if name == "dsinks":  # each rank's gradient covers its own rows
+            out[name] = torch.stack([r[name].double() for r in per_rank])
             continue
         dt = torch.float64
         t = torch.full(shape, float("nan"), dtype=dt)
