@@ -215,3 +215,42 @@ def plot_series(rows: list[dict]) -> dict:
             if pts:
                 series[f"{name} {tag}"] = tuple(map(list, zip(*pts)))
     return series
+
+
+def verdict(path: str) -> list[str]:
+    """The bench stage's verdict from bench_ring_gpu.json: "PASS: ..." when the
+    run completed and every cell gave a finite figure; "FAIL: ..." when a
+    cplib cell errored, gave NaN or timed out (or there is no JSON);
+    "INCOMPLETE: ..." when only baseline cells failed, cells were skipped, or
+    the run was cut short. Then one line per cell without a figure."""
+    import json
+
+    try:
+        with open(path) as f:
+            payload = json.load(f)
+    except (OSError, ValueError) as exc:
+        return [f"FAIL: no benchmark JSON ({type(exc).__name__})"]
+    problems = problem_cells(payload)
+    met = [g for g in payload.get("goals", []) if g.get("met") == "yes"]
+    head = (f"{payload.get('cells_done', 0)} of {payload.get('cells', '?')} cells; "
+            f"{len(problems['cplib'])} cplib cells and {len(problems['baseline'])} baseline "
+            f"cells without a figure, {len(problems['skipped'])} skipped; goals met "
+            f"{len(met)} of {len(payload.get('goals', []))}")
+    if problems["cplib"]:
+        kind = "FAIL"
+    elif problems["baseline"] or problems["skipped"] or not payload.get("complete"):
+        kind = "INCOMPLETE"
+        if not payload.get("complete"):
+            head += "; the run was cut short"
+    else:
+        kind = "PASS"
+    return [f"{kind}: {head}"] + [f"{k}: {c}" for k, items in problems.items() for c in items]
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:2] == ["verdict"] and len(sys.argv) == 3:
+        print("\n".join(verdict(sys.argv[2])))
+    else:
+        sys.exit("usage: ring_report.py verdict BENCH_JSON")
