@@ -32,6 +32,10 @@ from libstdcxx import carries_private_libstdcxx
 import cplib
 so = cplib._C.__file__
 print("cplib from", so)
+if sys.argv[3]:  # the wheel's extension, byte for byte
+    import check_wheel
+    if check_wheel.main(sys.argv[3]):
+        raise SystemExit("the extension imported is not the wheel's")
 if carries_private_libstdcxx(so):
     raise SystemExit(f"{so} carries its own libstdc++: rebuild with CXX=/usr/bin/g++")
 if sys.argv[1] == "1":
@@ -55,9 +59,11 @@ def _run(argv: list[str], env: dict | None = None) -> bool:
     return done.returncode == 0
 
 
-def common_checks(cuda: bool, env: dict) -> bool:
+def common_checks(cuda: bool, env: dict, wheel: str = "") -> bool:
+    """One process (torch imports in seconds): the checks above, and with
+    ``wheel`` first build_support/check_wheel.py's."""
     return _run([sys.executable, "-c", _COMMON, "1" if cuda else "0",
-                 os.path.join(ROOT, "build_support")], env)
+                 os.path.join(ROOT, "build_support"), wheel], env)
 
 
 def install(wheel: str, site: str) -> bool:
@@ -81,11 +87,9 @@ def main(argv: list[str]) -> int:
         wheel, site, prep = argv[1:]
         ok = install(wheel, site)
         env["PYTHONPATH"] = site
-        ok = ok and _run([sys.executable, os.path.join(ROOT, "build_support", "check_wheel.py"),
-                          wheel], env)
         ok = _run([sys.executable, os.path.join(ROOT, "build_support", "gpu_prep.py"), "check",
                    prep], env) and ok
-        return 0 if common_checks(cuda, env) and ok else 1
+        return 0 if common_checks(cuda, env, os.path.abspath(wheel)) and ok else 1
     if argv == ["built"]:
         env["PYTHONPATH"] = ROOT
         return 0 if common_checks(cuda, env) else 1
