@@ -121,10 +121,10 @@ cuda-check:
 # nvidia-* packages.
 CUDA_VENV  := .venv-cuda
 CUDA_TORCH ?= torch==2.14.1
-# The GPUs users have: A100 (sm_80), H100/H200 (sm_90), B200 (sm_100), with PTX
-# of the newest for later ones; nvcc 13.0 compiles for sm_75 to sm_121.
-# `make cuda-arch-check` reads them back from the built wheel.
-CUDA_ARCHS ?= 8.0;9.0;10.0+PTX
+# The wheel's GPUs (setup.py's CUDA_ARCHS, "8.0;9.0;10.0+PTX"): A100 (sm_80),
+# H100/H200 (sm_90), B200 (sm_100), and PTX of the newest for later ones; nvcc
+# 13.0 compiles for sm_75 to sm_121. `make cuda-arch-check` reads them back.
+CUDA_ARCHS := $(shell sed -n 's/^CUDA_ARCHS = "\(.*\)"/\1/p' setup.py)
 CUDA_ARCH_REQUIRE := --require 80,90,100 --ptx 100
 # The CUDA wheel: the same kind of file (abi3, stable ABI, torch >= 2.11),
 # with the CUDA kernels, for torch builds with CUDA 13. Built against torch
