@@ -35,7 +35,7 @@ TVENV     := .venv-$(subst ==,-,$(TORCH_PIN))
 # machines) must not veto the release the project pins.
 TPIP      := env PIP_CONFIG_FILE=/dev/null $(TVENV)/bin/python -m pip
 
-.PHONY: all build wheel develop demo test test-torch torch-venv bench cuda-check cuda-build cuda-wheel clean
+.PHONY: all build wheel develop demo test test-gpu-on-cpu test-torch torch-venv bench cuda-check cuda-build cuda-wheel clean
 
 all: build
 
@@ -88,6 +88,11 @@ demo: build
 TESTS ?= tests
 test: build
 	$(VENV)/bin/pytest -q $(TESTS)
+
+# The GPU tests' bodies (marker cuda) on the CPU: CPLIB_GPU_TESTS_ON_CPU=1
+# swaps their device, so their logic is proven without a GPU (CI runs this).
+test-gpu-on-cpu: build
+	CPLIB_GPU_TESTS_ON_CPU=1 $(VENV)/bin/pytest -q -m cuda $(wildcard tests/test_gpu_*.py)
 
 # The venv and pinned dependencies alone (CI prepares them while other
 # stages run).
