@@ -1,4 +1,4 @@
-"""The ring's host work, pinned (issue 29, DESIGN.md section 11): one fwd+bwd
+"""The ring's host work, pinned (issue 29; docs/ring.md, "Host work"): one fwd+bwd
 of cplib.ring_sdpa at S=64 on 2 gloo ranks (B=1 H=8 D=64 fp32, causal,
 head-tail, p2p), where the kernels cost nothing and every ATen call and
 collective is host time that leaves a GPU idle.
