@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from harness import run_threaded
+from ring_mask_cases import visible_at as visible  # noqa: F401  (q/k positions -> mask)
 
 ON_CPU_ENV = "CPLIB_GPU_TESTS_ON_CPU"
 
@@ -62,24 +63,10 @@ def global_input(shape, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
 
 
-def visible(q_pos: torch.Tensor, kv_pos: torch.Tensor, *, causal: bool, window=None,
-            cu_seqlens=None) -> torch.Tensor:
-    """(Lq, Lk) boolean over global positions: query at q_pos[i] sees the key
-    at kv_pos[j] (causal, window (left, right) or w, documents)."""
-    i, j = q_pos.view(-1, 1), kv_pos.view(1, -1)
-    m = torch.ones(i.shape[0], j.shape[1], dtype=torch.bool)
-    if causal:
-        m &= j <= i
-    if window is not None:
-        left, right = (window, window) if isinstance(window, int) else window
-        if left is not None:
-            m &= j >= i - left
-        if right is not None:
-            m &= j <= i + right
-    if cu_seqlens is not None:
-        bounds = torch.as_tensor(cu_seqlens)[1:]
-        m &= (torch.bucketize(i, bounds, right=True) == torch.bucketize(j, bounds, right=True))
-    return m
+def square(s: int, **mask) -> torch.Tensor:
+    """(S, S) visibility of a whole sequence (``visible``'s keywords)."""
+    pos = torch.arange(s)
+    return visible(pos, pos, **mask)
 
 
 def truth(q, k, v, cot, see: torch.Tensor, sinks=None, scale=None) -> dict[str, torch.Tensor]:

@@ -14,14 +14,10 @@ import torch
 import torch.distributed as dist
 
 from gpu_cases import (DEVICE, GPU_MARKS, HALF_DTYPES, Case, assert_ok, head_tail, judge,
-                       local_rows, make_case, place, ranks, run_ring, sync, visible)
+                       local_rows, make_case, place, ranks, run_ring, square, sync, visible)
 
 pytestmark = GPU_MARKS
 
-
-def _square(s, **mask):
-    pos = torch.arange(s)
-    return visible(pos, pos, **mask)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -41,7 +37,7 @@ def test_ring_mla_and_sinks(world_size, dtype):
         lb = kw.get("load_balanced", False)
         plain = set(mask) == {"causal"}
         # 8 heads: the sinks' gradients are 8 values per rank (a few are noisy).
-        case = make_case(1, 8, 2, s, s, 64, dtype, 10 * i, _square(s, **mask), dv=dv,
+        case = make_case(1, 8, 2, s, s, 64, dtype, 10 * i, square(s, **mask), dv=dv,
                          sinks=sinks, causal_hint=mask["causal"] if plain else None,
                          sink_rows=[head_tail(s, lb)(r, n)[0] for r in range(n)],
                          what=f"{dtype} dv={dv} sinks={sinks} {mask}")
@@ -94,7 +90,7 @@ def test_ring_empty_local_shards(world_size, dtype):
         return q, k
     failures = []
     for i, causal in enumerate((True, False)):
-        case = make_case(1, 4, 2, s, s, 64, dtype, 70 + i, _square(s, causal=causal),
+        case = make_case(1, 4, 2, s, s, 64, dtype, 70 + i, square(s, causal=causal),
                          what=f"{dtype} empty shards causal={causal}")
         failures += run_ring(case, n, layout, positions=(pos, pos), is_causal=causal)
     assert_ok(failures, 2)
@@ -126,7 +122,7 @@ def test_ring_compiled_fullgraph(dtype):
     in every rank thread (inductor on a GPU, aot_eager on the CPU run)."""
     n, s = 2, 64
     backend = "inductor" if DEVICE.type == "cuda" else "aot_eager"
-    case = make_case(1, 4, 2, s, s, 64, dtype, 90, _square(s, causal=True), causal_hint=True,
+    case = make_case(1, 4, 2, s, s, 64, dtype, 90, square(s, causal=True), causal_hint=True,
                      what=f"{dtype} compiled ({backend})")
     torch._dynamo.reset()
     per_rank = ranks(n, _compiled_rank, case, n, backend)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gpu_cases import (DEVICE, GPU_MARKS, HALF_DTYPES, assert_ok, head_tail, make_case,
-                       run_ring, visible)
+                       run_ring, square, visible)
 
 pytestmark = GPU_MARKS
 
@@ -23,10 +23,6 @@ def _backend(name):
     # The CPU has one kernel; a named CUDA backend runs the tiles without a mask.
     return name if DEVICE is not None and DEVICE.type == "cuda" else None
 
-
-def _square(s, **mask):
-    pos = torch.arange(s)
-    return visible(pos, pos, **mask)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -54,7 +50,7 @@ def test_ring_windows_documents_any_length(world_size, dtype):
          16 * n + 5, True),
     ]
     for i, (mask, kw, length, lb) in enumerate(cases):
-        see = _square(length, **mask)
+        see = square(length, **mask)
         case = make_case(1, hq, hkv, length, length, d, dtype, 100 * i, see,
                          what=f"{dtype} {mask}")
         failures += run_ring(case, n, head_tail(length, lb), **kw)
@@ -62,7 +58,7 @@ def test_ring_windows_documents_any_length(world_size, dtype):
     # per-document head-tail layout of an uneven sequence
     docs = [0, 13, 13 + 8 * n + 3, 13 + 8 * n + 3 + 9]
     length = docs[-1]
-    see = _square(length, causal=True, cu_seqlens=docs)
+    see = square(length, causal=True, cu_seqlens=docs)
     case = make_case(2, hq, hkv, length, length, d, dtype, 900, see, what=f"{dtype} per-document")
     failures += run_ring(case, n, head_tail(length, True, documents=docs), is_causal=True,
                          cu_seqlens=torch.tensor(docs), seq_len=length, per_document=True,

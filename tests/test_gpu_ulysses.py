@@ -16,15 +16,11 @@ import cplib
 from cplib.ring.layout import shard_positions
 from cplib.ulysses.usp_layout import usp_shard_ranges
 from gpu_cases import (GPU_MARKS, HALF_DTYPES, Case, assert_ok, judge, local_rows, make_case,
-                       place, ranks, sync, visible)
+                       place, ranks, square, sync)
 
 pytestmark = GPU_MARKS
 ROWS = dict(out="qpos", lse="qpos", dq="qpos", dk="kvpos", dv="kvpos")
 
-
-def _square(s, **mask):
-    pos = torch.arange(s)
-    return visible(pos, pos, **mask)
 
 
 def _rank(case: Case, layout, usp_degree: int, kw: dict) -> dict:
@@ -71,7 +67,7 @@ def test_ulysses_on_gpu(world_size, dtype):
     ]
     for i, (hkv, dv, mask, kw) in enumerate(cases):
         plain = set(mask) == {"causal"}
-        case = make_case(1, 4, hkv, s, s, 64, dtype, 200 + i, _square(s, **mask), dv=dv,
+        case = make_case(1, 4, hkv, s, s, 64, dtype, 200 + i, square(s, **mask), dv=dv,
                          causal_hint=mask["causal"] if plain else None,
                          what=f"{dtype} ulysses hkv={hkv} dv={dv} {mask}")
         failures += _run(case, n, _sequential(s), **kw)
@@ -88,7 +84,7 @@ def test_usp_on_gpu(dtype):
             return torch.cat(parts)
         return layout
     for i, (causal, lb, rotate) in enumerate(((True, True, "p2p"), (False, False, "alltoall"))):
-        case = make_case(1, 4, 2, s, s, 64, dtype, 300 + i, _square(s, causal=causal),
+        case = make_case(1, 4, 2, s, s, 64, dtype, 300 + i, square(s, causal=causal),
                          causal_hint=causal, what=f"{dtype} usp 2x2 causal={causal}")
         failures += _run(case, n, layout_of(lb), u, is_causal=causal, load_balanced=lb,
                          rotate=rotate)
