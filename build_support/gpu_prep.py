@@ -10,8 +10,8 @@ the wheel, the wheel's sha256 and CUDA architectures).
 The GPU machine gets the tree without .git, so the commit can only come from
 this folder; ``check`` recomputes the source hash there and fails when the
 tree's sources are not the ones the wheel was built from (a stale wheel).
-``commit`` without a folder (or with an empty one) says the commit is
-unknown, and why.
+``commit`` without a folder (or with an empty one) gives git's HEAD where
+the tree has its history, else says the commit is unknown, and why.
 """
 
 from __future__ import annotations
@@ -93,8 +93,14 @@ def commit_line(folder: str | None) -> str:
     """The commit as every output of the GPU check records it."""
     info = read(folder) if folder else None
     if info is None:
-        return ("unknown (no prepared wheel carried: the extension was built from the tree as "
-                "it is, which travels without .git; `make gpu-prep` where .git is records it)")
+        try:  # a checkout with its history (a GPU machine of one's own)
+            head = _git("rev-parse", "HEAD").strip()
+            dirty = _git("status", "--porcelain", "--untracked-files=no").strip()
+            return f"{head}{'-dirty' if dirty else ''} (no prepared wheel: built from this checkout)"
+        except (OSError, subprocess.SubprocessError):
+            return ("unknown (no prepared wheel carried: the extension was built from the tree "
+                    "as it is, which travels without .git; `make gpu-prep` where .git is "
+                    "records it)")
     dirty = f", plus uncommitted changes to {len(info['changed'])} files" if info["dirty"] else ""
     return f"{info['commit']}{dirty} (the wheel's, prepared {info['date']})"
 

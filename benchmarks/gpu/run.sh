@@ -9,7 +9,7 @@
 #            .gpu-prep/prep.json. Without a prepared wheel: the extension built in
 #            place with a compiler that links libstdc++ dynamically
 #            (build_support/libstdcxx.py), and the commit recorded as unknown, with
-#            the reason;
+#            the reason (git's HEAD where the tree has its .git);
 #   tests    the CUDA tests, selected by their marker (pytest -m cuda), results
 #            written as they arrive (budget_plugin.py), on GPU_CHECK_TEST_WORKERS
 #            pytest-xdist workers;

@@ -112,7 +112,9 @@ stage_bench() {
     FAIL*) record bench FAIL "$SECS" "${head#FAIL: }; $( ((RC)) && why "$log")" ;;
     *) record bench INCOMPLETE "$SECS" "${head#INCOMPLETE: }; $( ((RC)) && why "$log")" ;;
   esac
-  [[ $head == PASS* ]] || detail bench "$(tail -n +2 <<<"$verdict" | cut -c1-300 | head -n 12 | sed '2,$s/^/    /')"
+  local cells
+  cells=$(tail -n +2 <<<"$verdict" | cut -c1-300 | head -n 12 | sed '2,$s/^/    /')
+  [[ $head == PASS* ]] || detail bench "${cells:-$head}"
 }
 
 stage_memcheck() {
