@@ -108,6 +108,9 @@ def fused_lse(q, k, see, scale) -> torch.Tensor:
     mask there), the CPU flash kernel on the CPU. Rows that see nothing are
     not used."""
     with torch.no_grad():
+        pad = -q.shape[-1] % 8  # the kernels want head dims in 16-byte steps; zeros add nothing
+        if pad:
+            q, k = F.pad(q, (0, pad)), F.pad(k, (0, pad))
         bias = _bias(see, q.dtype, q.device, q.shape[0], q.shape[1])
         if q.device.type == "cuda":
             lse = torch.ops.aten._scaled_dot_product_efficient_attention(
