@@ -155,27 +155,39 @@ else
   ((GPU)) || note "no CUDA GPU visible: the tests stage's tests skip, bench, memcheck and demo are skipped"
 fi
 
+# The summary and the archive, rewritten after every stage: a run cut short
+# still leaves what it found ($1: the stages not yet run).
+write_outputs() {
+  local verdict=$RESULT
+  [[ -n $1 ]] && verdict="$RESULT so far (cut short before: $1)"
+  {
+    echo "=== GPU check: $verdict; $DEVICE; $(date -u +"%Y-%m-%d %H:%M UTC")"
+    echo "commit: $COMMIT"
+    printf '%-9s %-10s %5s  %s\n' stage result secs details
+    printf '%s\n' "${SUMMARY[@]}"
+    printf '%-9s %-10s %5s  %s\n' total "$RESULT" "$(($(date +%s) - START))" \
+      "budget ${BUDGET}s; stages run: $STAGES"
+    if [[ $RESULT != PASS ]]; then
+      echo; echo "not PASS because:"; printf '%s\n' "${DETAILS[@]}"
+    fi
+  } >"$LOGS/summary.txt"
+  bundle
+  cp "$LOGS/summary.txt" "$OUT_DIR/summary.txt"
+  local count
+  count=$(find "$OUT_DIR" -maxdepth 1 -type f | wc -l)
+  echo "files in the output folder: $count (at most 8 come back): $(cd "$OUT_DIR" && ls | tr '\n' ' ')" \
+    >>"$OUT_DIR/summary.txt"
+}
+
+left=" $STAGES "
 for s in $STAGES; do
   ((DRY)) || note "$s ..."
   "stage_$s"
+  left=${left/ $s / }
+  ((DRY)) || write_outputs "$(xargs <<<"$left")"
 done
 ((DRY)) && { rm -rf "$LOGS"; exit 0; }
-
-TOTAL=$(($(date +%s) - START))
-{
-  echo "=== GPU check: $RESULT; $DEVICE; $(date -u +"%Y-%m-%d %H:%M UTC")"
-  echo "commit: $COMMIT"
-  printf '%-9s %-10s %5s  %s\n' stage result secs details
-  printf '%s\n' "${SUMMARY[@]}"
-  printf '%-9s %-10s %5s  %s\n' total "$RESULT" "$TOTAL" "budget ${BUDGET}s; stages run: $STAGES"
-  if [[ $RESULT != PASS ]]; then
-    echo; echo "not PASS because:"; printf '%s\n' "${DETAILS[@]}"
-  fi
-} >"$LOGS/summary.txt"
-bundle
-cp "$LOGS/summary.txt" "$OUT_DIR/summary.txt"
-COUNT=$(find "$OUT_DIR" -maxdepth 1 -type f | wc -l)
-echo "files in the output folder: $COUNT (at most 8 come back): $(cd "$OUT_DIR" && ls | tr '\n' ' ')" >>"$OUT_DIR/summary.txt"
+write_outputs ""
 rm -rf "$LOGS"
 
 if [[ -f $OUT_DIR/bench_ring_gpu.log ]]; then

@@ -187,7 +187,6 @@ bundle() {
   [[ -f $LOGS/tests_summary.txt ]] && cp "$LOGS/tests_summary.txt" "$OUT_DIR/"
   [[ -f $LOGS/bench_ring_gpu.log ]] && cp "$LOGS/bench_ring_gpu.log" "$OUT_DIR/"
   [[ -f $LOGS/bench/bench_ring_gpu.json ]] && cp "$LOGS/bench/bench_ring_gpu.json" "$OUT_DIR/"
-  rm -rf "$LOGS/site"
-  tar -czf "$OUT_DIR/gpu-check-files.tar.gz" -C "$LOGS" --exclude=tests_summary.txt \
+  tar -czf "$OUT_DIR/gpu-check-files.tar.gz" -C "$LOGS" --exclude=./site --exclude=tests_summary.txt \
     --exclude=bench_ring_gpu.log --exclude=bench_ring_gpu.json . 2>/dev/null
 }
