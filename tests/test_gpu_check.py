@@ -67,7 +67,7 @@ def collected(tmp_path_factory) -> dict[str, list[str]]:
         "import json\n"
         "def _needs_gpu(it):\n"
         "    reasons = [str(m.kwargs.get('reason', '')) for m in it.iter_markers('skipif')]\n"
-        "    return any('GPU' in r or 'CUDA' in r for r in reasons)\n"
+        "    return any('GPU' in r for r in reasons)\n"
         "def pytest_collection_finish(session):\n"
         "    marked = [it.nodeid for it in session.items if it.get_closest_marker('cuda')]\n"
         "    bad = [it.nodeid for it in session.items\n"
