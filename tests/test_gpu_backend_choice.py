@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_cases import GPU_MARKS, assert_ok, head_tail, make_case, run_ring, visible
+from gpu_cases import GPU_MARKS, assert_ok, make_case, visible
+from gpu_ring_cases import head_tail, run_ring
 
 pytestmark = GPU_MARKS
 S = 96  # local tiles of 48 rows (head-tail chunks of 24)

@@ -13,8 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gpu_cases import (DEVICE, GPU_MARKS, HALF_DTYPES, Case, assert_ok, head_tail, judge,
-                       local_rows, make_case, place, ranks, run_ring, square, sync, visible)
+from gpu_cases import (DEVICE, GPU_MARKS, HALF_DTYPES, Case, assert_ok, judge, local_rows,
+                       make_case, place, ranks, square, sync, visible)
+from gpu_ring_cases import head_tail, run_ring
 
 pytestmark = GPU_MARKS
 

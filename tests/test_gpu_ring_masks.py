@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_cases import (DEVICE, GPU_MARKS, HALF_DTYPES, assert_ok, head_tail, make_case,
-                       run_ring, square, visible)
+from gpu_cases import DEVICE, GPU_MARKS, HALF_DTYPES, assert_ok, make_case, square, visible
+from gpu_ring_cases import head_tail, run_ring
 
 pytestmark = GPU_MARKS
 
