@@ -187,6 +187,12 @@ for s in $STAGES; do
   ((DRY)) || write_outputs "$(xargs <<<"$left")"
 done
 ((DRY)) && { rm -rf "$LOGS"; exit 0; }
+skipped=""
+for s in $ALL_STAGES; do [[ " $STAGES " == *" $s "* ]] || skipped+=" $s"; done
+if [[ -n $skipped ]]; then  # --stages: the whole check did not run
+  [[ $RESULT == FAIL ]] || RESULT=INCOMPLETE
+  DETAILS+=("  not run (--stages):$skipped")
+fi
 write_outputs ""
 rm -rf "$LOGS"
 
