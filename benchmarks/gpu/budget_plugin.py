@@ -38,7 +38,8 @@ def pytest_collection_finish(session):
     # The final selection (after -m / -k), in running order.
     progress = os.environ.get("CPLIB_TEST_PROGRESS")
     worker = getattr(session.config, "workerinput", {}).get("workerid")
-    if progress and worker in (None, "gw0"):  # every xdist worker collects the same
+    # Every xdist worker collects the same; the controller collects nothing.
+    if progress and worker in (None, "gw0") and session.items:
         with open(progress + ".collected", "w") as f:
             json.dump([it.nodeid for it in session.items], f)
 
