@@ -35,7 +35,7 @@ TVENV     := .venv-$(subst ==,-,$(TORCH_PIN))
 # machines) must not veto the release the project pins.
 TPIP      := env PIP_CONFIG_FILE=/dev/null $(TVENV)/bin/python -m pip
 
-.PHONY: all build wheel develop demo test test-torch torch-venv bench cuda-check cuda-build cuda-wheel clean
+.PHONY: all build wheel develop demo test test-gpu-on-cpu test-torch torch-venv bench cuda-check cuda-build cuda-wheel clean
 
 all: build
 
@@ -89,6 +89,11 @@ TESTS ?= tests
 test: build
 	$(VENV)/bin/pytest -q $(TESTS)
 
+# The GPU tests' bodies (marker cuda) on the CPU: CPLIB_GPU_TESTS_ON_CPU=1
+# swaps their device, so their logic is proven without a GPU (CI runs this).
+test-gpu-on-cpu: build
+	CPLIB_GPU_TESTS_ON_CPU=1 $(VENV)/bin/pytest -q -m cuda $(wildcard tests/test_gpu_*.py)
+
 # The venv and pinned dependencies alone (CI prepares them while other
 # stages run).
 torch-venv:
@@ -121,6 +126,11 @@ cuda-check:
 # nvidia-* packages.
 CUDA_VENV  := .venv-cuda
 CUDA_TORCH ?= torch==2.14.1
+# The wheel's GPUs (setup.py's CUDA_ARCHS, "8.0;9.0;10.0+PTX"): A100 (sm_80),
+# H100/H200 (sm_90), B200 (sm_100), and PTX of the newest for later ones; nvcc
+# 13.0 compiles for sm_75 to sm_121. `make cuda-arch-check` reads them back.
+CUDA_ARCHS := $(shell sed -n 's/^CUDA_ARCHS = "\(.*\)"/\1/p' setup.py)
+CUDA_ARCH_REQUIRE := --require 80,90,100 --ptx 100
 # The CUDA wheel: the same kind of file (abi3, stable ABI, torch >= 2.11),
 # with the CUDA kernels, for torch builds with CUDA 13. Built against torch
 # 2.14.1's CUDA build in its own venv and build folder, into dist/cuda/.
@@ -131,18 +141,29 @@ cuda-wheel:
 	@mkdir -p dist/cuda && rm -rf dist/cuda/cplib-*.whl build/cuda/lib.*
 	@NVINC=$$($(CUDA_VENV)/bin/python -c "import glob, os, sysconfig; print(':'.join(glob.glob(os.path.join(sysconfig.get_paths()['purelib'], 'nvidia', '*', 'include'))))"); \
 	CPATH="$$NVINC$${CPATH:+:$$CPATH}" CUDA_HOME=$${CUDA_HOME:-/usr/local/cuda} CPLIB_CUDA=1 MAX_JOBS=$(NPROC) \
+	  TORCH_CUDA_ARCH_LIST="$(CUDA_ARCHS)" \
 	  CPLIB_BUILD_BASE=build/cuda $(QUIET) $(LOGS)/build-cuda.log "building the CUDA wheel" -- \
 	  $(CUDA_VENV)/bin/python -m pip wheel --no-build-isolation --no-deps -w dist/cuda .
 	@ls -l dist/cuda/cplib-*.whl
 cuda-build: cuda-wheel
 
+# The architectures in the built CUDA wheel (its .nv_fatbin), no GPU needed.
+cuda-arch-check:
+	@$(PYTHON) build_support/cuda_arch.py $(firstword $(wildcard dist/cuda/cplib-*-abi3-*.whl)) $(CUDA_ARCH_REQUIRE)
+
 clean:
 	rm -rf build dist cplib/_C*.so *.egg-info
 
-# The GPU check on a GPU machine: build with the system compiler,
-# the whole suite, the CUDA demo, the GPU benchmark and compute-sanitizer, in
-# one output folder ($OUT, else benchmarks/out/gpu-check/). Uses the
-# installed python3 and torch (no venv, no network).
-.PHONY: gpu-check
+# The GPU check (docs/gpu-check.md). Here: `make gpu-prep` builds the CUDA
+# wheel and writes it with its commit into .gpu-prep/ (ignored; carried to the
+# GPU machine). There: `make gpu-check` installs that wheel beside the
+# machine's torch (or builds in place when none is carried) and runs the CUDA
+# tests, the GPU benchmark, compute-sanitizer and the CUDA demo, under 540 s,
+# into $OUT (else benchmarks/out/gpu-check/). Uses the installed python3 and
+# torch there (no venv, no network).
+GPU_PREP := .gpu-prep
+.PHONY: gpu-prep gpu-check cuda-arch-check
+gpu-prep: cuda-wheel
+	@$(PYTHON) build_support/gpu_prep.py write $(firstword $(wildcard dist/cuda/cplib-*-abi3-*.whl)) $(GPU_PREP)
 gpu-check:
 	benchmarks/gpu/run.sh

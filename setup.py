@@ -8,7 +8,9 @@ Environment:
   CPLIB_CUDA=1/0      force the CUDA build on/off (default: on when torch is a
                       CUDA build and nvcc is found)
   CPLIB_BUILD_BASE    setuptools' build folder (default: build)
-  TORCH_CUDA_ARCH_LIST  defaults to 9.0 when no GPU is visible
+  TORCH_CUDA_ARCH_LIST  defaults to "8.0;9.0;10.0+PTX" (A100, H100/H200, B200, and
+                      PTX for later GPUs) when no GPU is visible; where one is,
+                      torch builds for it alone
   CPLIB_DEBUG=1       -O0 -g
 """
 
@@ -27,6 +29,9 @@ from torch.utils import cpp_extension
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from build_support.libstdcxx import refuse_private_libstdcxx  # noqa: E402
 
+# The CUDA wheel's architectures (build_support/cuda_arch.py reads them back;
+# `make cuda-arch-check` requires sm_80, sm_90, sm_100 and PTX 100).
+CUDA_ARCHS = "8.0;9.0;10.0+PTX"
 ROOT = os.path.dirname(os.path.abspath(__file__))
 INCLUDE = os.path.join(ROOT, "csrc", "include")
 DEBUG = os.environ.get("CPLIB_DEBUG", "0") == "1"
@@ -101,7 +106,7 @@ def _extension():
     )
     if _want_cuda():
         if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
-            os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
+            os.environ["TORCH_CUDA_ARCH_LIST"] = CUDA_ARCHS
         sources += _rel(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
         return cpp_extension.CUDAExtension(
             sources=sources,

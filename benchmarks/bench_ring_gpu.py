@@ -15,11 +15,19 @@ parallelism, measured in the same run:
 
 B=1, H=16, D=128, bf16; each time is the median of 5 steps after 2 warm-ups,
 every rank's work included (barrier and device synchronisation around each
-step). Prints the tables, writes bench_ring_gpu.json and bench_ring_gpu.png
-(ratio against S) under benchmarks/out/ (or $CPLIB_BENCH_OUT), and on a GPU
+step). Every measurement is a cell run in a worker process with its own
+time limit (--cell-timeout, 60 s): a cell that hangs (in CUDA, or a threaded
+process group waiting forever) is killed with its worker and costs that cell
+only (benchmarks/gpu/cells.py); cells not started within --budget are
+reported as skipped. bench_ring_gpu.json is rewritten after every cell
+(``complete`` false until the end), so a run cut short keeps what it
+measured. At the end it prints the tables and the cells without a figure
+(errors, NaN, time-outs, skips), writes bench_ring_gpu.png (ratio against S)
+under benchmarks/out/ (or $CPLIB_BENCH_OUT), and on a GPU
 benchmarks/results/gpu.json (--results): device, torch, commit, date and one
 row per ring variant (S, N, causal, backend, rotate, full_ms, cplib_ms,
-torch_ms, ratio_full, ratio_torch).
+torch_ms, ratio_full, ratio_torch); the commit is $CPLIB_COMMIT (set by the
+GPU check from the prepared wheel), else git's HEAD.
 
     python benchmarks/bench_ring_gpu.py                 # default rows, about 3 min on an H100
     python benchmarks/bench_ring_gpu.py --all           # S 8k..64k x N 2,4 x causal or not
@@ -35,7 +43,6 @@ from __future__ import annotations
 import argparse
 import inspect
 import itertools
-import math
 import os
 import statistics
 import sys
@@ -50,8 +57,11 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+sys.path.insert(0, os.path.join(HERE, "gpu"))
 import common  # noqa: E402
-from common import machine, plot, print_table, write_json  # noqa: E402
+import ring_report as report  # noqa: E402
+from cells import SKIPPED, run_cells, worker_main  # noqa: E402
+from common import machine, plot, write_json  # noqa: E402
 from harness import run_threaded  # noqa: E402
 
 import cplib  # noqa: E402
@@ -349,16 +359,67 @@ def _configs(args) -> list[Config]:
             Config(8192, 4, True, h, h), Config(32768, 4, False, h, h)]
 
 
-def _ms(x: float | str) -> str:
-    return f"{x * 1e3:.2f}" if isinstance(x, float) else x
+def _cells(configs: list[Config], st: Setup, cuda: bool, merge_shapes) -> list[dict]:
+    """Every measurement, in running order: the merge kernel, then per
+    configuration full SDPA, torch's ring and cplib's rings; the efficient
+    backend's rings last (a sticky CUDA error there cannot spoil the rest)."""
+    cells = [dict(label=f"merge {'x'.join(map(str, sh))}", impl="merge", shape=list(sh))
+             for sh in merge_shapes]
+    late = [b for b in st.backends if b == "efficient"]
+    early = [b for b in st.backends if b not in late] + ([None] if cuda else [])
+    for phase, backends in (("main", early), ("efficient", late)):
+        for ci, cfg in enumerate(configs):
+            def cell(impl, key):
+                return dict(label=f"{cfg.label} {impl} {key}", impl=impl, key=key, config=ci)
+            if phase == "main":
+                cells += [cell("full", b) for b in (st.backends if cuda else ["cpu"])]
+                cells += [cell("torch", f"{op}/{rot}")
+                          for op, rot in itertools.product(st.torch_ops, TORCH_ROTATIONS)]
+            cells += [cell("cplib", f"{b or 'auto'}/{rot}")
+                      for b, rot in itertools.product(backends, ROTATIONS)
+                      if b is not None or rot == "p2p"]  # auto: the default call only
+    return cells
 
 
-def _best(cells: dict[str, float | str]) -> tuple[str, float] | tuple[None, None]:
-    ok = {k: v for k, v in cells.items() if isinstance(v, float)}
-    if not ok:
-        return None, None
-    key = min(ok, key=ok.get)
-    return key, ok[key]
+class _Worker:
+    """The worker process's state: the inputs of the configuration last used."""
+
+    def __init__(self, configs: list[Config], st: Setup):
+        self.configs, self.st, self.inputs, self.config = configs, st, None, None
+
+    def full(self, ci: int) -> list[torch.Tensor]:
+        if self.config != ci:
+            self.inputs = None
+            if self.st.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self.inputs, self.config = _inputs(self.configs[ci], self.st), ci
+        return self.inputs
+
+    def run(self, cell: dict) -> Any:
+        if os.environ.get("CPLIB_BENCH_HANG_CELL") == cell["label"]:
+            time.sleep(3600)  # tests/test_gpu_check.py: a cell that never ends
+        if cell["impl"] == "merge":
+            return merge_bandwidth(self.st, [tuple(cell["shape"])])[0]
+        cfg = self.configs[cell["config"]]
+        full = self.full(cell["config"])
+        if cell["impl"] == "full":
+            return time_full(cfg, self.st, cell["key"], full)
+        if cell["impl"] == "torch":
+            op, rot = cell["key"].split("/")
+            return time_torch_cp(cfg, self.st, full, op, rot)
+        b, rot = cell["key"].split("/")
+        return run_ring(_cplib_rank, cfg, self.st, full, None if b == "auto" else b, rot)
+
+
+def _device_broken(dev: torch.device) -> bool:
+    if dev.type != "cuda":
+        return False
+    try:
+        torch.cuda.synchronize(dev)
+        torch.zeros(1, device=dev).add_(1).item()
+        return False
+    except RuntimeError:
+        return True
 
 
 def main() -> int:
@@ -374,11 +435,14 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--no-torch", action="store_true", help="skip torch's own ring")
     p.add_argument("--budget", type=float, default=0,
-                   help="seconds; configurations not started by then are reported as skipped")
+                   help="seconds; cells not started by then are reported as skipped")
+    p.add_argument("--cell-timeout", type=float, default=60,
+                   help="seconds one cell may take (a hung cell costs that cell only)")
     p.add_argument("--out", help="output folder (default $CPLIB_BENCH_OUT or benchmarks/out)")
-    p.add_argument("--results", default=RESULTS_DEFAULT,
+    p.add_argument("--results", default=report.RESULTS_DEFAULT,
                    help="where a CUDA run writes its results file (device, torch, commit, date, "
-                        f"one row per ring variant; default {RESULTS_DEFAULT}); '' for none")
+                        f"one row per ring variant; default {report.RESULTS_DEFAULT}); '' for none")
+    p.add_argument("--worker", nargs=2, metavar=("SPEC", "PROGRESS"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.out:
         common.OUT_DIR = args.out
@@ -386,7 +450,7 @@ def main() -> int:
         print("bench_ring_gpu: no CUDA GPU visible; nothing measured "
               "(use --device cpu --smoke to check the code path)", flush=True)
         return 0 if os.environ.get("CPLIB_BENCH_REQUIRE_GPU", "0") != "1" else 1
-    t_start = time.perf_counter()
+    t_start = time.time()
     dev = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     cuda = dev.type == "cuda"
     if args.smoke:
@@ -395,199 +459,72 @@ def main() -> int:
                d=args.head_dim, warmup=args.warmup, iters=args.iters,
                backends=["flash", "efficient", "cudnn"] if cuda else ["flash"],
                torch_ops=[] if args.no_torch else (["flash", "cudnn"] if cuda else ["cpu"]))
-    if cuda:
-        torch.cuda.set_device(dev)
     configs = _configs(args)
-    print(f"bench_ring_gpu: {machine()}; B={st.b} H={args.heads} D={st.d} "
-          f"{str(st.dtype).split('.')[-1]}, fwd+bwd, median of {st.iters} after {st.warmup} "
-          f"warm-ups; {len(configs)} configurations", flush=True)
-
     merge_shapes = ([(1, 16, 8192, 128), (1, 32, 32768, 128)] if cuda and not args.smoke
                     else [(1, 4, 256, 16)])
-    merge = merge_bandwidth(st, merge_shapes)
+    cells = _cells(configs, st, cuda, merge_shapes)
+    if args.worker:
+        if cuda:
+            torch.cuda.set_device(dev)
+        worker = _Worker(configs, st)
+        return worker_main(*args.worker, worker.run, lambda: _device_broken(dev))
 
-    # Efficient rings last (see the docstring); everything else first.
+    print(f"bench_ring_gpu: {machine()}; commit {report.commit()}; B={st.b} H={args.heads} "
+          f"D={st.d} {str(st.dtype).split('.')[-1]}, fwd+bwd, median of {st.iters} after "
+          f"{st.warmup} warm-ups; {len(configs)} configurations, {len(cells)} cells, each at "
+          f"most {args.cell_timeout:.0f} s in a worker process", flush=True)
     results: dict[Config, dict[str, Any]] = {}
-    late = [b for b in st.backends if b == "efficient"]
-    early = [b for b in st.backends if b not in late] + ([None] if cuda else [])
-    for phase, backends in (("main", early), ("efficient", late)):
-        for cfg in configs:
-            r = results.setdefault(cfg, {"full": {}, "cplib": {}, "torch": {}})
-            if args.budget and time.perf_counter() - t_start > args.budget:
-                print(f"  {phase}: {cfg.label} skipped (--budget {args.budget:.0f} s spent)",
-                      flush=True)
-                for b, rot in itertools.product(backends, ROTATIONS):
-                    r["cplib"].setdefault(f"{b or 'auto'}/{rot}", "skipped: time budget")
-                continue
-            full = _inputs(cfg, st)
-            if phase == "main":
-                for b in (st.backends if cuda else ["cpu"]):
-                    r["full"][b] = time_full(cfg, st, b, full)
-                for op, rot in itertools.product(st.torch_ops, TORCH_ROTATIONS):
-                    r["torch"][f"{op}/{rot}"] = time_torch_cp(cfg, st, full, op, rot)
-            for b, rot in itertools.product(backends, ROTATIONS):
-                if b is None and rot != "p2p":
-                    continue  # auto: the default call only
-                r["cplib"][f"{b or 'auto'}/{rot}"] = run_ring(_cplib_rank, cfg, st, full, b, rot)
-            del full
-            if cuda:
-                torch.cuda.empty_cache()
-            print(f"  {phase}: {cfg.label} done ({time.perf_counter() - t_start:.0f} s)",
-                  flush=True)
+    merge: list[Any] = [SKIPPED] * len(merge_shapes)
+    meta = dict(B=st.b, H=args.heads, D=st.d, dtype=str(st.dtype), warmup=st.warmup,
+                iters=st.iters, commit=report.commit(), cells=len(cells))
 
-    # ---- tables
-    summary, detail, payload_rows = [], [], []
-    for cfg, r in results.items():
-        fb, ft = _best(r["full"])
-        explicit = {k: v for k, v in r["cplib"].items() if not k.startswith("auto/")}
-        cb, ct = _best(explicit)
-        tb, tt = _best(r["torch"])
-        auto = r["cplib"].get("auto/p2p", "-")
-        summary.append((cfg.s, cfg.n, "yes" if cfg.causal else "no",
-                        "MHA" if cfg.hq == cfg.hkv else f"GQA {cfg.hq}/{cfg.hkv}",
-                        f"{_ms(ft)} ({fb})" if ft else "-", f"{_ms(ct)} ({cb})" if ct else "-",
-                        f"{ct / ft:.2f}" if ct and ft else "-", _ms(auto),
-                        f"{_ms(tt)} ({tb})" if tt else (next(iter(r["torch"].values()), "-")),
-                        f"{ct / tt:.2f}" if ct and tt else "-"))
-        for impl in ("full", "cplib", "torch"):
-            for key, val in r[impl].items():
-                detail.append((cfg.label, impl, key, _ms(val),
-                               f"{val / ft:.2f}" if isinstance(val, float) and ft else "-"))
-        payload_rows.append(dict(
-            s=cfg.s, n=cfg.n, causal=cfg.causal, hq=cfg.hq, hkv=cfg.hkv,
-            full_ms={k: (v * 1e3 if isinstance(v, float) else v) for k, v in r["full"].items()},
-            cplib_ms={k: (v * 1e3 if isinstance(v, float) else v) for k, v in r["cplib"].items()},
-            torch_ms={k: (v * 1e3 if isinstance(v, float) else v) for k, v in r["torch"].items()},
-            best_full=fb, best_cplib=cb, best_torch=tb,
-            cplib_over_full=ct / ft if ct and ft else None,
-            cplib_over_torch=ct / tt if ct and tt else None))
-    print_table("detail: every variant (ms; / full = against the fastest full SDPA call)",
-                ["config", "impl", "backend/rotation", "ms", "/ full"], detail)
-    print_table("merge kernel against a device-to-device copy of the same bytes",
-                ["shape", "block dtype", "MiB", "merge GB/s", "copy GB/s", "merge/copy"],
-                [(m["shape"], m["block_dtype"], m["bytes"] / 2**20, m["merge_gbps"],
-                  m["copy_gbps"], m["ratio"]) for m in merge])
-    goals = _goals(payload_rows, merge)
-    print_table("goals", ["goal", "measured", "met"], goals)
-    print_table(f"ring attention fwd+bwd, N ranks sharing one {dev.type} device "
-                f"(B={st.b} H={args.heads} D={st.d} {str(st.dtype).split('.')[-1]})",
-                ["S", "N", "causal", "heads", "full SDPA ms (best)", "cplib ms (best)",
-                 "cplib / full", "cplib auto p2p ms", "torch CP ms (best)", "cplib / torch"],
-                summary)
-    path = write_json("bench_ring_gpu", {
-        "B": st.b, "H": args.heads, "D": st.d, "dtype": str(st.dtype), "warmup": st.warmup,
-        "iters": st.iters, "rows": payload_rows, "merge": merge,
-        "goals": [dict(goal=g, measured=m, met=ok) for g, m, ok in goals],
-        "seconds": time.perf_counter() - t_start})
-    series = {}
-    for (n, causal) in sorted({(c["n"], c["causal"]) for c in payload_rows}):
-        rows = sorted((c for c in payload_rows if c["n"] == n and c["causal"] == causal
-                       and c["hq"] == c["hkv"]), key=lambda c: c["s"])
-        tag = f"N={n} {'causal' if causal else 'non-causal'}"
-        pts = [(c["s"], c["cplib_over_full"]) for c in rows if c["cplib_over_full"]]
-        if pts:
-            series[f"cplib/full {tag}"] = tuple(map(list, zip(*pts)))
-        pts = [(c["s"], c["cplib_over_torch"]) for c in rows if c["cplib_over_torch"]]
-        if pts:
-            series[f"cplib/torch {tag}"] = tuple(map(list, zip(*pts)))
+    def payload(done: int) -> dict:
+        return dict(meta, rows=report.payload_rows(configs, results), merge=merge,
+                    cells_done=done, seconds=time.time() - t_start)
+    done = [0]
+
+    def on_result(i: int, value: Any) -> None:
+        c = cells[i]
+        done[0] += 1
+        if c["impl"] == "merge":
+            merge[merge_shapes.index(tuple(c["shape"]))] = value
+        else:
+            r = results.setdefault(configs[c["config"]], {"full": {}, "cplib": {}, "torch": {}})
+            r[c["impl"]][c["key"]] = value
+        shown = f"{value * 1e3:.2f} ms" if isinstance(value, float) else (
+            f"{value['merge_gbps']:.1f} GB/s" if isinstance(value, dict) else value)
+        print(f"  [{time.time() - t_start:4.0f} s] cell {done[0]}/{len(cells)} {c['label']}: "
+              f"{shown}", flush=True)
+        write_json("bench_ring_gpu", dict(payload(done[0]), complete=False))
+
+    deadline = t_start + args.budget if args.budget else float("inf")
+    run_cells(cells, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]],
+              cell_timeout=args.cell_timeout, deadline=deadline, on_result=on_result,
+              log=lambda m: print(f"  [{time.time() - t_start:4.0f} s] {m}", flush=True))
+
+    final = payload(done[0])
+    rows = final["rows"]
+    goal_rows = report.goals(rows, merge)
+    problems = report.problem_cells(final)
+    report.print_tables(rows, merge, goal_rows, st, args.heads, dev.type)
+    path = write_json("bench_ring_gpu", dict(
+        final, complete=True, goals=[dict(goal=g, measured=m, met=ok) for g, m, ok in goal_rows],
+        problems=problems))
     if cuda and args.results:
-        print(f"results: {write_results(args.results, payload_rows, dev)}", flush=True)
+        print(f"results: {report.write_results(args.results, rows, dev)}", flush=True)
+    series = report.plot_series(rows)
     png = plot("bench_ring_gpu", "ring attention fwd+bwd: cplib (best) / baseline", "S",
                "time ratio (1.0 = baseline)", series) if series else "(no ratios to plot)"
+    for kind, items in problems.items():
+        print(f"cells without a figure ({kind}): {len(items)}", flush=True)
+        for item in items[:40]:
+            print(f"  {item}", flush=True)
     print(f"{machine()}\njson: {path}\npng: {png}\n"
-          f"bench_ring_gpu: {time.perf_counter() - t_start:.0f} s", flush=True)
-    if not any(isinstance(v, float) for r in results.values() for v in r["cplib"].values()):
+          f"bench_ring_gpu: {time.time() - t_start:.0f} s", flush=True)
+    if not any(isinstance(v, (int, float)) for r in rows for v in r["cplib_ms"].values()):
         print("bench_ring_gpu: no cplib ring ran (every cell is an error)", flush=True)
         return 1
     return 0
-
-
-RESULTS_DEFAULT = os.path.join(HERE, "results", "gpu.json")
-
-
-def _commit() -> str:
-    """The measured commit: git's HEAD, else $CPLIB_COMMIT (a copy of the
-    tree without .git, as on a GPU machine), else "unknown"."""
-    import subprocess
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True,
-                              text=True, check=True, timeout=30).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return os.environ.get("CPLIB_COMMIT", "unknown")
-
-
-def results_rows(payload_rows: list[dict]) -> list[dict]:
-    """One row per measured cplib variant (backend/rotation): its time, the
-    fastest full SDPA call's and torch's ring's (best of its variants), and
-    the ratios. Cells that errored are left out (the log has them)."""
-    rows = []
-    for r in payload_rows:
-        full = min((v for v in r["full_ms"].values() if isinstance(v, float)), default=None)
-        theirs = min((v for v in r["torch_ms"].values() if isinstance(v, float)), default=None)
-        for key, ms in r["cplib_ms"].items():
-            if not isinstance(ms, float):
-                continue
-            backend, rotate = key.split("/")
-            rows.append(dict(S=r["s"], N=r["n"], causal=r["causal"], hq=r["hq"], hkv=r["hkv"],
-                             backend=backend, rotate=rotate, full_ms=full, cplib_ms=ms,
-                             torch_ms=theirs, ratio_full=ms / full if full else None,
-                             ratio_torch=ms / theirs if theirs else None))
-    return rows
-
-
-def write_results(path: str, payload_rows: list[dict], dev: torch.device) -> str:
-    """Writes the results file of a CUDA run (never called without a GPU:
-    the figures are this run's, or there is no file)."""
-    import datetime
-    import json
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    payload = dict(device=torch.cuda.get_device_name(dev), torch=torch.__version__,
-                   commit=_commit(),
-                   date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                   rows=results_rows(payload_rows))
-    with open(path, "w") as f:
-        json.dump(payload, f, indent=2)
-    return path
-
-
-def _goals(rows: list[dict], merge: list[dict]) -> list[tuple[str, str, str]]:
-    def find(s, n, causal, hq_eq_hkv=True):
-        return next((r for r in rows if r["s"] == s and r["n"] == n and r["causal"] == causal
-                     and (r["hq"] == r["hkv"]) == hq_eq_hkv), None)
-
-    def verdict(value, limit, below=True):
-        if value is None or (isinstance(value, float) and math.isnan(value)):
-            return "-", "not measured"
-        return f"{value:.2f}", "yes" if (value <= limit if below else value >= limit) else "NO"
-
-    out = []
-    r = find(32768, 4, True)
-    out.append(("cplib/full <= 1.10 at S=32768 N=4 causal",
-                *verdict(r and r["cplib_over_full"], 1.10)))
-    for r in (x for x in rows if x["s"] == 65536 and x["hq"] == x["hkv"]):
-        out.append((f"cplib/full <= 1.05 at S=65536 N={r['n']} "
-                    f"{'causal' if r['causal'] else 'non-causal'}",
-                    *verdict(r["cplib_over_full"], 1.05)))
-    worst = [x["cplib_over_torch"] for x in rows if x["s"] >= 16384 and x["cplib_over_torch"]]
-    out.append(("cplib/torch <= 0.80 at every S >= 16384 (worst)",
-                *verdict(max(worst) if worst else None, 0.80)))
-    if merge:
-        out.append(("merge >= 0.85 of copy bandwidth (worst)",
-                    *verdict(min(m["ratio"] for m in merge), 0.85, below=False)))
-    slower = []
-    for x in rows:
-        for b in ("flash", "efficient", "cudnn"):
-            p2p, ag = x["cplib_ms"].get(f"{b}/p2p"), x["cplib_ms"].get(f"{b}/allgather")
-            if isinstance(p2p, float) and isinstance(ag, float):
-                slower.append(p2p / ag)
-    out.append(("p2p no slower than allgather (worst p2p/allgather)",
-                *verdict(max(slower) if slower else None, 1.0)))
-    g = find(32768, 4, True, hq_eq_hkv=False)
-    mha = find(32768, 4, True)
-    if g and mha and g["best_cplib"] and mha["best_cplib"]:
-        ratio = g["cplib_ms"][g["best_cplib"]] / mha["cplib_ms"][mha["best_cplib"]]
-        out.append(("GQA 16/4 faster than MHA (cplib best, GQA/MHA)", *verdict(ratio, 1.0)))
-    return out
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The ring's host work at S=64 (issue 29, DESIGN.md section 11): at this size
+"""The ring's host work at S=64 (issue 29; docs/ring.md, "Host work"): at this size
 the kernels cost nothing, so one fwd+bwd of cplib.ring_sdpa is pure host
 work, the work that leaves a GPU idle between kernels. Per fwd+bwd on rank 0
 of 2 gloo ranks (B=1 H=8 S=64 D=64 fp32, causal, head-tail, p2p, default

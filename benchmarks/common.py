@@ -61,8 +61,9 @@ def write_json(name: str, payload: dict[str, Any]) -> str:
     os.makedirs(OUT_DIR, exist_ok=True)
     path = os.path.join(OUT_DIR, f"{name}.json")
     payload = {"date": datetime.date.today().isoformat(), "machine": machine(), **payload}
-    with open(path, "w") as f:
+    with open(path + ".tmp", "w") as f:  # replaced whole: a reader never sees half a file
         json.dump(payload, f, indent=2)
+    os.replace(path + ".tmp", path)
     return path
 
 

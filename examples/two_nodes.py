@@ -51,7 +51,21 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--tol", type=float, default=1e-4)
+    p.add_argument("--result-dir", help="each rank also writes rank<r>.json here (its node and "
+                                        "groups; rank 0: every step's losses and the verdict)")
     return p.parse_args()
+
+
+def write_result(folder: str | None, rank: int, record: dict) -> None:
+    """One file per rank: a reader never depends on how the ranks' printed
+    lines interleave in a shared pipe."""
+    if folder:
+        import json
+
+        path = os.path.join(folder, f"rank{rank}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(record, f)
+        os.replace(path + ".tmp", path)
 
 
 def node_of_every_rank(device: torch.device) -> list[tuple[str, int]]:
@@ -114,6 +128,8 @@ def main() -> int:
     nodes = node_of_every_rank(device)
     placement = check_placement(mesh["cp"].get_group(), args.ulysses_degree, nodes)
     print(f"rank {rank} (node {nodes[rank][1]}, {nodes[rank][0]}): {placement}", flush=True)
+    record = dict(rank=rank, node=nodes[rank][1], host=nodes[rank][0], placement=placement,
+                  steps=[])
 
     torch.manual_seed(0)
     ref = TinyLlama(VOCAB, dim=32, layers=2, heads=4, kv_heads=2, hidden=64).to(device)
@@ -142,14 +158,17 @@ def main() -> int:
         dist.all_reduce(total)
         diff = abs(total.item() - ref_loss.item())
         worst = max(worst, diff / max(1.0, abs(ref_loss.item())))
+        record["steps"].append(dict(cp=total.item(), one_process=ref_loss.item()))
         if rank == 0:
             print(f"step {step}: loss cp {total.item():.6f} one process {ref_loss.item():.6f}",
                   flush=True)
     ok = worst <= args.tol
+    verdict = (f"two-node verdict: {'PASS' if ok else 'FAIL'} ({n} ranks on "
+               f"{len({k for _, k in nodes})} nodes, ulysses_degree={args.ulysses_degree}, "
+               f"worst relative loss difference {worst:.2e})")
     if rank == 0:
-        print(f"two-node verdict: {'PASS' if ok else 'FAIL'} ({n} ranks on "
-              f"{len({k for _, k in nodes})} nodes, ulysses_degree={args.ulysses_degree}, "
-              f"worst relative loss difference {worst:.2e})", flush=True)
+        print(verdict, flush=True)
+    write_result(args.result_dir, rank, dict(record, verdict=verdict, worst=worst))
     dist.destroy_process_group()
     return 0 if ok else 1
 

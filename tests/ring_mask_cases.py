@@ -16,9 +16,16 @@ from ring_cases import global_tensor
 
 def visible(s: int, *, causal: bool, cu_seqlens=None, window=None) -> torch.Tensor:
     """(S, S) boolean: query i sees key j."""
-    i = torch.arange(s).view(-1, 1)
-    j = torch.arange(s).view(1, -1)
-    m = torch.ones(s, s, dtype=torch.bool)
+    pos = torch.arange(s)
+    return visible_at(pos, pos, causal=causal, cu_seqlens=cu_seqlens, window=window)
+
+
+def visible_at(q_pos: torch.Tensor, kv_pos: torch.Tensor, *, causal: bool, window=None,
+               cu_seqlens=None) -> torch.Tensor:
+    """(Lq, Lk) boolean over global positions: the query at q_pos[i] sees the
+    key at kv_pos[j] (causal, window (left, right) or w, documents)."""
+    i, j = q_pos.view(-1, 1), kv_pos.view(1, -1)
+    m = torch.ones(i.shape[0], j.shape[1], dtype=torch.bool)
     if causal:
         m &= j <= i
     if window is not None:
@@ -28,8 +35,8 @@ def visible(s: int, *, causal: bool, cu_seqlens=None, window=None) -> torch.Tens
         if right is not None:
             m &= j <= i + right
     if cu_seqlens is not None:
-        doc = torch.bucketize(torch.arange(s), torch.as_tensor(cu_seqlens)[1:], right=True)
-        m &= doc.view(-1, 1) == doc.view(1, -1)
+        bounds = torch.as_tensor(cu_seqlens)[1:]
+        m &= torch.bucketize(i, bounds, right=True) == torch.bucketize(j, bounds, right=True)
     return m
 
 

@@ -269,6 +269,7 @@ def _has_cuda_probe() -> bool:
             torch._C._dispatch_has_kernel_for_dispatch_key("cplib_c::_cuda_glue_probe", "CUDA"))
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not _has_cuda_probe(),
                     reason="needs a CUDA GPU (none visible) and a CUDA build")
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])

@@ -29,8 +29,12 @@ from test_ring_sdpa import ROTATIONS, _run_case
 
 BACKENDS = ["flash", "efficient", "cudnn"]
 HALF_DTYPES = [torch.bfloat16, torch.float16]
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="needs a CUDA GPU (none visible)")
+
+
+def needs_cuda(test):
+    """A GPU test: marker `cuda` (make gpu-check runs exactly those), skipped without a GPU."""
+    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(),
+                                               reason="needs a CUDA GPU (none visible)")(test))
 
 
 def _check_threaded_cpu() -> int:

@@ -371,6 +371,7 @@ def _check_cuda(dtype: torch.dtype, backend: str) -> list[str]:
     return report
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("backend", ["flash", "efficient", "cudnn"])

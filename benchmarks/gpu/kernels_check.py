@@ -22,7 +22,8 @@ import sys
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
+# The tests' helpers only: cplib is the one installed (or the tree's, through
+# PYTHONPATH, when built in place), never the tree's by default.
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import cplib  # noqa: E402

@@ -2,6 +2,8 @@
 // the block backward with the merged global (out, lse), dQ accumulates
 // locally and each visiting block's dK/dV goes back to its owner. All
 // accumulation is fp32 (fp64).
+#include <limits>
+
 #include "common/aten.h"
 #include "ring/ring_block.h"
 #include "ring/ring_forward.h"
@@ -26,6 +28,19 @@ std::tuple<Tensor, Tensor, Tensor> ring_backward(const Config& cfg, const Tensor
   GradRing grads(cfg, plan, k, v, acc);
   HeadExpander expand_k(cfg.groups, k, cfg.kv_layout.max_local_len()),
       expand_v(cfg.groups, v, cfg.kv_layout.max_local_len());
+  // A row that sees no key at all has lse -inf, and the block backward's
+  // exp(score - lse) would be NaN there; +inf gives probability 0 to every
+  // key (dq 0, nothing added to dk/dv). Only masked calls hold such rows.
+  Tensor masked_lse;
+  auto lse_of = [&](const Call& c) -> const Tensor& {
+    if (c.kind != Visibility::partial) return lse;
+    if (!masked_lse.defined()) {
+      const double inf = std::numeric_limits<double>::infinity();
+      masked_lse = aten::masked_fill(lse, aten::eq(lse, aten::full({}, -inf, aten::opts_of(lse))),
+                                     inf);
+    }
+    return masked_lse;
+  };
   for (int64_t s = 0; s < plan.steps(); ++s) {
     const KV blk = ring.fetch(s);
     grads.settle();
@@ -37,7 +52,7 @@ std::tuple<Tensor, Tensor, Tensor> ring_backward(const Config& cfg, const Tensor
         if (c.kind == Visibility::partial) mask = plan.mask(c, aten::opts_of(q)).first;
         auto [gq, gk, gv] = block_backward(
             cfg, rows(grad_out), rows(q), expand_k(aten::rows(blk[0], 2, c.k_local, c.k_len)),
-            expand_v(aten::rows(blk[1], 2, c.k_local, c.k_len)), rows(out), rows(lse),
+            expand_v(aten::rows(blk[1], 2, c.k_local, c.k_len)), rows(out), rows(lse_of(c)),
             c.kind == Visibility::causal, mask);
         if (!dq_written && c.q_len == Lq) {
           aten::copy_(dq, gq);

@@ -1,0 +1,192 @@
+# The stages of the GPU check, sourced by benchmarks/gpu/run.sh (which sets
+# PY, ROOT, LOGS, OUT_DIR, CAP, GPU, DRY, WHEEL, PREP, COMMIT and the helpers
+# record, run_limited, why, note). Each stage records one verdict line and,
+# when not PASS, the names of what did not pass (DETAILS).
+
+detail() { DETAILS+=("  $1: $2"); }
+
+# install: the prepared wheel, else the extension built in place.
+stage_install() {
+  local log=$LOGS/install.log cuda=""
+  ((GPU)) && cuda=--cuda
+  if [[ -n $WHEEL ]]; then
+    run_limited install "${CAP[install]}" "$log" "$PY" benchmarks/gpu/install_check.py wheel \
+      "$WHEEL" "$LOGS/site" "$PREP" $cuda
+    ((DRY)) && return
+    export PYTHONPATH="$LOGS/site"
+    if ((RC == 0)); then
+      record install PASS "$SECS" "$(basename "$WHEEL") beside the machine's torch: the wheel's extension byte for byte, built from these sources"
+    else
+      record install FAIL "$SECS" "$(why "$log")"
+      detail install "$(grep -E '^check_wheel:|^gpu_prep:|Error|carries' "$log" | head -n 3 | tr '\n' ' ')"
+    fi
+    return
+  fi
+  export PYTHONPATH="$ROOT"
+  if [[ ${GPU_CHECK_SKIP_BUILD:-0} == 1 ]]; then
+    export PYTHONPATH=""
+    record install SKIP 0 "no prepared wheel and GPU_CHECK_SKIP_BUILD=1: nothing built, the cplib python finds is used"
+    detail install "no prepared wheel (make gpu-prep) and no build"
+    return
+  fi
+  local chosen cc cxx reason
+  if chosen=$("$PY" build_support/libstdcxx.py 2>&1); then
+    read -r cc cxx <<<"$(head -n 1 <<<"$chosen")"
+    reason=$(tail -n 1 <<<"$chosen")
+  else
+    cc=${CC:-/usr/bin/gcc} cxx=${CXX:-/usr/bin/g++} reason="no compiler qualifies: $chosen"
+  fi
+  ((DRY)) && echo "compiler: CC=$cc CXX=$cxx; $reason"
+  run_limited install "${CAP[install]}" "$log" env CC="$cc" CXX="$cxx" CPLIB_CUDA=$GPU \
+    "$PY" setup.py build_ext --inplace
+  ((DRY)) && return
+  if ((RC != 0)); then
+    record install FAIL "$SECS" "in-place build with $cxx: $(why "$log")"
+    detail install "the build failed (install.log in the archive)"
+    return
+  fi
+  if "$PY" benchmarks/gpu/install_check.py built $cuda >>"$log" 2>&1; then
+    record install PASS "$SECS" "no prepared wheel: built in place with $cxx ($reason), CUDA=$GPU"
+  else
+    record install FAIL "$SECS" "post-build check: $(tail -n 1 "$log" | cut -c1-150)"
+    detail install "the built extension failed its checks"
+  fi
+}
+
+# tests: the CUDA tests, selected by their marker.
+stage_tests() {
+  local log=$LOGS/tests.log progress=$LOGS/tests-progress.jsonl how="1 process"
+  local args=(-q -rfEs -p no:cacheprovider -p budget_plugin -m cuda --junitxml="$LOGS/junit.xml")
+  "$PY" -c 'import pytest_timeout' 2>/dev/null && args+=(--timeout 120)
+  if ((WORKERS > 0)) && "$PY" -c 'import xdist' 2>/dev/null; then
+    args+=(-n "$WORKERS" --dist load); how="$WORKERS workers"
+  fi
+  local cap=${CAP[tests]} left=$((DEADLINE - $(date +%s)))
+  ((left < cap)) && cap=$left
+  rm -f "$progress" "$progress.collected"
+  # -P: the tree's cplib/ never shadows the installed one; budget_plugin from its folder.
+  run_limited tests "$cap" "$log" env PYTHONPATH="$ROOT/benchmarks/gpu${PYTHONPATH:+:$PYTHONPATH}" \
+    CPLIB_TEST_RUN_TIMEOUT=100 CPLIB_TEST_RANK_TIMEOUT=60 CPLIB_TEST_PROGRESS="$progress" \
+    CPLIB_TEST_START_DEADLINE=$(($(date +%s) + cap - 20)) \
+    "$PY" -P -m pytest "${args[@]}" "$ROOT/tests"
+  ((DRY)) && return
+  {
+    echo "CUDA tests (pytest -m cuda, $how); commit: $COMMIT"
+    "$PY" benchmarks/gpu/budget_plugin.py "$progress"
+  } >"$LOGS/tests_summary.txt" 2>&1
+  local counts verdict
+  counts=$(sed -n 2p "$LOGS/tests_summary.txt")
+  verdict=$("$PY" benchmarks/gpu/budget_plugin.py --verdict "$progress")
+  case $verdict in
+    PASS) record tests PASS "$SECS" "$counts" ;;
+    FAIL) record tests FAIL "$SECS" "$counts; $(why "$log")" ;;
+    *) record tests INCOMPLETE "$SECS" "$counts" ;;
+  esac
+  [[ $verdict == PASS ]] || detail tests "$(tail -n +3 "$LOGS/tests_summary.txt" | cut -c1-300 | head -n 12 | sed '2,$s/^/    /')"
+}
+
+gpu_only() {  # gpu_only STAGE: records SKIP and returns 1 without a GPU
+  if ((!GPU)); then
+    record "$1" SKIP 0 "no CUDA GPU visible"
+    detail "$1" "skipped: no CUDA GPU visible"
+    return 1
+  fi
+}
+
+stage_bench() {
+  ((DRY)) || gpu_only bench || return
+  local log=$LOGS/bench_ring_gpu.log cap=${CAP[bench]} left=$((DEADLINE - $(date +%s)))
+  ((left < cap)) && cap=$left
+  mkdir -p "$LOGS/bench"
+  # Cells stop starting 25 s before the limit, so the tables, JSON and PNG get written.
+  # shellcheck disable=SC2086  # GPU_CHECK_BENCH_ARGS is a list of arguments
+  run_limited bench "$cap" "$log" env CPLIB_BENCH_OUT="$LOGS/bench" CPLIB_BENCH_REQUIRE_GPU=1 \
+    "$PY" -P benchmarks/bench_ring_gpu.py --budget $((cap > 60 ? cap - 25 : 30)) --cell-timeout 30 \
+    --results "$LOGS/bench/gpu.json" ${GPU_CHECK_BENCH_ARGS:-}
+  ((DRY)) && return
+  local json=$LOGS/bench/bench_ring_gpu.json verdict
+  verdict=$("$PY" benchmarks/gpu/ring_report.py verdict "$json" 2>&1)
+  local head=${verdict%%$'\n'*}
+  case $head in
+    PASS*) record bench PASS "$SECS" "${head#PASS: }" ;;
+    FAIL*) record bench FAIL "$SECS" "${head#FAIL: }; $( ((RC)) && why "$log")" ;;
+    *) record bench INCOMPLETE "$SECS" "${head#INCOMPLETE: }; $( ((RC)) && why "$log")" ;;
+  esac
+  local cells
+  cells=$(tail -n +2 <<<"$verdict" | cut -c1-300 | head -n 12 | sed '2,$s/^/    /')
+  [[ $head == PASS* ]] || detail bench "${cells:-$head}"
+}
+
+stage_memcheck() {
+  ((DRY)) || gpu_only memcheck || return
+  local sanitizer
+  sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
+  if [[ -z $sanitizer ]]; then
+    ((DRY)) && sanitizer=compute-sanitizer || {
+      record memcheck FAIL 0 "compute-sanitizer not found (PATH, /usr/local/cuda/bin)"
+      detail memcheck "compute-sanitizer not found"; return; }
+  fi
+  # Without the caching allocator each tensor is its own allocation, so
+  # memcheck sees an access past any tensor's end.
+  local cmd=(env PYTHONPATH="$ROOT/benchmarks/gpu${PYTHONPATH:+:$PYTHONPATH}" PYTORCH_NO_CUDA_MEMORY_CACHING=1
+             "$sanitizer" --tool memcheck --error-exitcode 86)
+  local pytest=("$PY" -P -m pytest -q -p no:cacheprovider -m cuda)
+  MC_SECS=0 MC_FAILED="" MC_NOTES=()
+  # 1. cplib's CUDA kernels (merge, halo) against their C twins;
+  memcheck_run kernels 20 "${cmd[@]}" "$PY" -P benchmarks/gpu/kernels_check.py
+  # 2. the ring's block backward through the flash and efficient kernels, step by step;
+  memcheck_run ring-steps 25 "${cmd[@]}" "${pytest[@]}" "$ROOT/tests/test_ring_sdpa_threaded.py" \
+    -k "per_step and not cudnn"
+  # 3. tp_convolution through the op on CUDA (its halo kernels in place).
+  memcheck_run conv-op 15 "${cmd[@]}" "${pytest[@]}" \
+    "$ROOT/tests/test_gpu_conv_flex.py::test_tp_conv_on_gpu[bf16-2-2d]"
+  ((DRY)) && return
+  local details
+  details=$(printf '%s; ' "${MC_NOTES[@]}")
+  details=${details%; }
+  if [[ -z $MC_FAILED ]]; then record memcheck PASS "$MC_SECS" "$details"
+  else record memcheck FAIL "$MC_SECS" "$details"; detail memcheck "failed:$MC_FAILED"; fi
+}
+
+# memcheck_run NAME CAP CMD...: one compute-sanitizer run; a run that reports
+# no case (pytest exit 5: nothing selected) fails.
+memcheck_run() {
+  local name=$1 cap=$2 log=$LOGS/memcheck-$1.log errs ran; shift 2
+  run_limited memcheck "$cap" "$log" "$@"
+  ((DRY)) && return
+  MC_SECS=$((MC_SECS + SECS))
+  errs=$(grep -Eo 'ERROR SUMMARY: [0-9]+ error' "$log" | awk '{s+=$3} END{print s+0}')
+  ran=$(grep -Eo '^kernels_check: .* cases OK|[0-9]+ (passed|failed|skipped|deselected)' "$log" |
+        sed 's/^kernels_check: //; s/ OK$//' | paste -sd, -)
+  if ((RC == 0)) && [[ -n $ran ]] && ! grep -Eq '[0-9]+ skipped' <<<"$ran"; then
+    MC_NOTES+=("$name: $errs errors ($ran)")
+  else
+    MC_NOTES+=("$name: $errs errors (${ran:-nothing ran}), $( ((RC)) && why "$log" || echo "a case skipped")")
+    MC_FAILED+=" $name"
+  fi
+}
+
+stage_demo() {
+  ((DRY)) || gpu_only demo || return
+  local log=$LOGS/demo.log
+  run_limited demo "${CAP[demo]}" "$log" "$PY" -P -m torch.distributed.run --standalone \
+    --nproc-per-node 1 examples/demo.py --device cuda --out "$LOGS/demo_loss.png"
+  ((DRY)) && return
+  local verdict
+  verdict=$(grep -m1 '^demo verdict:' "$log" | cut -c1-160)
+  if ((RC == 0)) && [[ $verdict == "demo verdict: PASS"* ]]; then
+    record demo PASS "$SECS" "$(grep -m1 '^throughput' "$log"); ${verdict#demo verdict: }"
+  else
+    record demo FAIL "$SECS" "${verdict:-$(why "$log")}"
+    detail demo "${verdict:-$(why "$log")}"
+  fi
+}
+
+# The flat files, then one archive with everything else (gpu.json, PNGs, logs).
+bundle() {
+  [[ -f $LOGS/tests_summary.txt ]] && cp "$LOGS/tests_summary.txt" "$OUT_DIR/"
+  [[ -f $LOGS/bench_ring_gpu.log ]] && cp "$LOGS/bench_ring_gpu.log" "$OUT_DIR/"
+  [[ -f $LOGS/bench/bench_ring_gpu.json ]] && cp "$LOGS/bench/bench_ring_gpu.json" "$OUT_DIR/"
+  tar -czf "$OUT_DIR/gpu-check-files.tar.gz" -C "$LOGS" --exclude=./site --exclude=tests_summary.txt \
+    --exclude=bench_ring_gpu.log --exclude=bench_ring_gpu.json . 2>/dev/null
+}
