@@ -30,6 +30,53 @@ RingPlan::RingPlan(const Config& cfg) : cfg_(cfg) {
     }
     if (d > 0 && any) offsets_.push_back(d);
   }
+  // Only the rows a receiver reads travel (p2p and alltoall; the explicit
+  // layouts of caches and pass-Q keep whole blocks).
+  const bool compact = cfg.rotate != Rotate::allgather && !cfg.pass_q &&
+                       !cfg.kv_layout.is_explicit();
+  for (int64_t s = 0; s < steps(); ++s) {
+    calls_.push_back(plan_pair(cfg.rank, source(s), /*any_only=*/false));
+    recv_.push_back(rows_read(calls_.back(), kv_len(source(s)), compact && s > 0));
+    send_.push_back(rows_read(s > 0 && sends(s) ? plan_pair(target(s), cfg.rank, false)
+                                                : std::vector<Call>(),
+                              kv_len(cfg.rank), compact && s > 0));
+    if (recv_.back().ranges.empty()) continue;
+    // Each call's key rows lie inside one received range: index them there.
+    const std::vector<Range>& got = recv_.back().ranges;
+    for (Call& c : calls_.back()) {
+      int64_t at = 0;
+      for (const Range& g : got) {
+        if (c.k_local >= g.start && c.k_local < g.end()) {
+          c.k_local = at + (c.k_local - g.start);
+          break;
+        }
+        at += g.len;
+      }
+    }
+  }
+}
+
+RingPlan::Rows RingPlan::rows_read(const std::vector<Call>& calls, int64_t len,
+                                   bool compact) const {
+  Rows rows;
+  rows.count = len;
+  if (!compact) return rows;
+  std::vector<Range> read;
+  for (const Call& c : calls) read.push_back({c.k_local, c.k_len});
+  std::sort(read.begin(), read.end(),
+            [](const Range& a, const Range& b) { return a.start < b.start; });
+  for (const Range& g : read) {
+    if (!rows.ranges.empty() && g.start <= rows.ranges.back().end()) {
+      Range& last = rows.ranges.back();
+      last.len = std::max(last.end(), g.end()) - last.start;
+    } else {
+      rows.ranges.push_back(g);
+    }
+  }
+  rows.count = 0;
+  for (const Range& g : rows.ranges) rows.count += g.len;
+  if (rows.ranges.size() == 1 && rows.count == len) rows.ranges.clear();  // the whole block
+  return rows;
 }
 
 int64_t RingPlan::source(int64_t s) const { return mod(cfg_.rank - offsets_[s], cfg_.size); }
@@ -37,10 +84,6 @@ int64_t RingPlan::target(int64_t s) const { return mod(cfg_.rank + offsets_[s], 
 
 bool RingPlan::needs(int64_t rank, int64_t offset) const {
   return needs_[offset * cfg_.size + rank] != 0;
-}
-
-std::vector<Call> RingPlan::calls(int64_t s) const {
-  return plan_pair(cfg_.rank, source(s), /*any_only=*/false);
 }
 
 std::vector<Call> RingPlan::plan_pair(int64_t rank, int64_t src, bool any_only) const {

@@ -3,6 +3,9 @@
 // offsets some rank can use are visited, so a window of W tokens costs about
 // 2 W / L steps, not N - 1. Each step is a short list of calls (q rows x
 // block rows), each with no mask, the causal diagonal, or an explicit mask.
+// With "p2p" / "alltoall" and a derived layout, a step's block travels as
+// only the rows some call of its receiver reads (documents, windows): the
+// plan lists them for both ends, and its calls index the rows received.
 #pragma once
 
 #include <vector>
@@ -38,8 +41,15 @@ class RingPlan {
   bool receives(int64_t s) const { return needs(cfg_.rank, offsets_[s]); }
   bool sends(int64_t s) const { return needs(target(s), offsets_[s]); }
   int64_t kv_len(int64_t rank) const { return cfg_.kv_layout.local_len(rank); }
-  // This rank's calls at step s.
-  std::vector<Call> calls(int64_t s) const;
+  // The rows of step s's block this rank receives (and its calls index),
+  // and the rows of its own block it sends at step s: local row ranges of
+  // the sender's block, merged and ascending; empty for the whole block.
+  const std::vector<Range>& recv_rows(int64_t s) const { return recv_[s].ranges; }
+  const std::vector<Range>& send_rows(int64_t s) const { return send_[s].ranges; }
+  int64_t recv_len(int64_t s) const { return recv_[s].count; }
+  int64_t send_len(int64_t s) const { return send_[s].count; }
+  // This rank's calls at step s (k rows: of the block as received).
+  const std::vector<Call>& calls(int64_t s) const { return calls_[s]; }
   // The calls of q rows of `q_rank` against the k/v block of `kv_rank` (pass-Q).
   std::vector<Call> calls_between(int64_t q_rank, int64_t kv_rank) const {
     return plan_pair(q_rank, kv_rank, /*any_only=*/false);
@@ -52,8 +62,17 @@ class RingPlan {
   std::vector<Call> plan_pair(int64_t rank, int64_t src, bool any_only) const;
   std::vector<Call> plan_explicit(int64_t rank, int64_t src, bool any_only) const;
 
+  // The rows of a `len`-row block that `calls` read (see recv_rows).
+  struct Rows {
+    std::vector<Range> ranges;
+    int64_t count = 0;
+  };
+  Rows rows_read(const std::vector<Call>& calls, int64_t len, bool compact) const;
+
   const Config& cfg_;
   std::vector<int64_t> offsets_;
+  std::vector<std::vector<Call>> calls_;  // per step
+  std::vector<Rows> recv_, send_;         // per step
   std::vector<char> needs_;  // [offset * size + rank]
   std::vector<char> kv_sorted_;  // explicit layouts: rank's k/v positions ascending
 };
