@@ -61,6 +61,13 @@ class RingPlan {
   bool needs(int64_t rank, int64_t offset) const;
   std::vector<Call> plan_pair(int64_t rank, int64_t src, bool any_only) const;
   std::vector<Call> plan_explicit(int64_t rank, int64_t src, bool any_only) const;
+  // Calls of classified cells (q piece x k piece, row-major), marked done.
+  void causal_runs(const std::vector<Visibility>& cls, const std::vector<Piece>& qp,
+                   const std::vector<Piece>& kp, std::vector<char>& done,
+                   std::vector<Call>& calls) const;
+  void full_rectangles(const std::vector<Visibility>& cls, const std::vector<Piece>& qp,
+                       const std::vector<Piece>& kp, std::vector<char>& done,
+                       std::vector<Call>& calls) const;
 
   // The rows of a `len`-row block that `calls` read (see recv_rows).
   struct Rows {
