@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import machine, plot, print_table, run_on_ranks, write_json  # noqa: E402
+from common import interleaved_wall_cpu, machine, plot, print_table, run_on_ranks, write_json  # noqa: E402
 
 S, N, B, H, D = 16384, 4, 1, 2, 64
 ITERS = int(os.environ.get("CPLIB_BENCH_ITERS", "3"))
@@ -103,33 +103,13 @@ def _rank_job(selected: list[str]) -> dict:
                 o.backward(torch.ones_like(o))
             dist.barrier()
             ops.ring_debug_bytes_sent(True)
-            step()  # also the warm-up
+            step()
             sent[key] = ops.ring_debug_bytes_sent(True)
             fns[key] = step
             pairs[key] = causal_pairs(cu, pos)
-        wall, cpu = _round_robin(fns)
-        out[name] = {k: (wall[k], sent[k], pairs[k], cpu[k]) for k in VARIANTS}
+        t = interleaved_wall_cpu(fns, ITERS)
+        out[name] = {k: (t[k], sent[k], pairs[k], t[f"{k}_cpu"]) for k in VARIANTS}
     return out
-
-
-def _round_robin(fns: dict) -> tuple[dict, dict]:
-    """Median wall and CPU seconds of each variant, one run of each per round
-    (ITERS rounds), the ranks lined up by a barrier before and after each
-    run: wall is then the slowest rank's; CPU (this process, all threads) is
-    the work this rank did, free of the time it waited for a core."""
-    wall = {k: [] for k in fns}
-    cpu = {k: [] for k in fns}
-    for _ in range(ITERS):
-        for k, fn in fns.items():
-            dist.barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
-            fn()
-            c1 = time.process_time()
-            dist.barrier()
-            wall[k].append(time.perf_counter() - t0)
-            cpu[k].append(c1 - c0)
-    return ({k: statistics.median(v) for k, v in wall.items()},
-            {k: statistics.median(v) for k, v in cpu.items()})
 
 
 def _ideal(lengths: list[int]) -> tuple[float, float]:

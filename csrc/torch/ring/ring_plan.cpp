@@ -4,6 +4,8 @@
 
 #include <algorithm>
 
+#include "ring/ring_placement.h"
+
 namespace cplib::ring {
 namespace {
 
@@ -14,36 +16,79 @@ constexpr int64_t kTile = 256;
 
 int64_t mod(int64_t a, int64_t n) { return ((a % n) + n) % n; }
 
+// The values a plan depends on, or empty when it is not cached (explicit
+// positions: a cache's positions change every call).
+std::vector<int64_t> plan_key(const Config& c) {
+  if (c.q_layout.is_explicit() || c.kv_layout.is_explicit()) return {};
+  std::vector<int64_t> key{c.rank, c.size, static_cast<int64_t>(c.rotate), c.pass_q,
+                           c.mask.causal, c.mask.seq_len, c.mask.left, c.mask.right};
+  auto add = [&key](const std::vector<int64_t>& v) {
+    key.push_back(static_cast<int64_t>(v.size()));
+    key.insert(key.end(), v.begin(), v.end());
+  };
+  add(c.mask.bounds);
+  for (const Layout* l : {&c.q_layout, &c.kv_layout}) {
+    key.insert(key.end(), {l->seq_len, l->size, l->head_tail});
+    add(l->documents);
+    add(l->lengths);
+    add(l->placed ? flatten(*l->placed) : std::vector<int64_t>{});
+  }
+  return key;
+}
+
+constexpr size_t kCachedPlans = 8;
+thread_local std::vector<std::pair<std::vector<int64_t>, std::shared_ptr<const RingPlan::Tables>>>
+    t_plans;  // most recently used first
+
 }  // namespace
 
 RingPlan::RingPlan(const Config& cfg) : cfg_(cfg) {
-  const int64_t n = cfg.size;
   for (const auto& p : cfg.kv_layout.positions)
     kv_sorted_.push_back(std::is_sorted(p.begin(), p.end()));
-  needs_.assign(n * n, 0);
-  offsets_.push_back(0);
+  std::vector<int64_t> key = plan_key(cfg);
+  if (key.empty()) {
+    t_ = build();
+    return;
+  }
+  auto hit = std::find_if(t_plans.begin(), t_plans.end(),
+                          [&key](const auto& e) { return e.first == key; });
+  if (hit != t_plans.end()) {
+    std::rotate(t_plans.begin(), hit, hit + 1);
+  } else {
+    t_plans.insert(t_plans.begin(), {std::move(key), build()});
+    if (t_plans.size() > kCachedPlans) t_plans.pop_back();
+  }
+  t_ = t_plans.front().second;
+}
+
+std::shared_ptr<const RingPlan::Tables> RingPlan::build() const {
+  const int64_t n = cfg_.size, rank = cfg_.rank;
+  auto t = std::make_shared<Tables>();
+  t->needs.assign(n * n, 0);
+  t->offsets.push_back(0);
   for (int64_t d = 0; d < n; ++d) {
     bool any = false;
     for (int64_t r = 0; r < n; ++r) {
-      needs_[d * n + r] = !plan_pair(r, mod(r - d, n), /*any_only=*/true).empty();
-      any = any || needs_[d * n + r];
+      t->needs[d * n + r] = !plan_pair(r, mod(r - d, n), /*any_only=*/true).empty();
+      any = any || t->needs[d * n + r];
     }
-    if (d > 0 && any) offsets_.push_back(d);
+    if (d > 0 && any) t->offsets.push_back(d);
   }
   // Only the rows a receiver reads travel (p2p and alltoall; the explicit
   // layouts of caches and pass-Q keep whole blocks).
-  const bool compact = cfg.rotate != Rotate::allgather && !cfg.pass_q &&
-                       !cfg.kv_layout.is_explicit();
-  for (int64_t s = 0; s < steps(); ++s) {
-    calls_.push_back(plan_pair(cfg.rank, source(s), /*any_only=*/false));
-    recv_.push_back(rows_read(calls_.back(), kv_len(source(s)), compact && s > 0));
-    send_.push_back(rows_read(s > 0 && sends(s) ? plan_pair(target(s), cfg.rank, false)
-                                                : std::vector<Call>(),
-                              kv_len(cfg.rank), compact && s > 0));
-    if (recv_.back().ranges.empty()) continue;
+  const bool compact = cfg_.rotate != Rotate::allgather && !cfg_.pass_q &&
+                       !cfg_.kv_layout.is_explicit();
+  for (size_t s = 0; s < t->offsets.size(); ++s) {
+    const int64_t d = t->offsets[s], src = mod(rank - d, n), dst = mod(rank + d, n);
+    t->calls.push_back(plan_pair(rank, src, /*any_only=*/false));
+    t->recv.push_back(rows_read(t->calls.back(), kv_len(src), compact && s > 0));
+    const bool sends = s > 0 && t->needs[d * n + dst];
+    t->send.push_back(rows_read(sends ? plan_pair(dst, rank, false) : std::vector<Call>(),
+                                kv_len(rank), compact && s > 0));
+    if (t->recv.back().ranges.empty()) continue;
     // Each call's key rows lie inside one received range: index them there.
-    const std::vector<Range>& got = recv_.back().ranges;
-    for (Call& c : calls_.back()) {
+    const std::vector<Range>& got = t->recv.back().ranges;
+    for (Call& c : t->calls.back()) {
       int64_t at = 0;
       for (const Range& g : got) {
         if (c.k_local >= g.start && c.k_local < g.end()) {
@@ -54,6 +99,7 @@ RingPlan::RingPlan(const Config& cfg) : cfg_(cfg) {
       }
     }
   }
+  return t;
 }
 
 RingPlan::Rows RingPlan::rows_read(const std::vector<Call>& calls, int64_t len,
@@ -79,11 +125,11 @@ RingPlan::Rows RingPlan::rows_read(const std::vector<Call>& calls, int64_t len,
   return rows;
 }
 
-int64_t RingPlan::source(int64_t s) const { return mod(cfg_.rank - offsets_[s], cfg_.size); }
-int64_t RingPlan::target(int64_t s) const { return mod(cfg_.rank + offsets_[s], cfg_.size); }
+int64_t RingPlan::source(int64_t s) const { return mod(cfg_.rank - t_->offsets[s], cfg_.size); }
+int64_t RingPlan::target(int64_t s) const { return mod(cfg_.rank + t_->offsets[s], cfg_.size); }
 
 bool RingPlan::needs(int64_t rank, int64_t offset) const {
-  return needs_[offset * cfg_.size + rank] != 0;
+  return t_->needs[offset * cfg_.size + rank] != 0;
 }
 
 namespace {
@@ -166,18 +212,18 @@ std::vector<Call> RingPlan::plan_pair(int64_t rank, int64_t src, bool any_only) 
   const size_t nq = qp.size(), nk = kp.size();
   std::vector<Visibility> cls(nq * nk);
   bool any = false;
+  std::vector<Call> calls;
   for (size_t a = 0; a < nq; ++a)
     for (size_t b = 0; b < nk; ++b) {
       const Visibility v = mask.classify(qp[a].global, kp[b].global);
       cls[a * nk + b] = v;
       any = any || v != Visibility::empty;
+      if (any && any_only) {
+        calls.emplace_back();
+        return calls;
+      }
     }
-  std::vector<Call> calls;
   if (!any) return calls;
-  if (any_only) {
-    calls.emplace_back();
-    return calls;
-  }
   // A product of full pieces is one call (the dense ring, the load-balanced
   // causal ring's off-diagonal steps), the local head-tail block one causal
   // call ([A|B] x [A|B] with A before B), a cut document's chunks likewise.
