@@ -6,12 +6,14 @@ Three document mixes at S = 16384, N = 4, causal, fwd+bwd, B=1 H=2 D=64 fp32:
 the 8 documents of RESULTS.md's "Packed documents against the dense causal
 ring"; 64 short documents (log-normal lengths, median 200, seeded); one
 12288-token document plus short ones. Per layout: the slowest rank's median
-time (the variants of a mix run round-robin, so that the load of a shared
-machine hits each alike), time / ideal (one causal SDPA call per document in
-one process, one thread, / N; measured before and after the ranks, the
-smaller kept), the time ratio against per-document head-tail p2p, the K/V
-(and dK/dV) MiB the busiest rank sends in one fwd+bwd, and max / mean causal
-pairs per rank.
+wall time and the busiest rank's median CPU time (process time, every
+thread: on a loaded machine the work a rank did, free of the time it waited
+for a core; the variants of a mix run round-robin after a warm-up round, so
+that the load of a shared machine hits each alike), each over the ideal (one
+causal SDPA call per document in one process, one thread, / N; measured
+before and after the ranks, the smaller kept) and over per-document
+head-tail (p2p and allgather), the K/V and dK/dV MiB the busiest rank sends
+in one fwd+bwd, and max / mean causal pairs per rank.
 
     python benchmarks/bench_placement.py
     CPLIB_BENCH_SERIES=placement python benchmarks/bench_ring_cpu.py     # the same

@@ -269,3 +269,43 @@ def _check_flag_differs() -> list[str]:
 def test_ring_placement_flag_must_agree(ranks):
     results = ranks(2).run(_check_flag_differs)
     assert results[0] == results[1] and "placement" in results[0][0], results
+
+
+# ------------------------------------------------- the op: opcheck and compile
+
+
+def _attend(q, k, v, cu, s):
+    out, lse = cplib.ring_sdpa(q, k, v, dist.group.WORLD, is_causal=True, cu_seqlens=cu,
+                               seq_len=s, placement=True)
+    return out * 2.0, lse
+
+
+def _check_op() -> int:
+    rank, n = dist.get_rank(), dist.get_world_size()
+    s, cu = 12 * n + 1, [0, 3, 9 * n, 12 * n + 1]
+    pos = placement_positions(cu, rank, n)
+    q, k, v = (global_tensor((1, h, s, 8), torch.float64, i)[:, :, pos].requires_grad_(True)
+               for i, h in enumerate((4, 2, 2)))
+    cut = torch.tensor(cu)
+    args = (dist.group.WORLD.group_name, True, False, None, -1, 0, cut, None, s, False, None,
+            None, None, 0, True)
+    torch.library.opcheck(ops.ring_sdpa.default, (q, k, v, *args))
+    with torch.no_grad():
+        out, lse = ops.ring_sdpa(q, k, v, *args)
+    torch.library.opcheck(ops.ring_sdpa_backward.default,
+                          (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse,
+                           *args[:10], *args[11:]))
+    torch._dynamo.reset()
+    results = []
+    for fn in (_attend, torch.compile(_attend, backend="aot_eager", fullgraph=True)):
+        qs, ks, vs = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+        out, lse = fn(qs, ks, vs, cut, s)
+        out.backward(torch.ones_like(out))
+        results.append((out.detach(), lse, qs.grad, ks.grad, vs.grad))
+    for name, eager, compiled in zip(("out", "lse", "dq", "dk", "dv"), *results):
+        torch.testing.assert_close(compiled, eager, atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
+    return 1
+
+
+def test_ring_placement_opcheck_and_compile(ranks):
+    assert ranks(2).run(_check_op) == [1, 1]
