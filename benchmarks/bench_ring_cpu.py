@@ -18,6 +18,9 @@ time proportional to W), and 8 packed documents against the dense causal
 ring of the same S (head-tail), each beside the single-process computation
 with the same mask.
 
+``CPLIB_BENCH_SERIES=placement`` runs benchmarks/bench_placement.py: the
+document placement against per-document head-tail on three document mixes.
+
     python benchmarks/bench_ring_cpu.py            # B=1, H=8, S=8192, D=64, fp32
     CPLIB_BENCH_SEQ=2048 python benchmarks/bench_ring_cpu.py   # quicker
     CPLIB_BENCH_SERIES=window,documents python benchmarks/bench_ring_cpu.py
@@ -305,6 +308,10 @@ def handshake_series() -> None:
 def main() -> None:
     if os.environ.get("CPLIB_BENCH_SERIES") == "handshake":
         handshake_series()
+        return
+    if os.environ.get("CPLIB_BENCH_SERIES") == "placement":  # bench_placement.py's table
+        from bench_placement import main as placement_main
+        placement_main()
         return
     if "dense" not in os.environ.get("CPLIB_BENCH_SERIES", "dense,window,documents").split(","):
         masked_series()

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -32,7 +30,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import machine, plot, print_table, run_on_ranks, timeit, write_json  # noqa: E402
+from common import (interleaved_wall_cpu, machine, plot, print_table, run_on_ranks, timeit,  # noqa: E402
+                    write_json)
 
 NAME = "bench_tp_conv"
 
@@ -42,26 +41,6 @@ def _fwd_bwd(conv):
         out = conv()
         out.backward(torch.ones_like(out))
     return run
-
-
-def _interleaved_wall_cpu(fns, iters: int) -> dict[str, float]:
-    """Median wall and CPU seconds (``<name>_cpu``) of each fn, one run of
-    each per round, after one warm-up round; a barrier before and after each
-    run, outside the CPU-time window."""
-    wall: dict[str, list[float]] = {k: [] for k in fns}
-    cpu: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(iters + 1):
-        for k, fn in fns.items():
-            dist.barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
-            fn()
-            c1 = time.process_time()
-            dist.barrier()
-            wall[k].append(time.perf_counter() - t0)
-            cpu[k].append(c1 - c0)
-    out = {k: statistics.median(v[1:]) for k, v in wall.items()}
-    out.update({f"{k}_cpu": statistics.median(v[1:]) for k, v in cpu.items()})
-    return out
 
 
 def _rank_bench(args) -> dict:
@@ -85,7 +64,7 @@ def _rank_bench(args) -> dict:
     if torch_fwd is not None:
         fns["torch_dtensor_fwd"] = torch_fwd
     row = {"rank": rank, "local_shape": list(x.shape), "torch_dtensor_note": torch_note}
-    row.update(_interleaved_wall_cpu(fns, args.iters))
+    row.update(interleaved_wall_cpu(fns, args.iters))
     return row
 
 

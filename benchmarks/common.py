@@ -112,6 +112,30 @@ def interleaved(fns: dict[str, Callable[[], Any]], iters: int,
     return {k: statistics.median(v[1:]) for k, v in times.items()}
 
 
+def interleaved_wall_cpu(fns: dict[str, Callable[[], Any]], iters: int) -> dict[str, float]:
+    """Median wall and CPU seconds (``<name>_cpu``) of each fn, one run of
+    each per round, after one warm-up round; a barrier before and after each
+    run, outside the CPU-time window (the ranks lined up: wall is the slowest
+    rank's; CPU, this process's, is the work this rank did, free of the time
+    it waited for a core on a loaded machine)."""
+    import torch.distributed as dist
+
+    wall: dict[str, list[float]] = {k: [] for k in fns}
+    cpu: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(iters + 1):
+        for k, fn in fns.items():
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            c1 = time.process_time()
+            dist.barrier()
+            wall[k].append(time.perf_counter() - t0)
+            cpu[k].append(c1 - c0)
+    out = {k: statistics.median(v[1:]) for k, v in wall.items()}
+    out.update({f"{k}_cpu": statistics.median(v[1:]) for k, v in cpu.items()})
+    return out
+
+
 def cpu_seconds(fn: Callable[[], Any], iters: int) -> float:
     """Median CPU seconds of this process (all its threads) per call, the
     ranks lined up by a barrier before each: on a shared, oversubscribed

@@ -37,6 +37,7 @@ from .ring.load_balancer import (
     _PTRRLoadBalancer,
 )
 from .ring.op import ring_pass_auto, ring_sdpa
+from .ring.placement import DocumentPlacementLoadBalancer
 
 # ulysses: Ulysses and USP (Ulysses x ring).
 from .ulysses.op import ulysses_reshard, ulysses_sdpa
@@ -126,4 +127,5 @@ __all__ = [
     "cu_seqlens_from_position_ids",
     "AnyLengthHeadTailLoadBalancer",
     "AnyLengthPerDocumentLoadBalancer",
+    "DocumentPlacementLoadBalancer",
 ]

@@ -10,13 +10,20 @@ step by step against the same training in one process.
 Models: ``gpt_oss`` (attention sinks, alternating sliding-window layers, MoE),
 ``mistral`` (sliding window), ``qwen3`` (GQA), ``deepseek_v3`` (MLA). The
 batch is packed documents (``position_ids`` restarting at 0; the context
-reads them, so attention stays within each document), unless ``--no-docs``.
+reads them, so attention stays within each document), unless ``--no-docs``,
+placed with the document placement (``load_balance="placement"``: documents
+whole on one rank where the balance allows; head-tail with
+``--ulysses-degree`` > 1).
 
-Each step every rank trains the CP model on its shards (``import cplib.hf``
-registers the attention; ``cplib.context_parallel`` shards the batch,
-gradients are summed over ranks), and rank 0 trains an identical model with
-HF's own eager attention on the full batch, each document on its own. Rank 0 prints both losses and
-exits non-zero (FAIL) if they differ by more than ``--atol + --rtol * |ref|``.
+Each step every rank trains the CP model on its shards with HF's own loss,
+``model(input_ids=ids, position_ids=pos, labels=labels).loss`` (``import
+cplib.hf`` registers the attention and makes that loss right under CP: labels
+shifted over the whole sequence, normalised by the global count of valid
+labels, so the mean over the ranks of the loss and of the gradients is the
+single-process value; the gradients are averaged over the ranks, as FSDP
+would). Rank 0 trains an identical model with HF's own eager attention on the
+full batch, each document on its own. Rank 0 prints both losses and exits
+non-zero (FAIL) if they differ by more than ``--atol + --rtol * |ref|``.
 """
 
 from __future__ import annotations
@@ -27,7 +34,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 import cplib
@@ -77,9 +83,11 @@ def build(name: str, seq_len: int):
 
 
 def make_batch(step: int, batch: int, seq: int, docs: bool, device: torch.device):
-    """Same batch on every rank (seeded by step): ids, position_ids, labels.
-    Each token is the previous one's image under a fixed random permutation
-    (a learnable chain), from a random start per sequence."""
+    """Same batch on every rank (seeded by step): ids, position_ids, labels
+    (HF's: unshifted, the model shifts them; no label at a document's first
+    token, so no token predicts across documents). Each token is the previous
+    one's image under a fixed random permutation (a learnable chain), from a
+    random start per sequence."""
     g = torch.Generator().manual_seed(1000 + step)
     perm = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))
     ids = torch.empty(batch, seq, dtype=torch.long)
@@ -88,24 +96,28 @@ def make_batch(step: int, batch: int, seq: int, docs: bool, device: torch.device
         ids[:, t] = perm[ids[:, t - 1]]
     bounds = [0, seq // 3, seq // 3 + 5, seq] if docs else [0, seq]
     pos = torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])]).expand(batch, seq)
-    labels = torch.cat([ids[:, 1:], torch.full((batch, 1), -100)], dim=1)
+    labels = ids.clone()
     for b in bounds[1:-1]:
-        labels[:, b - 1] = -100  # no label crosses a document
+        labels[:, b] = -100  # no label crosses a document
     return ids.to(device), pos.contiguous().to(device), labels.to(device), bounds
 
 
-def loss_sum(model, ids, pos, labels) -> torch.Tensor:
-    logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
-                           reduction="sum")
+def reference_loss(model, ids, pos, labels, bounds) -> torch.Tensor:
+    """One process, each document alone: HF's loss summed over the documents
+    (each normalised by the batch's count of valid labels)."""
+    count = int((labels[:, 1:] != -100).sum())
+    return sum(model(input_ids=ids[:, a:b], position_ids=pos[:, a:b], labels=labels[:, a:b],
+                     num_items_in_batch=count, use_cache=False).loss
+               for a, b in zip(bounds, bounds[1:]))
 
 
-def sum_grads(model: torch.nn.Module) -> None:
-    """Sums the gradients over ranks (each holds its own tokens' share)."""
+def average_grads(model: torch.nn.Module, world: int) -> None:
+    """The mean of the gradients over the ranks (FSDP's reduction)."""
     for p in model.parameters():
         if p.grad is None:  # an expert this rank routed no token to
             p.grad = torch.zeros_like(p)
         dist.all_reduce(p.grad)
+        p.grad /= world
 
 
 def main() -> int:
@@ -134,30 +146,31 @@ def main() -> int:
         print(f"cplib hf_train: tiny {args.model} ({n_params / 1e3:.0f}k params, "
               f"attn_implementation='cplib'), {args.batch} x {args.seq_len} tokens, {world} "
               f"{device.type} ranks, ulysses_degree={args.ulysses_degree}, "
-              f"documents={not args.no_docs}", flush=True)
+              f"documents={not args.no_docs}, loss = model(..., labels=labels).loss",
+              flush=True)
     ok, worst = True, 0.0
     for step in range(args.steps):
         ids, pos, labels, bounds = make_batch(step, args.batch, args.seq_len, not args.no_docs,
                                               device)
-        count = int((labels != -100).sum())
         docs = {} if args.no_docs else {"position_ids": pos.clone()}
-        bufs = [ids.clone(), pos.clone(), labels.clone()]
-        with cplib.context_parallel(mesh, buffers=bufs, buffer_seq_dims=[1, 1, 1],
-                                    no_restore_buffers=set(bufs), load_balance=True,
+        placed = "placement" if docs and args.ulysses_degree == 1 else True
+        ids_cp, pos_cp, labels_cp = ids.clone(), pos.clone(), labels.clone()
+        with cplib.context_parallel(mesh, buffers=[ids_cp, pos_cp, labels_cp],
+                                    buffer_seq_dims=[1, 1, 1], load_balance=placed,
                                     ulysses_degree=args.ulysses_degree, **docs):
-            local = loss_sum(model, *bufs)
-            (local / count).backward()
-        sum_grads(model)
+            loss = model(input_ids=ids_cp, position_ids=pos_cp, labels=labels_cp,
+                         use_cache=False).loss
+            loss.backward()
+        average_grads(model, world)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        total = local.detach().reshape(1)
+        total = loss.detach().reshape(1)
         dist.all_reduce(total)
-        cp_loss = total.item() / count
+        cp_loss = total.item() / world  # the mean over the ranks: the single-process loss
         if rank != 0:
             continue
         # The reference on rank 0: eager attention, every document on its own.
-        ref_loss = sum(loss_sum(ref, ids[:, a:b], pos[:, a:b], labels[:, a:b])
-                       for a, b in zip(bounds, bounds[1:])) / count
+        ref_loss = reference_loss(ref, ids, pos, labels, bounds)
         ref_loss.backward()
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)

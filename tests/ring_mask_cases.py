@@ -53,10 +53,19 @@ def masked_reference(q, k, v, cot, mask: torch.Tensor, scale=None):
     return out.detach(), lse.detach(), q.grad, k.grad, v.grad
 
 
-def local(t: torch.Tensor, s: int, lb: bool, documents=None) -> torch.Tensor:
+def placement_positions(cu_seqlens, rank: int, n: int) -> torch.Tensor:
+    """The global positions of ``rank``'s rows under the document placement."""
+    pieces = cplib.DocumentPlacementLoadBalancer(cu_seqlens, n, "cpu").pieces()[rank]
+    return torch.cat([torch.arange(a, a + m) for a, m in pieces])
+
+
+def local(t: torch.Tensor, s: int, lb: bool, documents=None, placement=None) -> torch.Tensor:
     """This rank's rows of dim 2 in cplib's layout (any length; per document
-    when ``documents`` is given)."""
+    when ``documents`` is given; the document placement of ``placement``,
+    cu_seqlens, when given)."""
     rank, n = dist.get_rank(), dist.get_world_size()
+    if placement is not None:
+        return t[:, :, placement_positions(placement, rank, n)].clone()
     return t[:, :, shard_positions(s, n, rank, lb, documents=documents)].clone()
 
 
@@ -69,7 +78,7 @@ def random_documents(s: int, gen: torch.Generator, count: int) -> list[int]:
 
 def check_ring(s: int, *, causal: bool, lb: bool, rotate: str, cu_seqlens=None, window=None,
                b=1, hq=2, hkv=1, d=8, dtype=torch.float64, seed=0, seq_len_arg=True,
-               tol=1e-10, what="", per_document=False) -> None:
+               tol=1e-10, what="", per_document=False, placement=False) -> None:
     """One ring_sdpa call against the masked fp64 reference: out, lse and the
     gradients of q, k, v of this rank's rows."""
     q = global_tensor((b, hq, s, d), dtype, seed)
@@ -79,18 +88,20 @@ def check_ring(s: int, *, causal: bool, lb: bool, rotate: str, cu_seqlens=None, 
     mask = visible(s, causal=causal, cu_seqlens=cu_seqlens, window=window)
     ref = masked_reference(q, k, v, cot, mask)
     docs = cu_seqlens if per_document else None
-    ql, kl, vl = (local(t, s, lb, docs).requires_grad_(True) for t in (q, k, v))
+    placed = cu_seqlens if placement else None
+    ql, kl, vl = (local(t, s, lb, docs, placed).requires_grad_(True) for t in (q, k, v))
     cu = None if cu_seqlens is None else torch.tensor(cu_seqlens, dtype=torch.int32)
     out, lse = cplib.ring_sdpa(ql, kl, vl, dist.group.WORLD, is_causal=causal, load_balanced=lb,
                                rotate=rotate, cu_seqlens=cu, window=window,
-                               seq_len=s if seq_len_arg else None, per_document=per_document)
-    out.backward(local(cot, s, lb, docs))
+                               seq_len=s if seq_len_arg else None, per_document=per_document,
+                               placement=placement)
+    out.backward(local(cot, s, lb, docs, placed))
     what = (f"S={s} n={dist.get_world_size()} causal={causal} lb={lb} {rotate} "
             f"docs={cu_seqlens if cu_seqlens is None or len(cu_seqlens) < 12 else len(cu_seqlens) - 1} "
-            f"window={window} per_document={per_document} {what}")
+            f"window={window} per_document={per_document} placement={placement} {what}")
     assert out.shape == ql.shape and out.is_contiguous()
     for name, got, want in (("out", out, ref[0]), ("lse", lse, ref[1]), ("dq", ql.grad, ref[2]),
                             ("dk", kl.grad, ref[3]), ("dv", vl.grad, ref[4])):
         assert not torch.isnan(got).any(), f"{name} has NaN [{what}]"
-        assert_close(got.double(), local(want, s, lb, docs), atol=tol, rtol=tol,
+        assert_close(got.double(), local(want, s, lb, docs, placed), atol=tol, rtol=tol,
                      what=f"{name} [{what}]")

@@ -3,8 +3,8 @@ explicit document mask in one process (fp64: out, lse, dq, dk, dv), at world
 sizes 1, 2, 4: random splits whose documents cross shard boundaries,
 documents of length 1, one document, one document per token; causal and
 not; both layouts; every rotation; GQA; combined with a window. Plus: a rank
-receives no block it cannot use, and bad cu_seqlens raise ValueError on
-every rank before any communication."""
+receives only the rows of a block it reads, and bad cu_seqlens raise
+ValueError on every rank before any communication."""
 
 from __future__ import annotations
 
@@ -69,12 +69,12 @@ def test_ring_documents_match_masked_reference(ranks, world_size):
     assert counts[0] > 20 and len(set(counts)) == 1
 
 
-# ------------------------------------------------- traffic: unusable blocks
+# ------------------------------------------------- traffic: only the rows in use
 
 
 def _expected_bytes(s: int, lb: bool, mask: torch.Tensor, block_bytes_per_row: int) -> int:
-    """What this rank must send in the forward: its block to every other rank
-    whose queries see at least one of its keys."""
+    """What this rank must send in the forward: to every other rank, the
+    rows of its block that some query of that rank sees."""
     rank, n = dist.get_rank(), dist.get_world_size()
     mine = shard_positions(s, n, rank, lb)
     total = 0
@@ -82,8 +82,7 @@ def _expected_bytes(s: int, lb: bool, mask: torch.Tensor, block_bytes_per_row: i
         if other == rank:
             continue
         rows = shard_positions(s, n, other, lb)
-        if mask[rows][:, mine].any():
-            total += block_bytes_per_row * mine.numel()
+        total += block_bytes_per_row * int(mask[rows][:, mine].any(0).sum())
     return total
 
 
@@ -109,7 +108,7 @@ def _check_document_traffic() -> int:
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_ring_documents_send_only_usable_blocks(ranks, world_size):
+def test_ring_documents_send_only_rows_in_use(ranks, world_size):
     assert ranks(world_size).run(_check_document_traffic) == [3] * world_size
 
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..diffusers.plans import _plan_of, applied_cp_plans
-from .documents import cu_seqlens_from_position_ids
+from .documents import context_documents
 from ..comm.handshake import agreed, handshake, register_groups, values_hash
 from ..ring.load_balancer import (
     AnyLengthHeadTailLoadBalancer,
@@ -20,6 +20,7 @@ from ..ring.load_balancer import (
     _LoadBalancer,
     shard_lengths,
 )
+from ..ring.placement import DocumentPlacementLoadBalancer
 from .options import RingConfig, _cp_options, _RotateMethod, parse_rotate_method, rotate_method_name
 from .sdpa_dispatch import CPDispatchMode
 from ..comm.native import check_mesh
@@ -93,28 +94,6 @@ def _validate(buffers: list, seq_dims: list, no_restore: list, world_size: int,
     return bool(wanted and divisible and same)
 
 
-def _documents(cu_seqlens: torch.Tensor | None, position_ids: torch.Tensor | None,
-               seq_len: int | None) -> torch.Tensor | None:
-    """The context's document boundaries, checked (ValueError naming the
-    value, on every rank alike: every rank holds the same full batch)."""
-    if cu_seqlens is not None and position_ids is not None:
-        raise ValueError("cplib.context_parallel: pass cu_seqlens or position_ids, not both")
-    if cu_seqlens is None and position_ids is None:
-        return None
-    if seq_len is None:
-        raise ValueError("cplib.context_parallel: documents need the buffers to shard "
-                         "(their length is the sequence length S)")
-    if position_ids is not None:
-        if position_ids.shape[-1] != seq_len:
-            raise ValueError(f"cplib.context_parallel: position_ids cover "
-                             f"{position_ids.shape[-1]} tokens but the buffers {seq_len}; pass "
-                             "the full (unsharded) position_ids")
-        cu_seqlens = cu_seqlens_from_position_ids(position_ids)
-    from ..ring.args import check_cu_seqlens
-    check_cu_seqlens("context_parallel", cu_seqlens, seq_len)
-    return cu_seqlens.to("cpu", torch.long)
-
-
 def _agree_on_call(group_name: str, buffers: list, seq_dims: list, no_restore: list,
                    modules: int, rotate: _RotateMethod, ulysses_degree: int, load_balance,
                    balanced: bool, documents: torch.Tensor | None,
@@ -127,8 +106,10 @@ def _agree_on_call(group_name: str, buffers: list, seq_dims: list, no_restore: l
     fields["number of modules"] = modules
     fields["rotate_method (1 = alltoall, 2 = allgather, 3 = p2p)"] = rotate.value
     fields["ulysses_degree"] = ulysses_degree
-    fields["load_balance (-1 = None, 0 = False, 1 = True, 2 = 'per_document')"] = (
-        -1 if load_balance is None else 2 if isinstance(load_balance, str) else int(load_balance))
+    fields["load_balance (-1 = None, 0 = False, 1 = True, 2 = 'per_document', "
+           "3 = 'placement')"] = (-1 if load_balance is None else int(load_balance)
+                                  if not isinstance(load_balance, str)
+                                  else 3 if load_balance == "placement" else 2)
     fields["load balancing in effect"] = int(balanced)
     fields["documents (hash of cu_seqlens)"] = (
         -1 if documents is None else values_hash(documents.tolist()))
@@ -171,9 +152,10 @@ def _plan(buffers: list[torch.Tensor], world_size: int, buffer_seq_dims, no_rest
                                  else rotate_method)
     ring_degree = check_degrees(world_size, ulysses_degree)
     per_document = isinstance(load_balance, str) and load_balance == "per_document"
-    if not (load_balance is None or isinstance(load_balance, bool) or per_document):
+    placement = isinstance(load_balance, str) and load_balance == "placement"
+    if not (load_balance is None or isinstance(load_balance, bool) or per_document or placement):
         raise ValueError(f"cplib.context_parallel: load_balance={load_balance!r} is not "
-                         "True, False, None or 'per_document'")
+                         "True, False, None, 'per_document' or 'placement'")
     if modules and (load_balance or per_document):
         raise ValueError(f"cplib.context_parallel: modules= shards sequentially (the "
                          f"model's _cp_plan cuts each input in rank order); "
@@ -182,16 +164,21 @@ def _plan(buffers: list[torch.Tensor], world_size: int, buffer_seq_dims, no_rest
     for i, m in enumerate(modules):  # checked again on entry; here on every rank alike
         _plan_of(m, i)
     balanced = _validate(buffers, seq_dims, no_restore, world_size,
-                         True if per_document else (False if modules else load_balance),
+                         True if per_document or placement
+                         else (False if modules else load_balance),
                          ring_degree)
     seq_len = buffers[0].shape[seq_dims[0]] if buffers else None
     # Buffers of different lengths (text and image tokens) have no one
     # global length: the attention ops then learn every rank's rows.
     one_length = len({b.shape[d] for b, d in zip(buffers, seq_dims)}) <= 1
-    documents = _documents(cu_seqlens, position_ids, seq_len)
-    if per_document and documents is None:
-        raise ValueError("cplib.context_parallel: load_balance='per_document' needs the "
+    documents = context_documents(cu_seqlens, position_ids, seq_len)
+    if (per_document or placement) and documents is None:
+        raise ValueError(f"cplib.context_parallel: load_balance={load_balance!r} needs the "
                          "documents (cu_seqlens or position_ids)")
+    if placement and ulysses_degree != 1:
+        raise NotImplementedError(f"cplib.context_parallel: load_balance='placement' with "
+                                  f"ulysses_degree={ulysses_degree}: the placement is a ring "
+                                  "layout; use ulysses_degree=1 or load_balance='per_document'")
     sides = None
     if window is not None:
         from ..ring.args import window_arg
@@ -207,6 +194,9 @@ def _plan(buffers: list[torch.Tensor], world_size: int, buffer_seq_dims, no_rest
     elif per_document:
         balancer = AnyLengthPerDocumentLoadBalancer(documents.tolist(), world_size,
                                                     buffers[0].device)
+    elif placement:
+        balancer = DocumentPlacementLoadBalancer(documents.tolist(), world_size,
+                                                 buffers[0].device)
     elif balanced and buffers:
         balancer = AnyLengthHeadTailLoadBalancer(seq_len, world_size, buffers[0].device)
     indices = balancer._generate_indices() if balancer is not None else None
@@ -271,7 +261,9 @@ def context_parallel(
     (``cplib.attention_window`` sets it per call). With documents,
     ``load_balance="per_document"`` cuts every document head-tail across
     the ranks (``AnyLengthPerDocumentLoadBalancer``), so each rank holds a
-    share of every document.
+    share of every document; ``load_balance="placement"``
+    (``DocumentPlacementLoadBalancer``) keeps documents whole on one rank
+    where the balance allows, so that only documents that span ranks move.
 
     Buffers may have different lengths (a diffusion transformer's text and
     image tokens): each is cut on its own, and non-causal attention accepts
@@ -328,7 +320,8 @@ def context_parallel(
                         rotate_method_name(rotate), ulysses_degree, groups.ulysses_group,
                         seq_len=seq_len if one_length and (uneven or documents is not None)
                         else None,
-                        cu_seqlens=documents, window=window, per_document=per_document)
+                        cu_seqlens=documents, window=window, per_document=per_document,
+                        placement=isinstance(balancer, DocumentPlacementLoadBalancer))
     # 4. Shards in, attention dispatched inside the block; buffers restored on exit.
     old_balance = _cp_options.enable_load_balance
     swapped = 0
@@ -338,9 +331,10 @@ def context_parallel(
                 b.set_(s)
                 swapped += 1
         _cp_options.enable_load_balance = balanced  # as torch does, for code that reads it
-        with CPDispatchMode(config), ulysses_layout(ulysses_degree), \
+        handle = ContextParallelHandle(mesh, config, balancer)
+        with CPDispatchMode(config, handle), ulysses_layout(ulysses_degree), \
                 _keep_shards_for_backward(shards), applied_cp_plans(mesh, modules):
-            yield ContextParallelHandle(mesh, config, balancer)
+            yield handle
     finally:
         _cp_options.enable_load_balance = old_balance
         with torch.no_grad():

@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["cu_seqlens_from_position_ids", "attention_window", "current_window"]
+__all__ = ["cu_seqlens_from_position_ids", "context_documents", "attention_window",
+           "current_window"]
 
 
 def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -37,6 +38,28 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
                          f"token), got {row[:8].tolist()}")
     starts = torch.nonzero(row == 0).flatten()
     return torch.cat([starts, torch.tensor([row.numel()])])
+
+
+def context_documents(cu_seqlens: torch.Tensor | None, position_ids: torch.Tensor | None,
+               seq_len: int | None) -> torch.Tensor | None:
+    """``context_parallel``'s document boundaries, checked (ValueError naming
+    the value, on every rank alike: every rank holds the same full batch)."""
+    if cu_seqlens is not None and position_ids is not None:
+        raise ValueError("cplib.context_parallel: pass cu_seqlens or position_ids, not both")
+    if cu_seqlens is None and position_ids is None:
+        return None
+    if seq_len is None:
+        raise ValueError("cplib.context_parallel: documents need the buffers to shard "
+                         "(their length is the sequence length S)")
+    if position_ids is not None:
+        if position_ids.shape[-1] != seq_len:
+            raise ValueError(f"cplib.context_parallel: position_ids cover "
+                             f"{position_ids.shape[-1]} tokens but the buffers {seq_len}; pass "
+                             "the full (unsharded) position_ids")
+        cu_seqlens = cu_seqlens_from_position_ids(position_ids)
+    from ..ring.args import check_cu_seqlens
+    check_cu_seqlens("context_parallel", cu_seqlens, seq_len)
+    return cu_seqlens.to("cpu", torch.long)
 
 
 # The window of the SDPA calls made inside `attention_window` blocks; a stack

@@ -114,3 +114,4 @@ class RingConfig:
     cu_seqlens: Any = None  # torch.Tensor | None
     window: Any = None  # int | (left, right) | None
     per_document: bool = False  # shards head-tail inside every document
+    placement: bool = False  # shards in the document placement (DocumentPlacementLoadBalancer)

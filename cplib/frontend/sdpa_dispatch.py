@@ -122,6 +122,8 @@ def context_extras(config: RingConfig, window=None) -> dict:
         extras["cu_seqlens"] = config.cu_seqlens
     if config.per_document:
         extras["per_document"] = True
+    if config.placement:
+        extras["placement"] = True
     if window is not None:
         extras["window"] = window
     return extras
@@ -217,9 +219,12 @@ class CPDispatchMode(TorchFunctionMode):
     """While active, every SDPA call runs as context-parallel ring attention
     with ``config``."""
 
-    def __init__(self, config: RingConfig):
+    def __init__(self, config: RingConfig, handle: Any = None):
         super().__init__()
         self.config = config
+        # The ContextParallelHandle of a cplib.context_parallel region (its
+        # mesh and layout: cplib/hf/loss.py reads it), None for a module's.
+        self.handle = handle
 
     def __torch_function__(self, func: Callable, types_: tuple, args: tuple = (),
                            kwargs: dict | None = None) -> Any:

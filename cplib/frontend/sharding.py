@@ -108,10 +108,15 @@ def check_load_balancer(load_balancer) -> None:
 
 
 def describe_load_balancer(load_balancer: _LoadBalancer | None) -> dict[str, int]:
-    """The handshake fields of a load balancer: its kind and sequence length."""
+    """The handshake fields of a load balancer: its kind, sequence length
+    and, for the document placement, a hash of the placement."""
     kind = 0 if load_balancer is None else zlib.crc32(type(load_balancer).__name__.encode())
-    return {"load_balancer (kind)": kind,
-            "load_balancer.seq_length": int(getattr(load_balancer, "seq_length", -1) or -1)}
+    fields = {"load_balancer (kind)": kind,
+              "load_balancer.seq_length": int(getattr(load_balancer, "seq_length", -1) or -1)}
+    # A layout computed from data (the document placement) is compared too.
+    extra = getattr(load_balancer, "handshake_fields", None)
+    fields.update(extra() if callable(extra) else {"document placement (hash)": -1})
+    return fields
 
 
 def _shard_block_mask(mesh: DeviceMesh, mask: Any, load_balancer: _LoadBalancer | None) -> Any:

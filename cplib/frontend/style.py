@@ -113,32 +113,39 @@ class _ContextParallel(ParallelStyle):
 
 
 # The documents of the SDPA calls of ``_ContextParallel`` modules made inside
-# ``attention_documents`` blocks (a stack, so blocks nest): (cu_seqlens, per_document).
-_documents: list[tuple[torch.Tensor, bool]] = []
+# ``attention_documents`` blocks (a stack, so blocks nest): (cu_seqlens,
+# per_document, placement).
+_documents: list[tuple[torch.Tensor, bool, bool]] = []
 
 
 @contextlib.contextmanager
 def attention_documents(cu_seqlens: torch.Tensor | None = None, *,
                         position_ids: torch.Tensor | None = None,
-                        per_document: bool = False) -> Generator[None, None, None]:
+                        per_document: bool = False,
+                        placement: bool = False) -> Generator[None, None, None]:
     """Packed documents for the SDPA calls of ``_ContextParallel`` modules
     made inside: ``cu_seqlens`` (``[0, s1, ..., S]``, global) or the full,
     unsharded ``position_ids`` (restarting at 0 at each document), as
     ``context_parallel`` takes them; attention stays within each document.
     ``per_document=True``: the inputs were sharded head-tail inside every
     document (``AnyLengthPerDocumentLoadBalancer``, or
-    ``usp_load_balancer(..., cu_seqlens=...)`` with ``ulysses_degree``)."""
+    ``usp_load_balancer(..., cu_seqlens=...)`` with ``ulysses_degree``).
+    ``placement=True``: they were sharded with
+    ``DocumentPlacementLoadBalancer`` (ring only: ``ulysses_degree`` 1)."""
     from .documents import cu_seqlens_from_position_ids
     from ..ring.args import check_cu_seqlens
 
     if (cu_seqlens is None) == (position_ids is None):
         raise ValueError("cplib.attention_documents: pass cu_seqlens or position_ids (one)")
+    if per_document and placement:
+        raise ValueError("cplib.attention_documents: per_document and placement are two "
+                         "layouts; pass one")
     if position_ids is not None:
         cu_seqlens = cu_seqlens_from_position_ids(position_ids)
     if not isinstance(cu_seqlens, torch.Tensor):
         cu_seqlens = torch.tensor(cu_seqlens)
     check_cu_seqlens("attention_documents", cu_seqlens, int(cu_seqlens[-1]))
-    _documents.append((cu_seqlens.to("cpu", torch.long), bool(per_document)))
+    _documents.append((cu_seqlens.to("cpu", torch.long), bool(per_document), bool(placement)))
     try:
         yield
     finally:
@@ -147,7 +154,7 @@ def attention_documents(cu_seqlens: torch.Tensor | None = None, *,
 
 def _sdpa_forward(forward: Any, group: dist.ProcessGroup, groups: UspGroups, window: Any,
                   *args: Any, **kwargs: Any) -> Any:
-    cu_seqlens, per_document = _documents[-1] if _documents else (None, False)
+    cu_seqlens, per_document, placement = _documents[-1] if _documents else (None, False, False)
 
     def check() -> RingConfig:
         if not dispatcher_enabled():
@@ -155,12 +162,17 @@ def _sdpa_forward(forward: Any, group: dist.ProcessGroup, groups: UspGroups, win
                 "cplib: this module was parallelized with _ContextParallel but the context "
                 "parallel dispatcher is off; call cplib._enable_context_parallel_dispatcher() "
                 "first")
+        if placement and groups.ulysses_degree > 1:
+            raise NotImplementedError(
+                f"cplib: attention_documents(placement=True) with ulysses_degree="
+                f"{groups.ulysses_degree}: the placement is a ring layout")
         return RingConfig(groups.ring_group or group.group_name, dist.get_world_size(group),
                           _cp_options.enable_load_balance or per_document,
                           rotate_method_name(_cp_options.rotate_method), groups.ulysses_degree,
                           groups.ulysses_group,
                           seq_len=None if cu_seqlens is None else int(cu_seqlens[-1]),
-                          cu_seqlens=cu_seqlens, window=window, per_document=per_document)
+                          cu_seqlens=cu_seqlens, window=window, per_document=per_document,
+                          placement=placement)
 
     # An error here meets the handshake the other ranks' SDPA calls start with.
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]

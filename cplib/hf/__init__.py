@@ -15,6 +15,11 @@ computes every layer's attention
 * outside any context as exact single-device attention with the same
   semantics (so one model object works either way), padding masks included.
 
+and ``model(..., labels=labels).loss`` inside a context shifts the labels
+over the whole sequence and normalises by the global count of valid labels
+(cplib/hf/loss.py): the mean over the CP ranks of the loss, and of the
+parameter gradients, is the single-process value.
+
 Importing ``cplib`` alone does not import transformers; this module does.
 """
 
@@ -24,6 +29,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from ._attention import cplib_attention_forward, cplib_mask
+from .loss import install_causal_lm_loss
 
 __all__ = ["cplib_attention_forward", "cplib_mask", "ATTN_IMPLEMENTATION"]
 
@@ -31,3 +37,6 @@ ATTN_IMPLEMENTATION = "cplib"
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, cplib_attention_forward)
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, cplib_mask)
+# model(..., labels=labels).loss under cplib.context_parallel: labels shifted
+# over the whole sequence, the loss normalised by the global count (loss.py).
+install_causal_lm_loss()

@@ -85,7 +85,7 @@ def _group_rank(group_name: str) -> int | None:
 
 
 def _check_extras(op: str, q, k, group_name: str, load_balanced: bool, cu_seqlens, window,
-                  seq_len, per_document: bool = False) -> None:
+                  seq_len, per_document: bool = False, placement: bool = False) -> None:
     # In the order of check_extras in csrc/torch/ring/ring_args.cpp.
     n = group_size(group_name)
     lq, lk = q.shape[2], k.shape[2]
@@ -101,6 +101,9 @@ def _check_extras(op: str, q, k, group_name: str, load_balanced: bool, cu_seqlen
     if per_document and (cu_seqlens is None or seq_len is None):
         raise ValueError(f"cplib.{op}: per_document=True (head-tail inside every document) "
                          "needs cu_seqlens and seq_len")
+    if placement and (cu_seqlens is None or seq_len is None or per_document):
+        raise ValueError(f"cplib.{op}: placement=True (documents placed across the ranks) needs "
+                         "cu_seqlens and seq_len, and excludes per_document")
     if cu_seqlens is not None:
         check_cu_seqlens(op, cu_seqlens, sq)
     rank = _group_rank(group_name)
@@ -109,10 +112,11 @@ def _check_extras(op: str, q, k, group_name: str, load_balanced: bool, cu_seqlen
         if per_document:
             docs = None if _is_fake(cu_seqlens) else cu_seqlens.tolist()
         if not per_document or docs is not None:
-            want = local_length(seq_len, n, rank, load_balanced, docs)
+            # The placement gives every rank its sequential share of tokens.
+            want = local_length(seq_len, n, rank, load_balanced and not placement, docs)
             if lq != want or lk != want:
-                layout = ("per-document head-tail" if per_document
-                          else "head-tail" if load_balanced else "sequential")
+                layout = ("document placement" if placement else "per-document head-tail"
+                          if per_document else "head-tail" if load_balanced else "sequential")
                 raise ValueError(f"cplib.{op}: seq_len={seq_len} over {n} ranks ({layout} "
                                  f"layout) gives rank {rank} {want} rows, but q has {lq} and "
                                  f"k/v {lk}")

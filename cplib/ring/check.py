@@ -15,7 +15,7 @@ __all__ = ["_check"]
 def _check(op: str, q, k, v, group_name: str, is_causal: bool, load_balanced: bool,
            scale: float | None, backend: int, rotate: int, cu_seqlens=None, window=None,
            seq_len=None, per_document=False, q_positions=None, kv_positions=None,
-           ring_pass: int = 0) -> None:
+           ring_pass: int = 0, placement: bool = False) -> None:
     # Mirrors check_args in csrc/torch/ring/ring_args.cpp so traced code fails the same way.
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"cplib.{op}: expected q, k, v of shape (B, H, S_local, D), got q "
@@ -68,9 +68,10 @@ def _check(op: str, q, k, v, group_name: str, is_causal: bool, load_balanced: bo
     if positions:
         _check_positions(op, "q_positions", q_positions, q.shape[2], "q")
         _check_positions(op, "kv_positions", kv_positions, k.shape[2], "k/v")
-        if load_balanced or seq_len is not None or per_document:
+        if load_balanced or seq_len is not None or per_document or placement:
             raise ValueError(f"cplib.{op}: q_positions/kv_positions describe the layout "
-                             "themselves: they exclude load_balanced, seq_len and per_document")
+                             "themselves: they exclude load_balanced, seq_len, per_document and "
+                             "placement")
         if group_name is not None:
             group_size(group_name)
         if window is not None and len(list(window)) != 2:
@@ -89,5 +90,6 @@ def _check(op: str, q, k, v, group_name: str, is_causal: bool, load_balanced: bo
     if group_name is None:  # a world-of-one check (cplib/ulysses/args.py)
         return
     group_size(group_name)  # ValueError for an unknown group
-    _check_extras(op, q, k, group_name, load_balanced, cu_seqlens, window, seq_len, per_document)
+    _check_extras(op, q, k, group_name, load_balanced, cu_seqlens, window, seq_len, per_document,
+                  placement)
 

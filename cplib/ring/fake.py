@@ -36,18 +36,19 @@ def _fake_checks(op: str, group_name, tensors, describe, checks) -> None:
 @torch.library.register_fake("cplib_c::ring_sdpa")
 def _ring_sdpa_fake(q, k, v, group_name, is_causal, load_balanced, scale, backend, rotate,
                     cu_seqlens=None, window=None, seq_len=None, per_document=False, sinks=None,
-                    q_positions=None, kv_positions=None, ring_pass=0):
+                    q_positions=None, kv_positions=None, ring_pass=0, placement=False):
     reject_real_in_fake("ring_sdpa", q, k, v, cu_seqlens, sinks, q_positions, kv_positions)
 
     def checks():
         _check("ring_sdpa", q, k, v, group_name, is_causal, load_balanced, scale, backend,
                rotate, cu_seqlens, window, seq_len, per_document, q_positions, kv_positions,
-               ring_pass)
+               ring_pass, placement)
         check_sinks("ring_sdpa", q, sinks)
 
     _fake_checks("ring_sdpa", group_name, (q, k, v), lambda: ops.ring_describe_call(
         "ring_sdpa", [q, k, v], group_name, is_causal, load_balanced, scale, backend, rotate,
-        cu_seqlens, window, seq_len, per_document, q_positions, kv_positions, ring_pass), checks)
+        cu_seqlens, window, seq_len, per_document, q_positions, kv_positions, ring_pass,
+        placement), checks)
     b, h, s, _ = q.shape
     out = q.new_empty((b, h, s, v.shape[3]))
     lse = q.new_empty((b, h, s), dtype=_acc_dtype(q.dtype))
@@ -58,19 +59,19 @@ def _ring_sdpa_fake(q, k, v, group_name, is_causal, load_balanced, scale, backen
 def _ring_sdpa_backward_fake(grad_out, q, k, v, out, lse, group_name, is_causal, load_balanced,
                              scale, backend, rotate, cu_seqlens=None, window=None, seq_len=None,
                              per_document=False, q_positions=None, kv_positions=None,
-                             ring_pass=0):
+                             ring_pass=0, placement=False):
     reject_real_in_fake("ring_sdpa_backward", grad_out, q, k, v, out, lse, cu_seqlens, q_positions,
                         kv_positions)
 
     def checks():
         _check("ring_sdpa_backward", q, k, v, group_name, is_causal, load_balanced, scale,
                backend, rotate, cu_seqlens, window, seq_len, per_document, q_positions,
-               kv_positions)
+               kv_positions, placement=placement)
 
     _fake_checks("ring_sdpa_backward", group_name, (q, k, v), lambda: ops.ring_describe_call(
         "ring_sdpa_backward", [grad_out, q, k, v, out, lse], group_name, is_causal,
         load_balanced, scale, backend, rotate, cu_seqlens, window, seq_len, per_document,
-        q_positions, kv_positions, ring_pass), checks)
+        q_positions, kv_positions, ring_pass, placement), checks)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -78,11 +79,12 @@ def _ring_sdpa_backward_fake(grad_out, q, k, v, out, lse, group_name, is_causal,
 def _ring_sdpa_backward_covered_fake(grad_out, q, k, v, out, lse, group_name, is_causal,
                                      load_balanced, scale, backend, rotate, cu_seqlens, window,
                                      seq_len, per_document, q_positions, kv_positions, ring_pass,
-                                     agreed_record):
+                                     placement, agreed_record):
     # Covered by its forward's handshake: checks only, nothing communicates.
     reject_real_in_fake("ring_sdpa_backward", grad_out, q, k, v, out, lse, cu_seqlens, q_positions,
                         kv_positions)
     _check("ring_sdpa_backward", q, k, v, group_name, is_causal, load_balanced, scale, backend,
-           rotate, cu_seqlens, window, seq_len, per_document, q_positions, kv_positions)
+           rotate, cu_seqlens, window, seq_len, per_document, q_positions, kv_positions,
+           placement=placement)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 

@@ -35,6 +35,21 @@ def _check_count(what: str, value, minimum: int) -> int:
     return value
 
 
+def document_bounds(cu_seqlens: Sequence[int] | Tensor) -> list[int]:
+    """``cu_seqlens`` as a list of ints, checked: ``[0, ..., S]``, strictly
+    increasing (ValueError naming the value otherwise)."""
+    if isinstance(cu_seqlens, Tensor):
+        cu_seqlens = cu_seqlens.tolist()
+    if not isinstance(cu_seqlens, Sequence) or len(cu_seqlens) < 2 or any(
+            isinstance(x, bool) or not isinstance(x, int) for x in cu_seqlens):
+        raise ValueError(f"cplib: cu_seqlens must be a sequence of ints [0, ..., S], got "
+                         f"{cu_seqlens!r}")
+    if cu_seqlens[0] != 0 or any(b <= a for a, b in zip(cu_seqlens, cu_seqlens[1:])):
+        raise ValueError(f"cplib: cu_seqlens={list(cu_seqlens)} must start at 0 and be "
+                         "strictly increasing (document boundaries)")
+    return [int(x) for x in cu_seqlens]
+
+
 def _inverse(perm: Tensor) -> Tensor:
     """Inverse of a permutation along the last dimension."""
     return torch.argsort(perm, dim=-1)
@@ -149,17 +164,8 @@ class AnyLengthPerDocumentLoadBalancer(_LoadBalancer):
 
     def __init__(self, cu_seqlens: Sequence[int], world_size: int,
                  device: str | torch.device):
-        if isinstance(cu_seqlens, Tensor):
-            cu_seqlens = cu_seqlens.tolist()
-        if not isinstance(cu_seqlens, Sequence) or len(cu_seqlens) < 2 or any(
-                isinstance(x, bool) or not isinstance(x, int) for x in cu_seqlens):
-            raise ValueError(f"cplib: cu_seqlens must be a sequence of ints [0, ..., S], got "
-                             f"{cu_seqlens!r}")
-        if cu_seqlens[0] != 0 or any(b <= a for a, b in zip(cu_seqlens, cu_seqlens[1:])):
-            raise ValueError(f"cplib: cu_seqlens={list(cu_seqlens)} must start at 0 and be "
-                             "strictly increasing (document boundaries)")
+        self.cu_seqlens = document_bounds(cu_seqlens)
         _check_count("world_size", world_size, 1)
-        self.cu_seqlens = [int(x) for x in cu_seqlens]
         self.seq_length = self.cu_seqlens[-1]
         self.world_size = world_size
         self.device = device

@@ -151,6 +151,7 @@ def ring_sdpa(
     kv_positions: torch.Tensor | None = None,
     ring_pass: Literal["kv", "q", "auto"] = "kv",
     attn_mask: torch.Tensor | None = None,
+    placement: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring attention of the local shards ``q`` (B, Hq, S_local, D) and ``k``/``v``
     (B, Hkv, S_local, D; v's head dim may differ from q/k's, as in MLA) over
@@ -175,7 +176,10 @@ def ring_sdpa(
     local length times the world size. Blocks nobody can see are neither
     computed nor sent (p2p and alltoall). ``per_document``: the shards are
     cut head-tail inside every document (``cplib.ring.layout`` with
-    ``documents``; needs ``cu_seqlens`` and ``seq_len``).
+    ``documents``; needs ``cu_seqlens`` and ``seq_len``). ``placement``: the
+    shards are in the document placement of
+    :class:`cplib.DocumentPlacementLoadBalancer` (documents kept whole on one
+    rank where the balance allows; needs ``cu_seqlens`` and ``seq_len``).
 
     ``sinks`` (Hq,): attention sinks (gpt-oss), one logit per q head that
     joins every row's softmax denominator once and contributes no value;
@@ -222,7 +226,7 @@ def ring_sdpa(
                          scale=scale, rotate=rotate, backend=backend, cu_seqlens=cu_seqlens,
                          window=window, seq_len=seq_len, per_document=per_document,
                          sinks=sinks, q_positions=q_positions, kv_positions=kv_positions,
-                         ring_pass=ring_pass)
+                         ring_pass=ring_pass, placement=placement)
     name = group_name_of(group)
     wants_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
@@ -249,7 +253,7 @@ def ring_sdpa(
                                              (cu_seqlens, q_positions, kv_positions))
     args = (q, k, v, name, bool(is_causal), bool(load_balanced), scale, backend_code,
             rotate_code, cu_seqlens, window, seq_len, bool(per_document), sinks, q_positions,
-            kv_positions, pass_code)
+            kv_positions, pass_code, bool(placement))
     # Compiled graphs keep the op itself (its registered autograd and fake).
     direct = torch.compiler.is_compiling() or not (
         torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad

@@ -20,7 +20,8 @@ typedef enum {
 typedef enum {
   CPLIB_OK = 0,
   CPLIB_EINVAL = 1,   /* bad argument: shape, dtype or pointer */
-  CPLIB_ELAUNCH = 2   /* the device refused the launch */
+  CPLIB_ELAUNCH = 2,  /* the device refused the launch */
+  CPLIB_ENOMEM = 3    /* host scratch memory could not be allocated */
 } cplib_status;
 
 const char* cplib_status_str(int status);

@@ -71,6 +71,7 @@ struct Extras {
   std::optional<std::vector<int64_t>> window;
   std::optional<int64_t> seq_len;
   bool per_document = false;  // shards cut head-tail inside every document
+  bool placement = false;     // shards in the document placement (ring_placement.h)
   // Explicit global positions of this rank's q rows and k/v rows (both or neither).
   std::optional<Tensor> q_positions, kv_positions;
   int64_t ring_pass = kPassKV;

@@ -10,6 +10,7 @@
 #include "ring/ring.h"
 #include "common/aten.h"
 #include "ring/ring_block.h"
+#include "ring/ring_placement.h"
 
 namespace cplib::ring {
 
@@ -123,9 +124,9 @@ void check_explicit(const char* op, const Config& cfg, const Tensor& q, const Te
                   "q");
   check_positions(op, "kv_positions", ex.kv_positions, &Extras::kv_positions_values, ex,
                   k.size(2), "k/v");
-  CPLIB_CHECK_VALUE(!cfg.load_balanced && !ex.seq_len && !ex.per_document, "cplib.", op,
-                    ": q_positions/kv_positions describe the layout themselves: they exclude "
-                    "load_balanced, seq_len and per_document");
+  CPLIB_CHECK_VALUE(!cfg.load_balanced && !ex.seq_len && !ex.per_document && !ex.placement,
+                    "cplib.", op, ": q_positions/kv_positions describe the layout themselves: "
+                    "they exclude load_balanced, seq_len, per_document and placement");
   if (ex.cu_seqlens) {
     const int64_t end = documents_end(op, ex);
     for (const bool is_q : {true, false}) {
@@ -159,15 +160,20 @@ void check_extras(const char* op, Config& cfg, const Tensor& q, const Tensor& k,
   CPLIB_CHECK_VALUE(!ex.per_document || (ex.cu_seqlens && ex.seq_len), "cplib.", op,
                     ": per_document=True (head-tail inside every document) needs cu_seqlens and "
                     "seq_len");
+  CPLIB_CHECK_VALUE(!ex.placement || (ex.cu_seqlens && ex.seq_len && !ex.per_document), "cplib.",
+                    op, ": placement=True (documents placed across the ranks) needs cu_seqlens "
+                    "and seq_len, and excludes per_document");
   Mask& m = cfg.mask;
   if (ex.cu_seqlens) m.bounds = document_bounds(op, ex, sq);
   cfg.q_layout = {sq, n, cfg.load_balanced, {}, {}, {}};
   cfg.kv_layout = {sk, n, cfg.load_balanced, {}, {}, {}};
   if (ex.per_document) cfg.q_layout.documents = cfg.kv_layout.documents = m.bounds;
+  if (ex.placement) cfg.q_layout.placed = cfg.kv_layout.placed = document_placement(m.bounds, n);
   if (ex.seq_len || ex.per_document) {
     const int64_t want = cfg.q_layout.local_len(cfg.rank);
     CPLIB_CHECK_VALUE(lq == want && lk == want, "cplib.", op, ": seq_len=", sq, " over ", n,
-                      " ranks (", ex.per_document ? "per-document head-tail"
+                      " ranks (", ex.placement ? "document placement"
+                      : ex.per_document ? "per-document head-tail"
                       : cfg.load_balanced ? "head-tail" : "sequential",
                       " layout) gives rank ", cfg.rank, " ", want, " rows, but q has ", lq,
                       " and k/v ", lk);

@@ -16,7 +16,9 @@ std::vector<Piece> Layout::pieces(int64_t rank) const {
     const int64_t local = out.empty() ? 0 : out.back().local + out.back().global.len;
     out.push_back({g, local});
   };
-  if (!lengths.empty()) {
+  if (placed) {
+    for (const Range& g : (*placed)[static_cast<size_t>(rank)]) add(g);
+  } else if (!lengths.empty()) {
     int64_t start = 0;
     for (int64_t r = 0; r < rank; ++r) start += lengths[r];
     add({start, lengths[rank]});

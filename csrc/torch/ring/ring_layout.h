@@ -5,12 +5,15 @@
 // sharding does that inside every document (chunks r and 2N-1-r of each), and
 // an explicit layout lists every rank's positions. Every rank can compute every
 // rank's pieces from (S, N, layout) alone, so uneven shards need no padding
-// and no exchange of lengths. Where no layout derives them (non-causal
+// and no exchange of lengths. The document placement (ring_placement.h) is
+// such a layout too: its pieces come from cu_seqlens and N alone. Where no
+// layout derives them (non-causal
 // attention over joint text+image shards), a layout carries every rank's
 // length explicitly: rank r then holds the r-th run of a sequential cut.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 // Internal to the extension (torch's stable types are hidden).
@@ -44,6 +47,9 @@ struct Layout {
   // are the ways of computing these that need no exchange.
   std::vector<std::vector<int64_t>> positions;
   bool is_explicit() const { return !positions.empty(); }
+  // Document placement (ring_placement.h): every rank's pieces, each inside
+  // one document; null otherwise.
+  std::shared_ptr<const std::vector<std::vector<Range>>> placed;
 
   // The non-empty pieces of `rank`'s shard in local order (one or two; two
   // per document with a per-document layout).

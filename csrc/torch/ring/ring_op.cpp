@@ -8,6 +8,7 @@
 #include "ring/ring_agreed.h"
 #include "ring/ring_forward.h"
 #include "ring/ring_lengths.h"
+#include "ring/ring_placement.h"
 #include "ring/ring_rotate.h"
 
 namespace cplib::ring {
@@ -17,8 +18,9 @@ Extras extras(const std::optional<Tensor>& cu_seqlens,
               const std::optional<std::vector<int64_t>>& window, std::optional<int64_t> seq_len,
               bool per_document, const std::optional<Tensor>& q_positions = std::nullopt,
               const std::optional<Tensor>& kv_positions = std::nullopt,
-              int64_t ring_pass = kPassKV) {
+              int64_t ring_pass = kPassKV, bool placement = false) {
   Extras e;
+  e.placement = placement;
   e.q_positions = q_positions;
   e.kv_positions = kv_positions;
   e.ring_pass = ring_pass;
@@ -38,7 +40,8 @@ Extras extras(const std::optional<Tensor>& cu_seqlens,
 void describe(CallSignature& sig,
               std::initializer_list<std::pair<const char*, const Tensor*>> tensors,
               bool is_causal, bool load_balanced, std::optional<double> scale, int64_t backend,
-              int64_t rotate, const Extras& ex, const std::vector<int64_t>* bounds) {
+              int64_t rotate, const Extras& ex, const std::vector<int64_t>* bounds,
+              const Placement* placed = nullptr) {
   // The device first: a rank on other tensors (meta beside CPU, say) differs
   // in everything after it, and this names the cause.
   const Tensor& q = *tensors.begin()->second;
@@ -48,6 +51,7 @@ void describe(CallSignature& sig,
   for (size_t i = 0; ex.window && i < ex.window->size(); ++i)
     sig.add("window[" + std::to_string(i) + "]", (*ex.window)[i]);
   sig.add_flag("per_document", ex.per_document);
+  sig.add_flag("placement", ex.placement);
   sig.add_flag("cu_seqlens is not None", ex.cu_seqlens.has_value());
   if (ex.cu_seqlens) {
     if (bounds)
@@ -55,6 +59,9 @@ void describe(CallSignature& sig,
     else
       sig.add_values_hash("cu_seqlens", *ex.cu_seqlens);
   }
+  // The placement each rank computed (the same function of cu_seqlens and N
+  // everywhere, unless the ranks run different builds).
+  if (placed) sig.add_values_hash("document placement", flatten(*placed));
   sig.add_flag("q_positions is not None", ex.q_positions.has_value());
   sig.add_flag("kv_positions is not None", ex.kv_positions.has_value());
   sig.add("ring_pass", ex.ring_pass);
@@ -110,7 +117,7 @@ Config agreed_config(const char* op, std::string_view group_name,
     hs.validate([&] {
       checks();
       describe(hs.sig(), tensors, is_causal, load_balanced, scale, backend, rotate, ex,
-               &cfg.mask.bounds);
+               &cfg.mask.bounds, cfg.q_layout.placed.get());
       hs.set_lengths({q.size(2), k.size(2)});
     });
     hs.exchange(group);
@@ -136,14 +143,14 @@ void describe_call(std::string op, std::vector<Tensor> tensors, std::string grou
                    int64_t backend, int64_t rotate, std::optional<Tensor> cu_seqlens,
                    std::optional<std::vector<int64_t>> window, std::optional<int64_t> seq_len,
                    bool per_document, std::optional<Tensor> q_positions,
-                   std::optional<Tensor> kv_positions, int64_t ring_pass) {
+                   std::optional<Tensor> kv_positions, int64_t ring_pass, bool placement) {
   CPLIB_CHECK_VALUE(op == "ring_sdpa" || op == "ring_sdpa_backward",
                     "cplib.ring_describe_call: unknown op '", op, "'");
   CPLIB_CHECK_VALUE(tensors.size() == (op == "ring_sdpa" ? 3u : 6u), "cplib.", op, ": ",
                     tensors.size(), " tensors to describe");
   const Group group = resolve_group(group_name);
   const Extras ex = extras(cu_seqlens, window, seq_len, per_document, q_positions, kv_positions,
-                           op == "ring_sdpa" ? ring_pass : kPassKV);
+                           op == "ring_sdpa" ? ring_pass : kPassKV, placement);
   Handshake hs(op);
   hs.validate([&] {
     if (tensors.size() == 3)
@@ -168,10 +175,11 @@ std::tuple<Tensor, Tensor> ring_sdpa(Tensor q, Tensor k, Tensor v, std::string g
                                      std::optional<int64_t> seq_len, bool per_document,
                                      std::optional<Tensor> sinks,
                                      std::optional<Tensor> q_positions,
-                                     std::optional<Tensor> kv_positions, int64_t ring_pass) {
+                                     std::optional<Tensor> kv_positions, int64_t ring_pass,
+                                     bool placement) {
   aten::NoGradGuard no_grad;
-  const Extras ex =
-      extras(cu_seqlens, window, seq_len, per_document, q_positions, kv_positions, ring_pass);
+  const Extras ex = extras(cu_seqlens, window, seq_len, per_document, q_positions, kv_positions,
+                           ring_pass, placement);
   std::vector<int64_t> lengths;
   Config cfg = agreed_config("ring_sdpa", group_name, {{"q", &q}, {"k", &k}, {"v", &v}},
                              is_causal, load_balanced, scale, backend, rotate, ex, [&] {
@@ -211,10 +219,11 @@ std::tuple<Tensor, Tensor, Tensor> backward_impl(
     std::optional<double> scale, int64_t backend, int64_t rotate,
     const std::optional<Tensor>& cu_seqlens, const std::optional<std::vector<int64_t>>& window,
     std::optional<int64_t> seq_len, bool per_document, const std::optional<Tensor>& q_positions,
-    const std::optional<Tensor>& kv_positions, const Agreed* covered) {
+    const std::optional<Tensor>& kv_positions, const Agreed* covered, bool placement) {
   aten::NoGradGuard no_grad;
   // The backward always runs the pass-KV ring (pass-Q is forward only).
-  const Extras ex = extras(cu_seqlens, window, seq_len, per_document, q_positions, kv_positions);
+  const Extras ex = extras(cu_seqlens, window, seq_len, per_document, q_positions, kv_positions,
+                           kPassKV, placement);
   std::vector<int64_t> lengths;
   Config cfg = agreed_config(
       "ring_sdpa_backward", group_name,
@@ -230,11 +239,11 @@ std::tuple<Tensor, Tensor, Tensor> ring_sdpa_backward(
     bool is_causal, bool load_balanced, std::optional<double> scale, int64_t backend,
     int64_t rotate, std::optional<Tensor> cu_seqlens, std::optional<std::vector<int64_t>> window,
     std::optional<int64_t> seq_len, bool per_document, std::optional<Tensor> q_positions,
-    std::optional<Tensor> kv_positions, int64_t ring_pass) {
+    std::optional<Tensor> kv_positions, int64_t ring_pass, bool placement) {
   (void)ring_pass;
   return backward_impl(grad_out, q, k, v, out, lse, group_name, is_causal, load_balanced, scale,
                        backend, rotate, cu_seqlens, window, seq_len, per_document, q_positions,
-                       kv_positions, nullptr);
+                       kv_positions, nullptr, placement);
 }
 
 // The backward reached through autograd: its forward's handshake covers it
@@ -245,12 +254,12 @@ std::tuple<Tensor, Tensor, Tensor> ring_sdpa_backward_covered(
     bool is_causal, bool load_balanced, std::optional<double> scale, int64_t backend,
     int64_t rotate, std::optional<Tensor> cu_seqlens, std::optional<std::vector<int64_t>> window,
     std::optional<int64_t> seq_len, bool per_document, std::optional<Tensor> q_positions,
-    std::optional<Tensor> kv_positions, int64_t ring_pass, Tensor agreed) {
+    std::optional<Tensor> kv_positions, int64_t ring_pass, bool placement, Tensor agreed) {
   (void)ring_pass;
   const Agreed a = Agreed::from_record(agreed);
   return backward_impl(grad_out, q, k, v, out, lse, group_name, is_causal, load_balanced, scale,
                        backend, rotate, cu_seqlens, window, seq_len, per_document, q_positions,
-                       kv_positions, &a);
+                       kv_positions, &a, placement);
 }
 
 Tensor ring_agreed_record() { return t_agreed.to_record(); }
@@ -267,20 +276,20 @@ STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
       "bool load_balanced, float? scale, int backend, int rotate, Tensor? cu_seqlens=None, "
       "int[]? window=None, int? seq_len=None, bool per_document=False, "
       "Tensor? sinks=None, Tensor? q_positions=None, Tensor? kv_positions=None, "
-      "int ring_pass=0) -> (Tensor out, Tensor lse)");
+      "int ring_pass=0, bool placement=False) -> (Tensor out, Tensor lse)");
   m.def(
       "ring_sdpa_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "str group_name, bool is_causal, bool load_balanced, float? scale, int backend, "
       "int rotate, Tensor? cu_seqlens=None, int[]? window=None, int? seq_len=None, "
       "bool per_document=False, Tensor? q_positions=None, Tensor? kv_positions=None, "
-      "int ring_pass=0) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "int ring_pass=0, bool placement=False) -> (Tensor dq, Tensor dk, Tensor dv)");
   // Internal: the backward through autograd (no handshake; see ring_sdpa_backward_covered).
   m.def(
       "ring_sdpa_backward_covered(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
       "Tensor lse, str group_name, bool is_causal, bool load_balanced, float? scale, "
       "int backend, int rotate, Tensor? cu_seqlens, int[]? window, int? seq_len, "
       "bool per_document, Tensor? q_positions, Tensor? kv_positions, int ring_pass, "
-      "Tensor agreed) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "bool placement, Tensor agreed) -> (Tensor dq, Tensor dk, Tensor dv)");
   // Internal: what the last ring_sdpa of this thread agreed, for its covered backward.
   m.def("ring_agreed_record() -> Tensor");
   // Internal: the handshake of a call on meta tensors (the fake kernels).
@@ -288,7 +297,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
       "ring_describe_call(str op, Tensor[] tensors, str group_name, bool is_causal, "
       "bool load_balanced, float? scale, int backend, int rotate, Tensor? cu_seqlens, "
       "int[]? window, int? seq_len, bool per_document, Tensor? q_positions, "
-      "Tensor? kv_positions, int ring_pass) -> ()");
+      "Tensor? kv_positions, int ring_pass, bool placement=False) -> ()");
   m.def("ring_debug_bytes_sent(bool reset=False) -> int");
   // The ring pass (0 = kv, 1 = q) the last ring_sdpa ran, "auto" resolved.
   m.def("ring_debug_last_pass() -> int");

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 
+#include "ring/ring_placement.h"
+
 namespace cplib::ring {
 namespace {
 
@@ -14,33 +16,193 @@ constexpr int64_t kTile = 256;
 
 int64_t mod(int64_t a, int64_t n) { return ((a % n) + n) % n; }
 
+// The values a plan depends on, or empty when it is not cached (explicit
+// positions: a cache's positions change every call).
+std::vector<int64_t> plan_key(const Config& c) {
+  if (c.q_layout.is_explicit() || c.kv_layout.is_explicit()) return {};
+  std::vector<int64_t> key{c.rank, c.size, static_cast<int64_t>(c.rotate), c.pass_q,
+                           c.mask.causal, c.mask.seq_len, c.mask.left, c.mask.right};
+  auto add = [&key](const std::vector<int64_t>& v) {
+    key.push_back(static_cast<int64_t>(v.size()));
+    key.insert(key.end(), v.begin(), v.end());
+  };
+  add(c.mask.bounds);
+  for (const Layout* l : {&c.q_layout, &c.kv_layout}) {
+    key.insert(key.end(), {l->seq_len, l->size, l->head_tail});
+    add(l->documents);
+    add(l->lengths);
+    add(l->placed ? flatten(*l->placed) : std::vector<int64_t>{});
+  }
+  return key;
+}
+
+constexpr size_t kCachedPlans = 8;
+thread_local std::vector<std::pair<std::vector<int64_t>, std::shared_ptr<const RingPlan::Tables>>>
+    t_plans;  // most recently used first
+
 }  // namespace
 
 RingPlan::RingPlan(const Config& cfg) : cfg_(cfg) {
-  const int64_t n = cfg.size;
   for (const auto& p : cfg.kv_layout.positions)
     kv_sorted_.push_back(std::is_sorted(p.begin(), p.end()));
-  needs_.assign(n * n, 0);
-  offsets_.push_back(0);
+  std::vector<int64_t> key = plan_key(cfg);
+  if (key.empty()) {
+    t_ = build();
+    return;
+  }
+  auto hit = std::find_if(t_plans.begin(), t_plans.end(),
+                          [&key](const auto& e) { return e.first == key; });
+  if (hit != t_plans.end()) {
+    std::rotate(t_plans.begin(), hit, hit + 1);
+  } else {
+    t_plans.insert(t_plans.begin(), {std::move(key), build()});
+    if (t_plans.size() > kCachedPlans) t_plans.pop_back();
+  }
+  t_ = t_plans.front().second;
+}
+
+std::shared_ptr<const RingPlan::Tables> RingPlan::build() const {
+  const int64_t n = cfg_.size, rank = cfg_.rank;
+  auto t = std::make_shared<Tables>();
+  t->needs.assign(n * n, 0);
+  t->offsets.push_back(0);
   for (int64_t d = 0; d < n; ++d) {
     bool any = false;
     for (int64_t r = 0; r < n; ++r) {
-      needs_[d * n + r] = !plan_pair(r, mod(r - d, n), /*any_only=*/true).empty();
-      any = any || needs_[d * n + r];
+      t->needs[d * n + r] = !plan_pair(r, mod(r - d, n), /*any_only=*/true).empty();
+      any = any || t->needs[d * n + r];
     }
-    if (d > 0 && any) offsets_.push_back(d);
+    if (d > 0 && any) t->offsets.push_back(d);
+  }
+  // Only the rows a receiver reads travel (p2p and alltoall; the explicit
+  // layouts of caches and pass-Q keep whole blocks).
+  const bool compact = cfg_.rotate != Rotate::allgather && !cfg_.pass_q &&
+                       !cfg_.kv_layout.is_explicit();
+  for (size_t s = 0; s < t->offsets.size(); ++s) {
+    const int64_t d = t->offsets[s], src = mod(rank - d, n), dst = mod(rank + d, n);
+    t->calls.push_back(plan_pair(rank, src, /*any_only=*/false));
+    t->recv.push_back(rows_read(t->calls.back(), kv_len(src), compact && s > 0));
+    const bool sends = s > 0 && t->needs[d * n + dst];
+    t->send.push_back(rows_read(sends ? plan_pair(dst, rank, false) : std::vector<Call>(),
+                                kv_len(rank), compact && s > 0));
+    if (t->recv.back().ranges.empty()) continue;
+    // Each call's key rows lie inside one received range: index them there.
+    const std::vector<Range>& got = t->recv.back().ranges;
+    for (Call& c : t->calls.back()) {
+      int64_t at = 0;
+      for (const Range& g : got) {
+        if (c.k_local >= g.start && c.k_local < g.end()) {
+          c.k_local = at + (c.k_local - g.start);
+          break;
+        }
+        at += g.len;
+      }
+    }
+  }
+  return t;
+}
+
+RingPlan::Rows RingPlan::rows_read(const std::vector<Call>& calls, int64_t len,
+                                   bool compact) const {
+  Rows rows;
+  rows.count = len;
+  if (!compact) return rows;
+  std::vector<Range> read;
+  for (const Call& c : calls) read.push_back({c.k_local, c.k_len});
+  std::sort(read.begin(), read.end(),
+            [](const Range& a, const Range& b) { return a.start < b.start; });
+  for (const Range& g : read) {
+    if (!rows.ranges.empty() && g.start <= rows.ranges.back().end()) {
+      Range& last = rows.ranges.back();
+      last.len = std::max(last.end(), g.end()) - last.start;
+    } else {
+      rows.ranges.push_back(g);
+    }
+  }
+  rows.count = 0;
+  for (const Range& g : rows.ranges) rows.count += g.len;
+  if (rows.ranges.size() == 1 && rows.count == len) rows.ranges.clear();  // the whole block
+  return rows;
+}
+
+int64_t RingPlan::source(int64_t s) const { return mod(cfg_.rank - t_->offsets[s], cfg_.size); }
+int64_t RingPlan::target(int64_t s) const { return mod(cfg_.rank + t_->offsets[s], cfg_.size); }
+
+bool RingPlan::needs(int64_t rank, int64_t offset) const {
+  return t_->needs[offset * cfg_.size + rank] != 0;
+}
+
+namespace {
+
+Call make_call(Visibility kind, const std::vector<Piece>& qp, size_t a0, size_t a1,
+               const std::vector<Piece>& kp, size_t b0, size_t b1) {
+  Call c;
+  c.kind = kind;
+  c.q_local = qp[a0].local;
+  c.q_len = qp[a1].local + qp[a1].global.len - c.q_local;
+  c.k_local = kp[b0].local;
+  c.k_len = kp[b1].local + kp[b1].global.len - c.k_local;
+  return c;
+}
+
+}  // namespace
+
+// The local block's runs of consecutive pieces whose square is causal in
+// local order (each diagonal cell causal, those below full, those above
+// empty: a cut document's front and back chunk) as one causal call each.
+void RingPlan::causal_runs(const std::vector<Visibility>& cls, const std::vector<Piece>& qp,
+                           const std::vector<Piece>& kp, std::vector<char>& done,
+                           std::vector<Call>& calls) const {
+  const size_t n = qp.size(), nk = kp.size();
+  auto cell = [&](size_t a, size_t b) { return cls[a * nk + b]; };
+  for (size_t a0 = 0; a0 < n && a0 < nk;) {
+    if (cell(a0, a0) != Visibility::causal) {
+      ++a0;
+      continue;
+    }
+    size_t a1 = a0;
+    auto joins = [&](size_t e) {
+      if (e >= n || e >= nk || cell(e, e) != Visibility::causal) return false;
+      for (size_t b = a0; b < e; ++b)
+        if (cell(e, b) != Visibility::full || cell(b, e) != Visibility::empty) return false;
+      return true;
+    };
+    while (joins(a1 + 1)) ++a1;
+    calls.push_back(make_call(Visibility::causal, qp, a0, a1, kp, a0, a1));
+    for (size_t a = a0; a <= a1; ++a)
+      for (size_t b = a0; b <= a1; ++b) done[a * nk + b] = 1;
+    a0 = a1 + 1;
   }
 }
 
-int64_t RingPlan::source(int64_t s) const { return mod(cfg_.rank - offsets_[s], cfg_.size); }
-int64_t RingPlan::target(int64_t s) const { return mod(cfg_.rank + offsets_[s], cfg_.size); }
-
-bool RingPlan::needs(int64_t rank, int64_t offset) const {
-  return needs_[offset * cfg_.size + rank] != 0;
-}
-
-std::vector<Call> RingPlan::calls(int64_t s) const {
-  return plan_pair(cfg_.rank, source(s), /*any_only=*/false);
+// The full cells left, as rectangles: each run of consecutive full cells of
+// a row one call, and consecutive rows with the same runs merged.
+void RingPlan::full_rectangles(const std::vector<Visibility>& cls, const std::vector<Piece>& qp,
+                               const std::vector<Piece>& kp, std::vector<char>& done,
+                               std::vector<Call>& calls) const {
+  const size_t nq = qp.size(), nk = kp.size();
+  auto runs = [&](size_t a) {
+    std::vector<std::pair<size_t, size_t>> out;
+    for (size_t b = 0; b < nk; ++b) {
+      if (done[a * nk + b] || cls[a * nk + b] != Visibility::full) continue;
+      if (!out.empty() && out.back().second + 1 == b)
+        out.back().second = b;
+      else
+        out.push_back({b, b});
+    }
+    return out;
+  };
+  for (size_t a0 = 0; a0 < nq;) {
+    const auto row = runs(a0);
+    size_t a1 = a0;
+    while (!row.empty() && a1 + 1 < nq && runs(a1 + 1) == row) ++a1;
+    for (const auto& [b0, b1] : row) {
+      calls.push_back(make_call(Visibility::full, qp, a0, a1, kp, b0, b1));
+      for (size_t a = a0; a <= a1; ++a)
+        for (size_t b = b0; b <= b1; ++b) done[a * nk + b] = 1;
+    }
+    a0 = a1 + 1;
+  }
 }
 
 std::vector<Call> RingPlan::plan_pair(int64_t rank, int64_t src, bool any_only) const {
@@ -49,75 +211,35 @@ std::vector<Call> RingPlan::plan_pair(int64_t rank, int64_t src, bool any_only) 
   const std::vector<Piece> qp = cfg_.q_layout.pieces(rank), kp = cfg_.kv_layout.pieces(src);
   const size_t nq = qp.size(), nk = kp.size();
   std::vector<Visibility> cls(nq * nk);
-  bool all_full = true, any = false;
+  bool any = false;
+  std::vector<Call> calls;
   for (size_t a = 0; a < nq; ++a)
     for (size_t b = 0; b < nk; ++b) {
       const Visibility v = mask.classify(qp[a].global, kp[b].global);
       cls[a * nk + b] = v;
       any = any || v != Visibility::empty;
-      all_full = all_full && (v == Visibility::full || v == Visibility::empty);
-    }
-  std::vector<Call> calls;
-  if (!any) return calls;
-  auto whole = [](const std::vector<Piece>& p, size_t first, size_t last) {
-    return std::pair<int64_t, int64_t>{p[first].local,
-                                       p[last].local + p[last].global.len - p[first].local};
-  };
-  auto push = [&calls](Visibility kind, std::pair<int64_t, int64_t> rows,
-                       std::pair<int64_t, int64_t> cols) {
-    Call c;
-    c.kind = kind;
-    c.q_local = rows.first;
-    c.q_len = rows.second;
-    c.k_local = cols.first;
-    c.k_len = cols.second;
-    calls.push_back(c);
-  };
-  if (any_only) {
-    calls.emplace_back();
-    return calls;
-  }
-  // One full call when the visible cells form a product of pieces (the
-  // dense ring, and the load-balanced causal ring's off-diagonal steps).
-  if (all_full) {
-    size_t r0 = nq, r1 = 0, c0 = nk, c1 = 0;
-    for (size_t a = 0; a < nq; ++a)
-      for (size_t b = 0; b < nk; ++b)
-        if (cls[a * nk + b] != Visibility::empty) {
-          r0 = std::min(r0, a), r1 = std::max(r1, a), c0 = std::min(c0, b), c1 = std::max(c1, b);
-        }
-    bool product = true;
-    for (size_t a = r0; a <= r1; ++a)
-      for (size_t b = c0; b <= c1; ++b) product = product && cls[a * nk + b] == Visibility::full;
-    if (product) {
-      push(Visibility::full, whole(qp, r0, r1), whole(kp, c0, c1));
-      return calls;
-    }
-  }
-  // One causal call over the local block when, in local order, it is exactly
-  // the causal diagonal (head-tail: A precedes B, so [A|B]x[A|B] is causal).
-  if (nq == nk && rank == src && cfg_.q_layout.seq_len == cfg_.kv_layout.seq_len) {
-    bool local_causal = true;
-    for (size_t a = 0; a < nq; ++a)
-      for (size_t b = 0; b < nk; ++b) {
-        const Visibility want =
-            a == b ? Visibility::causal : (a < b ? Visibility::empty : Visibility::full);
-        local_causal = local_causal && cls[a * nk + b] == want;
+      if (any && any_only) {
+        calls.emplace_back();
+        return calls;
       }
-    if (local_causal) {
-      push(Visibility::causal, whole(qp, 0, nq - 1), whole(kp, 0, nk - 1));
-      return calls;
     }
-  }
+  if (!any) return calls;
+  // A product of full pieces is one call (the dense ring, the load-balanced
+  // causal ring's off-diagonal steps), the local head-tail block one causal
+  // call ([A|B] x [A|B] with A before B), a cut document's chunks likewise.
+  std::vector<char> done(nq * nk, 0);
+  if (rank == src && cfg_.q_layout.seq_len == cfg_.kv_layout.seq_len)
+    causal_runs(cls, qp, kp, done, calls);
+  full_rectangles(cls, qp, kp, done, calls);
   for (size_t a = 0; a < nq; ++a)
     for (size_t b = 0; b < nk; ++b) {
       const Visibility v = cls[a * nk + b];
       const Piece &q = qp[a], &k = kp[b];
-      if (v == Visibility::full || v == Visibility::causal) {
-        push(v, {q.local, q.global.len}, {k.local, k.global.len});
+      if (done[a * nk + b] || v == Visibility::empty) continue;
+      if (v == Visibility::causal) {
+        calls.push_back(make_call(v, qp, a, a, kp, b, b));
         continue;
       }
-      if (v == Visibility::empty) continue;
       for (int64_t t = 0; t < q.global.len; t += kTile) {
         const Range qt{q.global.start + t, std::min(kTile, q.global.len - t)};
         const Range kt = mask.visible_keys(qt, k.global);

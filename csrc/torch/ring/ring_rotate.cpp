@@ -83,13 +83,27 @@ const Tensor& BlockRing::packed(int64_t longest) {
   return packed_;
 }
 
+Tensor BlockRing::packed_rows(const std::vector<Range>& ranges, int64_t count) const {
+  Tensor buf = aten::empty({pack_.total(count)}, aten::opts_of(local_[0]));
+  const KV dst = pack_.views(buf, count);
+  int64_t at = 0;
+  for (const Range& g : ranges) {
+    for (int p = 0; p < 2; ++p)
+      aten::copy_(aten::rows(dst[p], 2, at, g.len), aten::rows(local_[p], 2, g.start, g.len));
+    at += g.len;
+  }
+  return buf;
+}
+
 void BlockRing::post(int64_t s) {
   if (s >= plan_.steps()) return;
   const bool recv = plan_.receives(s), send = plan_.sends(s);
-  const int64_t src = plan_.source(s), dst = plan_.target(s);
-  buf_[s % 2] = exchange(cfg_, send ? packed(local_[0].size(2)) : Tensor(), dst,
-                         recv ? pack_.total(plan_.kv_len(src)) : 0, src,
-                         aten::opts_of(local_[0]), recv_[s % 2]);
+  Tensor out;
+  if (send)
+    out = plan_.send_rows(s).empty() ? packed(local_[0].size(2))
+                                     : packed_rows(plan_.send_rows(s), plan_.send_len(s));
+  buf_[s % 2] = exchange(cfg_, out, plan_.target(s), recv ? pack_.total(plan_.recv_len(s)) : 0,
+                         plan_.source(s), aten::opts_of(local_[0]), recv_[s % 2]);
 }
 
 KV BlockRing::fetch(int64_t s) {
@@ -117,7 +131,7 @@ KV BlockRing::fetch(int64_t s) {
   post(s + 1);
   if (s + 1 == plan_.steps()) buf_[(s + 1) % 2] = Tensor();  // step s-1's block: done with
   if (!plan_.receives(s)) return {};
-  return pack_.views(buf_[s % 2], plan_.kv_len(plan_.source(s)));
+  return pack_.views(buf_[s % 2], plan_.recv_len(s));
 }
 
 Tensor BlockRing::arrived(int64_t s) const {
@@ -147,10 +161,10 @@ GradRing::GradRing(const Config& cfg, const RingPlan& plan, const Tensor& k, con
 }
 
 KV& GradRing::slot(int64_t s) {
-  const int64_t src = plan_.source(s), len = plan_.kv_len(src);
+  const int64_t src = plan_.source(s), len = plan_.recv_len(s);
   const int64_t longest = cfg_.kv_layout.max_local_len();
   if (all_.defined()) {
-    view_ = pack_.views_padded(all_, len, longest, src * pack_.total(longest));
+    view_ = pack_.views_padded(all_, plan_.kv_len(src), longest, src * pack_.total(longest));
     return view_;
   }
   if (s == 0) return own_;
@@ -172,7 +186,7 @@ KV& GradRing::slot(int64_t s) {
 
 void GradRing::reuse(int64_t s, const Tensor& spent) {
   if (all_.defined() || s == 0 || !spent.defined() || spent.scalar_type() != opts_.dtype ||
-      spent.numel() != pack_.total(plan_.kv_len(plan_.source(s))))
+      spent.numel() != pack_.total(plan_.recv_len(s)))
     return;
   spent_ = spent;
   spent_step_ = s;
@@ -194,12 +208,25 @@ void GradRing::add(int64_t s, const Tensor& gk, const Tensor& gv, int64_t start,
 void GradRing::settle() {
   if (!recv_full_) return;
   wait_all(pending_);
-  const KV got = pack_.views(recv_, own_len_);
-  for (int p = 0; p < 2; ++p) {
-    if (own_fresh_)
-      aten::copy_(own_[p], got[p]);
-    else
-      aten::add_(own_[p], got[p]);
+  const std::vector<Range>& rows = plan_.send_rows(recv_step_);
+  const KV got = pack_.views(recv_, plan_.send_len(recv_step_));
+  if (rows.empty()) {  // the whole block travelled
+    for (int p = 0; p < 2; ++p) {
+      if (own_fresh_)
+        aten::copy_(own_[p], got[p]);
+      else
+        aten::add_(own_[p], got[p]);
+    }
+  } else {  // the gradient of the rows we sent, into those rows
+    if (own_fresh_) {
+      for (auto& t : own_) aten::zero_(t);
+    }
+    int64_t at = 0;
+    for (const Range& g : rows) {
+      for (int p = 0; p < 2; ++p)
+        aten::add_(aten::rows(own_[p], 2, g.start, g.len), aten::rows(got[p], 2, at, g.len));
+      at += g.len;
+    }
   }
   own_fresh_ = false;
   recv_full_ = false;
@@ -215,12 +242,15 @@ void GradRing::pass(int64_t s) {
     send_fresh_ = false;
   }
   if (recv) settle();  // the previous gradient is absorbed before the next arrives
-  const Tensor out = send ? head(sending_, pack_.total(plan_.kv_len(owner))) : Tensor();
+  const Tensor out = send ? head(sending_, pack_.total(plan_.recv_len(s))) : Tensor();
   // One collective sends and receives: waiting for its output frees the
   // send buffer too.
-  Tensor got = exchange(cfg_, out, owner, recv ? pack_.total(own_len_) : 0, attender, opts_,
-                        pending_);
-  if (recv) recv_ = got;
+  Tensor got = exchange(cfg_, out, owner, recv ? pack_.total(plan_.send_len(s)) : 0, attender,
+                        opts_, pending_);
+  if (recv) {
+    recv_ = got;
+    recv_step_ = s;
+  }
   recv_full_ = recv_full_ || recv;
   // The exchange holds the buffer until it completes: a spent block is not
   // kept through the next step's kernels.

@@ -72,6 +72,9 @@ class BlockRing {
   void post(int64_t s);
   // Our k|v in one buffer for `longest` rows (padding left unwritten), made once.
   const Tensor& packed(int64_t longest);
+  // The rows `ranges` of our k|v packed in a fresh buffer (what step's
+  // receiver reads of our block).
+  Tensor packed_rows(const std::vector<Range>& ranges, int64_t count) const;
 
   const Config& cfg_;
   const RingPlan& plan_;
@@ -85,8 +88,9 @@ class BlockRing {
   std::array<std::vector<Tensor>, 2> recv_;  // unwaited exchange outputs
 };
 
-// Gradient accumulators (accumulator dtype). Step s's block gradient goes
-// back to its owner after step s; a rank's own accumulator starts as its
+// Gradient accumulators (accumulator dtype). Step s's block gradient (of
+// the rows that travelled, see RingPlan::recv_rows) goes back to its owner
+// after step s; a rank's own accumulator starts as its
 // step-0 gradient and adds what the others send back. Besides it, one
 // buffer each way, dK and dV packed in it: a step's gradient is written
 // into the send buffer (or into the buffer its block arrived in, see
@@ -129,6 +133,7 @@ class GradRing {
   Tensor spent_;              // the block buffer offered for spent_step_'s gradient
   int64_t spent_step_ = -1;
   Tensor recv_;               // packed, what the last pass brought back (fresh)
+  int64_t recv_step_ = -1;    // the step whose gradient recv_ holds (its rows: send_rows)
   int64_t send_step_ = -1;    // the step whose gradient send_ holds
   bool send_fresh_ = false;   // send_ belongs to send_step_ but nothing is written yet
   bool recv_full_ = false;    // recv_ holds (or is receiving) a gradient not yet absorbed
