@@ -47,6 +47,11 @@ from .ulysses.usp_layout import usp_load_balancer
 from .flex.allgather import flex_cp_allgather
 from .flex.block_mask import _create_cp_block_mask, _create_cp_block_mask as create_cp_block_mask
 
+# strategy: strategy="auto", the cost model that chooses ring, Ulysses or USP.
+from .strategy.auto import AttentionShape, AutoStrategy
+from .strategy.calibration import Calibration
+from .strategy.explain import explain
+
 # decode: inference over a sharded KV cache.
 from .decode.kv_cache import ShardedKVCache
 from .decode.op import decode_sdpa
@@ -126,4 +131,8 @@ __all__ = [
     "cu_seqlens_from_position_ids",
     "AnyLengthHeadTailLoadBalancer",
     "AnyLengthPerDocumentLoadBalancer",
+    "AttentionShape",
+    "AutoStrategy",
+    "Calibration",
+    "explain",
 ]

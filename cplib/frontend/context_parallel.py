@@ -23,9 +23,10 @@ from ..ring.load_balancer import (
 from .options import RingConfig, _cp_options, _RotateMethod, parse_rotate_method, rotate_method_name
 from .sdpa_dispatch import CPDispatchMode
 from ..comm.native import check_mesh
-from .sharding import check_shardable, shard_tensor
+from .sharding import check_shardable, keep_shards_for_backward, shard_tensor
 from .unshard import unshard
 from ..ulysses.usp_layout import UspLoadBalancer, check_degrees, ulysses_layout, usp_groups
+from ..strategy.route import AutoStrategy, parse_strategy, strategy_entry
 
 __all__ = ["context_parallel", "ContextParallelHandle"]
 
@@ -38,6 +39,7 @@ class ContextParallelHandle:
     mesh: DeviceMesh
     config: RingConfig
     load_balancer: _LoadBalancer | None
+    strategy: AutoStrategy | None = None  # strategy="auto": cplib.explain(cp) shows its choices
 
     def unshard(self, tensors: Sequence[torch.Tensor],
                 seq_dims: Sequence[int]) -> list[torch.Tensor]:
@@ -138,25 +140,6 @@ def _agree_on_call(group_name: str, buffers: list, seq_dims: list, no_restore: l
               fields)
 
 
-def _keep_shards_for_backward(shards: list[torch.Tensor]):
-    """Autograd saves the buffers themselves (an embedding's ids, a linear
-    layer's input), and restoring them in place on exit would make a
-    backward() after the block see the full tensors (autograd's "modified by
-    an inplace operation"). A tensor saved while this is active that lives in
-    a shard's storage is saved as a fresh alias of that storage instead, which
-    the restore leaves alone: backward after exit gets the right gradients."""
-    storages = {s.untyped_storage().data_ptr() for s in shards if s.numel()}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if not storages or t.untyped_storage().data_ptr() not in storages:
-            return t
-        return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
-
-    if not storages:
-        return contextlib.nullcontext()
-    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-
-
 def _plan(buffers: list[torch.Tensor], world_size: int, buffer_seq_dims, no_restore_buffers,
           rotate_method, load_balance, ulysses_degree: int, cu_seqlens, position_ids, window,
           modules) -> tuple:
@@ -228,6 +211,7 @@ def context_parallel(
     position_ids: torch.Tensor | None = None,
     window: int | tuple[int | None, int | None] | None = None,
     modules: Sequence[torch.nn.Module] | None = None,
+    strategy: str | AutoStrategy | None = None,
 ) -> Generator[ContextParallelHandle, None, None]:
     """Context parallelism for the code inside the ``with`` block.
 
@@ -250,6 +234,8 @@ def context_parallel(
     length, within one token per chunk of each other, where torch's default
     falls back to sequential), and the context yields a
     :class:`ContextParallelHandle` whose ``unshard`` knows the layout.
+    ``strategy="auto"`` (or ``cplib.AutoStrategy(...)``) lets cplib's cost
+    model choose what the explicit settings leave open (docs/strategy.md).
 
     ``ulysses_degree=U`` (USP, cplib/ulysses/usp_layout.py) splits the N ranks into
     N/U ring positions x U Ulysses ranks: every SDPA call runs Ulysses
@@ -290,15 +276,20 @@ def context_parallel(
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     # 1. Every check before the handshake, whose all-gather comes before any
     # other collective (usp_groups); an error on one rank raises on all.
-    def check():
-        return _plan(buffers, world_size, buffer_seq_dims, no_restore_buffers, rotate_method,
-                     load_balance, ulysses_degree, cu_seqlens, position_ids, window, modules)
+    def plan(u: int = ulysses_degree, rotate=rotate_method) -> tuple:
+        return _plan(buffers, world_size, buffer_seq_dims, no_restore_buffers, rotate,
+                     load_balance, u, cu_seqlens, position_ids, window, modules)
 
     modules = [] if modules is None else list(modules)
-    # 2. Every rank agrees on the plan and on the call.
+    # 2. Every rank agrees on the plan and on the call; strategy="auto" may then
+    # choose the Ulysses degree and the rotation (cplib/strategy/route.py).
+    auto, planned = agreed("context_parallel", group.group_name, buffers,
+                           lambda: (parse_strategy(strategy, "context_parallel"), plan()))
+    auto, per_call, planned = strategy_entry(auto, planned, plan, group.group_name,
+                                             mesh.device_type, rotate_method, ulysses_degree)
     (seq_dims, no_restore, rotate, ring_degree, per_document, balanced, seq_len, one_length,
-     documents, sides, balancer, indices) = agreed("context_parallel", group.group_name,
-                                                   buffers, check)
+     documents, sides, balancer, indices) = planned
+    ulysses_degree = world_size // ring_degree
     _agree_on_call(group.group_name, buffers, seq_dims, no_restore, len(modules), rotate,
                    ulysses_degree, load_balance, balanced, documents, sides)
 
@@ -324,7 +315,8 @@ def context_parallel(
                         rotate_method_name(rotate), ulysses_degree, groups.ulysses_group,
                         seq_len=seq_len if one_length and (uneven or documents is not None)
                         else None,
-                        cu_seqlens=documents, window=window, per_document=per_document)
+                        cu_seqlens=documents, window=window, per_document=per_document,
+                        strategy=per_call)
     # 4. Shards in, attention dispatched inside the block; buffers restored on exit.
     old_balance = _cp_options.enable_load_balance
     swapped = 0
@@ -335,8 +327,8 @@ def context_parallel(
                 swapped += 1
         _cp_options.enable_load_balance = balanced  # as torch does, for code that reads it
         with CPDispatchMode(config), ulysses_layout(ulysses_degree), \
-                _keep_shards_for_backward(shards), applied_cp_plans(mesh, modules):
-            yield ContextParallelHandle(mesh, config, balancer)
+                keep_shards_for_backward(shards), applied_cp_plans(mesh, modules):
+            yield ContextParallelHandle(mesh, config, balancer, auto)
     finally:
         _cp_options.enable_load_balance = old_balance
         with torch.no_grad():

@@ -114,3 +114,5 @@ class RingConfig:
     cu_seqlens: Any = None  # torch.Tensor | None
     window: Any = None  # int | (left, right) | None
     per_document: bool = False  # shards head-tail inside every document
+    # strategy="auto" (cplib/strategy/auto.py): the rotation is chosen per call.
+    strategy: Any = None
