@@ -45,6 +45,7 @@ class Choice:
     constraints: Constraints
     rows: tuple[Row, ...]
     chosen: Candidate
+    candidates: tuple[Candidate, ...] = ()  # in registration order (what ranks index)
 
     @property
     def prediction(self) -> Prediction:
@@ -110,7 +111,7 @@ def choose(w: Workload, cal: Calibration, constraints: Constraints = Constraints
             f"({least.candidate.name}); raise the limit or use more ranks")
     best = min(fitting, key=lambda r: (r.prediction.time_s, cands.index(r.candidate)))
     ordered = sorted(rows, key=lambda r: (r.prediction.time_s, cands.index(r.candidate)))
-    return Choice(w, cal, constraints, tuple(ordered), best.candidate)
+    return Choice(w, cal, constraints, tuple(ordered), best.candidate, tuple(cands))
 
 
 # ---------------------------------------------------------------- agreed, cached
@@ -201,7 +202,7 @@ def agreed_choice(group_name: str | None, w: Workload, constraints: Constraints,
         w = full()
     cal = calibration()
     choice = choose(w, cal, constraints)
-    order = [r.candidate for r in choice.rows]
+    order = list(choice.candidates)  # the same on every rank (not the time order)
     if _communicates(group_name):
         fields = {"strategy workload (hash)": stable_hash((w.key(), constraints)),
                   "strategy candidates (hash)": stable_hash(order)}
@@ -209,7 +210,7 @@ def agreed_choice(group_name: str | None, w: Workload, constraints: Constraints,
         every = _exchange(group_name, "strategy choice", fields, values) or \
             _exchange_unchecked(group_name, values)
         if every[0][0] != values[0]:
-            choice = Choice(w, cal, constraints, choice.rows, order[every[0][0]])
+            choice = Choice(w, cal, constraints, choice.rows, order[every[0][0]], choice.candidates)
     _choices[key] = choice
     if on_choice is not None:
         on_choice(choice)

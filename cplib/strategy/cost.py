@@ -144,13 +144,15 @@ def ring_part(w: Workload, cal: Calibration, size: int, stride: int, heads: int,
         part.compute += step
         if off == 0:
             continue
-        # Rank r sends its block to r + off when that rank attends it.
+        # Rank r sends its block to r + off when that rank attends it (again
+        # in the backward), and that rank sends the block's gradient back.
         comm = 0.0
         for r in range(size):
             dst = (r + off) % size
             if sched.receives(dst, s):
+                sent[r] += block[r] * (2 if w.backward else 1)
+                sent[dst] += grad[r] if w.backward else 0.0
                 msg = block[r] * (2 if w.backward else 1) + (grad[r] if w.backward else 0.0)
-                sent[r] += msg
                 comm = max(comm, msg / _node_bps(w, cal, r * stride, dst * stride))
         part.exposed += max(0.0, comm - cal.overlap * step)
         part.fixed += colls * cal.latency_s
