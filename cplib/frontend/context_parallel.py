@@ -20,7 +20,8 @@ from ..ring.load_balancer import (
     _LoadBalancer,
     shard_lengths,
 )
-from .options import RingConfig, _cp_options, _RotateMethod, parse_rotate_method, rotate_method_name
+from .options import (RingConfig, _cp_options, _RotateMethod, explicit_rotation,
+                      parse_rotate_method, rotate_method_name)
 from .sdpa_dispatch import CPDispatchMode
 from ..comm.native import check_mesh
 from .sharding import check_shardable, keep_shards_for_backward, shard_tensor
@@ -276,17 +277,17 @@ def context_parallel(
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     # 1. Every check before the handshake, whose all-gather comes before any
     # other collective (usp_groups); an error on one rank raises on all.
-    def plan(u: int = ulysses_degree, rotate=rotate_method) -> tuple:
+    def plan(u: int = ulysses_degree, rotate=rotate_method, balance=load_balance) -> tuple:
         return _plan(buffers, world_size, buffer_seq_dims, no_restore_buffers, rotate,
-                     load_balance, u, cu_seqlens, position_ids, window, modules)
+                     balance, u, cu_seqlens, position_ids, window, modules)
 
     modules = [] if modules is None else list(modules)
-    # 2. Every rank agrees on the plan and on the call; strategy="auto" may then
-    # choose the Ulysses degree and the rotation (cplib/strategy/route.py).
+    # 2. Every rank agrees on the plan and the call; strategy="auto" may choose more.
     auto, planned = agreed("context_parallel", group.group_name, buffers,
                            lambda: (parse_strategy(strategy, "context_parallel"), plan()))
     auto, per_call, planned = strategy_entry(auto, planned, plan, group.group_name,
-                                             mesh.device_type, rotate_method, ulysses_degree)
+                                             mesh.device_type, explicit_rotation(rotate_method),
+                                             ulysses_degree)
     (seq_dims, no_restore, rotate, ring_degree, per_document, balanced, seq_len, one_length,
      documents, sides, balancer, indices) = planned
     ulysses_degree = world_size // ring_degree

@@ -18,7 +18,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..flex.hook import _flex_input_hook, _register_flex_input_hook
 from ..comm.handshake import agreed, handshake, register_groups
-from .options import RingConfig, _cp_options, rotate_method_name
+from .options import RingConfig, _cp_options, explicit_rotation, rotate_method_name
 from .sdpa_dispatch import CPDispatchMode, agreed_before_attention, dispatcher_enabled
 from ..comm.native import check_mesh
 from ..ulysses.usp_layout import UspGroups, check_degrees, usp_groups
@@ -106,7 +106,8 @@ class _ContextParallel(ParallelStyle):
             register_groups(group, groups.ulysses_group, groups.ring_group)  # CPU side groups
             module.forward = functools.partial(
                 _sdpa_forward, module.forward, group, groups, self.window,
-                context_strategy(self.strategy, group.group_name, None, self.ulysses_degree))
+                context_strategy(self.strategy, group.group_name, explicit_rotation(None),
+                                 self.ulysses_degree))
             return module
         return _register_flex_input_hook(module, mesh, self.seq_dim)
 

@@ -51,7 +51,8 @@ class Calibration:
     masks), read + write counted; ``latency_s``: fixed seconds per
     collective; ``link_bps``: bytes per second one rank sends inside a node;
     ``inter_node_bps``: the same across nodes; ``reduce_scatter_bps``: bytes
-    per second of a reduce-scatter's input; ``overlap``: the fraction of a
+    per second of a reduce-scatter's input and ``reduce_scatter_s`` its fixed
+    seconds (gloo's is several times an all-to-all's); ``overlap``: the fraction of a
     ring step's exchange the step's compute hides (0 on CPU, where gloo's
     copies need the same cores); ``fwd_fraction``: a forward's share of a
     fwd+bwd kernel, for forward-only calls."""
@@ -65,6 +66,7 @@ class Calibration:
     link_bps: float
     inter_node_bps: float
     reduce_scatter_bps: float
+    reduce_scatter_s: float
     overlap: float
     fwd_fraction: float = 0.3
 
@@ -94,11 +96,13 @@ DEFAULTS: dict[str, Calibration] = {
     "h100": Calibration("h100 (NVLink node, InfiniBand NDR between nodes)",
                         unit_s=_H100_UNIT, masked_unit_s=2.5 * _H100_UNIT, call_s=40e-6,
                         copy_bps=2.6e12, latency_s=20e-6, link_bps=360e9,
-                        inter_node_bps=45e9, reduce_scatter_bps=360e9, overlap=0.9),
+                        inter_node_bps=45e9, reduce_scatter_bps=360e9, reduce_scatter_s=20e-6,
+                        overlap=0.9),
     "cpu": Calibration("cpu (2-core development machine, gloo loopback)",
                        unit_s=3.2 / (8 * 8192 * 8193 / 2 * 128), masked_unit_s=1.2e-10,
                        call_s=300e-6, copy_bps=8e9, latency_s=200e-6, link_bps=1.5e9,
-                       inter_node_bps=1.5e9, reduce_scatter_bps=0.5e9, overlap=0.0),
+                       inter_node_bps=1.5e9, reduce_scatter_bps=0.5e9, reduce_scatter_s=1e-3,
+                       overlap=0.0),
 }
 
 

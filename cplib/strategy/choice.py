@@ -22,7 +22,8 @@ from .candidates import Candidate, Constraints, candidates_for
 from .cost import Prediction, predict
 from .workload import Workload
 
-__all__ = ["Row", "Choice", "choose", "format_choice", "agreed_choice", "calibration_for", "clear_caches",
+__all__ = ["Row", "Choice", "choose", "format_choice", "agreed_choice", "calibration_for",
+           "clear_caches",
            "stable_hash"]
 
 log = logging.getLogger("cplib")

@@ -31,7 +31,8 @@ from .memory import peak_memory
 from .plan import RingSchedule, StepWork, ring_schedule
 from .workload import Workload
 
-__all__ = ["Prediction", "register_family", "predict", "families"]
+__all__ = ["Prediction", "register_family", "predict", "families", "ring_part",
+           "ulysses_part", "schedule_cost", "combine"]
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,16 @@ def ring_part(w: Workload, cal: Calibration, size: int, stride: int, heads: int,
               kv_heads: int, rotate: str, layout: str) -> _Part:
     """The ring over ``size`` positions ``stride`` ranks apart (USP's ring
     groups), ``heads`` q heads and ``kv_heads`` K/V heads per rank."""
-    sched = _schedule(w, size, layout)
+    return schedule_cost(w, cal, _schedule(w, size, layout), stride, heads, kv_heads, rotate)
+
+
+def schedule_cost(w: Workload, cal: Calibration, sched: RingSchedule, stride: int, heads: int,
+                  kv_heads: int, rotate: str) -> _Part:
+    """What a ring of ``sched`` costs: its steps' compute, its exchanges
+    (one block per step with "p2p" / "alltoall", or one gather and one
+    reduce-scatter with "allgather"), its collectives. A family with its own
+    schedule (a flex ring's BlockMask) builds a RingSchedule and calls this."""
+    size = sched.size
     d, e, a = w.head_dim + w.v_head_dim, w.element_size, w.acc_size
     block = [w.batch * kv_heads * rows * d * e for rows in sched.rows]
     grad = [b * a / e for b in block]
@@ -131,11 +141,15 @@ def ring_part(w: Workload, cal: Calibration, size: int, stride: int, heads: int,
             bps = min(_node_bps(w, cal, 0, r * stride) for r in range(size))
             gathers = 2 if w.backward else 1
             part.exposed = gathers * (size - 1) * longest / bps
+            if w.device_type == "cpu":  # gloo: the input repeated N times (comm/native.py)
+                part.exposed += gathers * size * longest * 2 / cal.copy_bps
             part.fixed = gathers * cal.latency_s
             part.sent = gathers * (size - 1) * longest
-            if w.backward:
-                part.exposed += size * longest * a / e / cal.reduce_scatter_bps
-                part.fixed += cal.latency_s
+            if w.backward:  # the reduce-scatter: as slow as the slowest link it crosses
+                rs_bps = cal.reduce_scatter_bps if bps == cal.link_bps else \
+                    min(cal.reduce_scatter_bps, bps)
+                part.exposed += size * longest * a / e / rs_bps
+                part.fixed += cal.reduce_scatter_s
                 part.sent += (size - 1) * longest * a / e
         return part
     sent = [0.0] * size
@@ -187,24 +201,24 @@ def ulysses_part(w: Workload, cal: Calibration, degree: int) -> _Part:
 
 
 def _family_ring(c: Candidate, w: Workload, cal: Calibration) -> Prediction:
-    return _combine(c, w, cal, [ring_part(w, cal, w.world_size, 1, w.q_heads, w.kv_heads,
+    return combine(c, w, cal, [ring_part(w, cal, w.world_size, 1, w.q_heads, w.kv_heads,
                                           c.rotate or "p2p", c.layout)])
 
 
 def _family_ulysses(c: Candidate, w: Workload, cal: Calibration) -> Prediction:
     u = c.ulysses_degree
     local = ring_part(w, cal, 1, 1, w.q_heads // u, w.kv_heads_after(u), "p2p", "sequential")
-    return _combine(c, w, cal, [ulysses_part(w, cal, u), local])
+    return combine(c, w, cal, [ulysses_part(w, cal, u), local])
 
 
 def _family_usp(c: Candidate, w: Workload, cal: Calibration) -> Prediction:
     u = c.ulysses_degree
     ring = ring_part(w, cal, w.world_size // u, u, w.q_heads // u, w.kv_heads_after(u),
                      c.rotate or "p2p", c.layout)
-    return _combine(c, w, cal, [ulysses_part(w, cal, u), ring])
+    return combine(c, w, cal, [ulysses_part(w, cal, u), ring])
 
 
-def _combine(c: Candidate, w: Workload, cal: Calibration, parts: list[_Part]) -> Prediction:
+def combine(c: Candidate, w: Workload, cal: Calibration, parts: list[_Part]) -> Prediction:
     compute = sum(p.compute for p in parts)
     exposed = sum(p.exposed for p in parts)
     fixed = sum(p.fixed for p in parts)

@@ -108,20 +108,25 @@ def measure(group: dist.ProcessGroup, device: torch.device, head_dim: int,
                                       async_op=async_op)
 
     ref = default_for(kind)
-    latency_s, link_bps, rs_bps, overlap = ref.latency_s, ref.link_bps, ref.reduce_scatter_bps, \
-        ref.overlap
+    latency_s, link_bps, overlap = ref.latency_s, ref.link_bps, ref.overlap
+    rs_bps, rs_s = ref.reduce_scatter_bps, ref.reduce_scatter_s
     if n > 1:
-        t_xs = _timed(lambda: exchange(xs), barrier)
+        t_xs = _timed(lambda: exchange(xs), barrier, reps=5)
         t_xl = _timed(lambda: exchange(xl), barrier)
         sent = (xl - xs) * (n - 1) / n
         link_bps = sent / max(t_xl - t_xs, 1e-9)
         latency_s = max(t_xs - xs * (n - 1) / n / link_bps, 0.0)
-        rs_out = torch.empty(xl // 4 // n, device=device)
-        rs_in = torch.ones(xl // 4 // n * n, device=device)
         # reduce_scatter_single from torch 2.13 on (the older name warns there).
         rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        t_rs = _timed(lambda: rs(rs_out, rs_in, group=group), barrier)
-        rs_bps = xl / max(t_rs - latency_s, 1e-9)
+
+        def reduce_scatter(nbytes: int) -> None:
+            numel = max(nbytes // 4 // n, 1)
+            rs(torch.empty(numel, device=device), torch.ones(numel * n, device=device),
+               group=group)
+        t_rs_small = _timed(lambda: reduce_scatter(xs), barrier, reps=5)
+        t_rs = _timed(lambda: reduce_scatter(xl), barrier)
+        rs_bps = (xl - xs) / max(t_rs - t_rs_small, 1e-9)
+        rs_s = max(t_rs_small - xs / rs_bps, 0.0)
 
         def both() -> None:
             work = exchange(xl, async_op=True)
@@ -135,14 +140,15 @@ def measure(group: dist.ProcessGroup, device: torch.device, head_dim: int,
                        masked_unit_s=masked_unit_s, call_s=call_s, copy_bps=copy_bps,
                        latency_s=latency_s, link_bps=link_bps,
                        inter_node_bps=min(ref.inter_node_bps, link_bps),
-                       reduce_scatter_bps=rs_bps, overlap=overlap,
+                       reduce_scatter_bps=rs_bps, reduce_scatter_s=rs_s, overlap=overlap,
                        fwd_fraction=ref.fwd_fraction)
 
 
 # Calibration fields agreed across ranks: (name, worse is larger, scale to an int).
 _AGREED = (("unit_s", True, 1e21), ("masked_unit_s", True, 1e21), ("call_s", True, 1e12),
            ("copy_bps", False, 1.0), ("latency_s", True, 1e12), ("link_bps", False, 1.0),
-           ("reduce_scatter_bps", False, 1.0), ("overlap", False, 1e6))
+           ("reduce_scatter_bps", False, 1.0), ("reduce_scatter_s", True, 1e12),
+           ("overlap", False, 1e6))
 
 
 def agree(cal: Calibration, exchange: Callable[[list[int]], list[list[int]]]) -> Calibration:

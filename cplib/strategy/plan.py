@@ -19,7 +19,8 @@ from typing import Callable
 
 from ..ring.layout import shard_ranges
 
-__all__ = ["register_layout", "layout_pieces", "StepWork", "RingSchedule", "ring_schedule",
+__all__ = ["register_layout", "layout_pieces", "layout_load_balance", "StepWork", "RingSchedule",
+           "ring_schedule",
            "Mask", "TILE"]
 
 TILE = 256  # rows per masked call (kTile in ring_plan.cpp)
@@ -27,14 +28,25 @@ TILE = 256  # rows per masked call (kTile in ring_plan.cpp)
 Ranges = list[tuple[int, int]]
 LayoutFn = Callable[[int, int, int, "tuple[int, ...] | None"], Ranges]
 _layouts: dict[str, LayoutFn] = {}
+_load_balance: dict[str, object] = {}
 
 
-def register_layout(name: str, pieces: LayoutFn) -> None:
+def register_layout(name: str, pieces: LayoutFn, load_balance: object = None) -> None:
     """Adds a sequence layout the model can cost: ``pieces(seq_len,
     world_size, rank, documents)`` returns ``rank``'s (start, length) global
     pieces in local order. A candidate naming it in ``Candidate.layout`` is
-    then costed on it (blocks no rank needs are neither computed nor sent)."""
+    then costed on it (blocks no rank needs are neither computed nor sent).
+    ``load_balance``: the value of ``context_parallel(load_balance=...)``
+    that shards the buffers in this layout, for a choice made on entry."""
     _layouts[name] = pieces
+    if load_balance is not None:
+        _load_balance[name] = load_balance
+
+
+def layout_load_balance(name: str) -> object:
+    """``context_parallel``'s ``load_balance`` for a registered layout (None:
+    keep the caller's: the built-in layouts follow it)."""
+    return _load_balance.get(name)
 
 
 register_layout("sequential", lambda s, n, r, docs: shard_ranges(s, n, r, False))

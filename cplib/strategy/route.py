@@ -13,48 +13,37 @@ from typing import Any, Callable
 import torch
 
 from .auto import AutoStrategy, choose_for_call, parse_strategy, workload_from_call
-from .candidates import data_layout
+from .candidates import Candidate, data_layout
 from .choice import agreed_choice, calibration_for
 from .explain import constraints_of, workload_of
-from ..frontend.options import RingConfig, _cp_options, _RotateMethod
+from .plan import layout_load_balance
 
 __all__ = ["AutoStrategy", "parse_strategy", "strategy_entry", "context_strategy",
            "entry_choice", "routed_config"]
 
 
-def context_strategy(auto: AutoStrategy | None, group_name: str, rotate_method: Any,
+def context_strategy(auto: AutoStrategy | None, group_name: str, rotate: str | None,
                      ulysses_degree: int) -> AutoStrategy | None:
-    """The strategy of one context with its explicit settings pinned: a
-    ``rotate_method`` argument, or a process-wide rotation other than
-    cplib's default ("p2p": a call of ``set_rotate_method`` to it cannot be
-    told from the default), and a Ulysses degree other than 1."""
+    """The strategy of one context with its explicit settings pinned: the
+    rotation the front end found explicit (``explicit_rotation`` in
+    cplib/frontend/options.py) and a Ulysses degree other than 1."""
     if auto is None:
         return None
-    rotate = None
-    if rotate_method is not None:
-        rotate = rotate_method if isinstance(rotate_method, str) else \
-            _name(rotate_method)
-    elif _cp_options.rotate_method is not _RotateMethod.P2P:
-        rotate = _name(_cp_options.rotate_method)
     return auto.pinned(rotate=rotate, ulysses_degree=ulysses_degree if ulysses_degree != 1
                        else None, group=group_name)
 
 
-def _name(method: _RotateMethod) -> str:
-    from ..frontend.options import rotate_method_name
-    return rotate_method_name(method)
-
-
 def strategy_entry(auto: AutoStrategy | None, planned: tuple, plan: Callable[..., tuple],
-                   group_name: str, device_type: str, rotate_method: Any,
+                   group_name: str, device_type: str, explicit_rotate: str | None,
                    ulysses_degree: int) -> tuple:
     """``context_parallel``'s strategy step, after its arguments are agreed:
     (the context's strategy, the strategy of its SDPA calls, the plan).
     ``planned`` is ``_plan``'s result and ``plan(u, rotate)`` makes it again
-    for a chosen Ulysses degree and rotation."""
+    for a chosen Ulysses degree and rotation; ``explicit_rotate``: the
+    rotation the caller set explicitly (it wins), or None."""
     if auto is None:
         return None, None, planned
-    auto = context_strategy(auto, group_name, rotate_method, ulysses_degree)
+    auto = context_strategy(auto, group_name, explicit_rotate, ulysses_degree)
     ring_degree, per_document, balanced, seq_len, documents, sides = (
         planned[3], planned[4], planned[5], planned[6], planned[8], planned[9])
     layout = "per_document" if per_document else None if balanced else "sequential"
@@ -62,17 +51,20 @@ def strategy_entry(auto: AutoStrategy | None, planned: tuple, plan: Callable[...
                           sides, device_type, layout)
     if chosen is None:
         return auto, auto, planned
-    u, rotate = chosen
-    return auto, None, plan(u, rotate or rotate_method)
+    # A registered layout (a document placement) shards by its own load_balance.
+    balance = layout_load_balance(chosen.layout)
+    args = (chosen.ulysses_degree, chosen.rotate) if chosen.rotate else (chosen.ulysses_degree,)
+    return auto, None, plan(*args, balance=balance) if balance is not None else plan(*args)
 
 
 def entry_choice(auto: AutoStrategy, group_name: str, world_size: int, seq_len: int | None,
                  documents: torch.Tensor | None, window: list[int] | None,
-                 device_type: str, layout: str | None):
-    """(Ulysses degree, rotation) chosen on entry of ``context_parallel``
-    from ``auto.attention``; None without it (the rotation is then chosen per
-    call, for the degree given). Collective on a miss (calibration, the
-    agreed choice): call it on every rank, after the arguments are agreed."""
+                 device_type: str, layout: str | None) -> Candidate | None:
+    """The candidate chosen on entry of ``context_parallel`` from
+    ``auto.attention`` (its Ulysses degree, rotation and layout); None
+    without it (the rotation is then chosen per call, for the degree given).
+    Collective on a miss (calibration, the agreed choice): call it on every
+    rank, after the arguments are agreed."""
     shape = auto.attention
     if shape is None or seq_len is None:
         return None
@@ -85,25 +77,27 @@ def entry_choice(auto: AutoStrategy, group_name: str, world_size: int, seq_len: 
     constraints = constraints_of(auto.rotate, auto.ulysses_degree, auto.memory_limit,
                                  world_size, auto.families)
     device = torch.device(device_type)
-    choice = agreed_choice(group_name, w, constraints,
-                           lambda: calibration_for(group_name, device, shape.head_dim,
-                                                   shape.dtype, auto.calibration),
-                           auto.choices.append)
-    return choice.chosen.ulysses_degree, choice.chosen.rotate
+    return agreed_choice(group_name, w, constraints,
+                         lambda: calibration_for(group_name, device, shape.head_dim,
+                                                 shape.dtype, auto.calibration),
+                         auto.choices.append).chosen
 
 
-def routed_config(config: RingConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  is_causal: bool, window: Any) -> RingConfig:
-    """``config`` with the rotation ``config.strategy`` chooses for this
-    call (unchanged for pure Ulysses, which has no ring)."""
+def routed_config(config: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  is_causal: bool, window: Any) -> Any:
+    """``config`` (the front end's RingConfig) with the rotation
+    ``config.strategy`` chooses for this call (unchanged for pure Ulysses,
+    which has no ring)."""
     auto: AutoStrategy = config.strategy
     n, u = config.world_size, config.ulysses_degree
     if u == n:
         return config
     from ..ring.args import window_arg
 
-    layout = "per_document" if config.per_document else \
-        "head_tail" if config.load_balanced else "sequential"
+    # A layout a later feature adds names itself on the config (``layout``).
+    layout = getattr(config, "layout", None) or ("per_document" if config.per_document else
+                                                 "head_tail" if config.load_balanced
+                                                 else "sequential")
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     # q is this rank's shard of S / N rows for every head (before Ulysses).
     w = workload_from_call(q, k, v, n, is_causal=is_causal, window=window_arg(window),
