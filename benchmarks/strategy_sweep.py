@@ -113,6 +113,7 @@ def _bytes_sent() -> int:
 def _one_config(c: Config, iters: int) -> dict:
     from cplib.strategy.candidates import candidates_for
     from cplib.strategy.choice import _calibrations, calibration_for, choose
+    from cplib.strategy.explain import DEFAULT_MARGIN, constraints_of
 
     w = _workload(c)
     t0 = time.perf_counter()
@@ -120,7 +121,9 @@ def _one_config(c: Config, iters: int) -> dict:
     cal = calibration_for(dist.group.WORLD.group_name, torch.device("cpu"), c.head_dim,
                           torch.float32)
     calib_s = time.perf_counter() - t0 if fresh else None
-    choice = choose(w, cal)
+    # What strategy="auto" chooses: its default margin over torch's default.
+    choice = choose(w, cal, constraints_of(None, None, None, c.world_size,
+                                           margin=DEFAULT_MARGIN))
     cands = candidates_for(w)
     g = torch.Generator().manual_seed(0)
     full = [torch.randn(c.batch, h, c.seq_len, c.head_dim, generator=g)

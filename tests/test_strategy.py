@@ -179,3 +179,17 @@ def test_bad_values_are_named():
     with pytest.raises(ValueError, match="ulysses_degree=3"):
         cplib.explain(seq_len=1024, q_heads=8, head_dim=64, world_size=4, ulysses_degree=3)
     assert as_calibration({"link_bps": 1e9}, "cuda").link_bps == 1e9
+
+
+def test_torch_default_kept_within_the_margin():
+    # 1M tokens on one H100 node: every candidate is the kernel's time, the
+    # all-gather ring within 1 % of the fastest: kept at a 5 % margin.
+    kw = dict(seq_len=1 << 20, q_heads=32, kv_heads=8, head_dim=128, world_size=8,
+              calibration="h100")
+    kept = cplib.explain(**kw)
+    assert kept.chosen == Candidate("ring", "allgather")
+    assert "kept torch's default (ring allgather)" in str(kept)
+    fastest = cplib.explain(**kw, margin=0.0)
+    assert fastest.chosen != kept.chosen and fastest.rows[0].candidate == fastest.chosen
+    # At 8K Ulysses is predicted 1.7x faster: the margin does not hold it back.
+    assert cplib.explain(**{**kw, "seq_len": 8192}).chosen.family == "ulysses"

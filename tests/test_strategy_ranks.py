@@ -70,6 +70,16 @@ def _check_ring_auto() -> tuple[str, int]:
             out.backward(cl)
             got = cplib.unshard(mesh, [out.detach(), ql.grad, kl.grad, vl.grad], [2] * 4, lb)
             _compare(got, ref, f"ring_sdpa rotate=auto rank {rank}")
+        # Compiled whole (fullgraph): the choice is left out of the graph.
+        ql, kl, vl, cl = cplib.shard(mesh, [q, k, v, cot], [2] * 4, lb)
+
+        @torch.compile(backend="aot_eager", fullgraph=True)
+        def compiled(a, b, c):
+            return cplib.ring_sdpa(a, b, c, mesh.get_group().group_name, is_causal=True,
+                                   load_balanced=True, rotate="auto")[0]
+        torch._dynamo.reset()
+        got = cplib.unshard(mesh, [compiled(ql, kl, vl)], [2], lb)
+        assert_close(got[0], ref[0], what=f"compiled rotate=auto rank {rank}", **TOL)
         chosen = [m for m in records.messages if m.startswith("cplib.strategy: ring ")]
         calibrated = [m for m in records.messages if "calibrated cpu" in m]
         assert len(chosen) == 1 and len(calibrated) == 1, records.messages

@@ -15,7 +15,7 @@ import torch
 from .calibration import Calibration, as_calibration
 from .candidates import Candidate, data_layout
 from .choice import Choice, agreed_choice, calibration_for
-from .explain import constraints_of
+from .explain import DEFAULT_MARGIN, constraints_of
 from .workload import NO_LIMIT, Workload, element_size, ranks_per_node
 
 __all__ = ["AttentionShape", "AutoStrategy", "parse_strategy", "ring_rotation",
@@ -60,7 +60,9 @@ class AutoStrategy:
     the Ulysses degree on entry; ``ranks_per_node``: the node size (default:
     ``LOCAL_WORLD_SIZE``, else the whole group); ``families``: the candidate
     families allowed (e.g. ``("ring",)``); ``rotate`` / ``ulysses_degree``:
-    pins, as explicit settings of the entry points are."""
+    pins, as explicit settings of the entry points are; ``margin``: torch's
+    default (the ring with all-gather) is kept unless another candidate is
+    predicted more than this fraction faster (0 for the plain fastest)."""
 
     memory_limit: int | None = None
     calibration: Calibration | str | Mapping[str, float] | None = None
@@ -69,6 +71,7 @@ class AutoStrategy:
     families: tuple[str, ...] | None = None
     rotate: str | None = None
     ulysses_degree: int | None = None
+    margin: float = DEFAULT_MARGIN
     # The context-parallel group the choices are agreed over (set by the front end).
     group: str | None = None
     # The choices made under this strategy (ContextParallelHandle.explain).
@@ -76,7 +79,7 @@ class AutoStrategy:
 
     def check(self, op: str) -> "AutoStrategy":
         """ValueError (naming the value) for a bad option; returns self."""
-        constraints_of(self.rotate, None, self.memory_limit, 1)
+        constraints_of(self.rotate, None, self.memory_limit, 1, margin=self.margin)
         if self.calibration is not None:
             as_calibration(self.calibration)
         if self.attention is not None and not isinstance(self.attention, AttentionShape):
@@ -152,7 +155,7 @@ def choose_for_call(auto: AutoStrategy, group_name: str, w: Workload,
     docs_kind = (0, 0, w.seq_len) if cu_seqlens is not None and cu_seqlens.numel() > 2 else None
     keyed = replace(w, documents=docs_kind)
     constraints = constraints_of(auto.rotate, auto.ulysses_degree, auto.memory_limit,
-                                 w.world_size, families or auto.families, data)
+                                 w.world_size, families or auto.families, data, auto.margin)
 
     def calibration() -> Calibration:
         return calibration_for(group_name, q.device, w.head_dim, q.dtype, auto.calibration)
@@ -168,7 +171,11 @@ def ring_rotation(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name:
                   window: list[int] | None, cu_seqlens: torch.Tensor | None,
                   seq_len: int | None, per_document: bool, backward: bool,
                   auto: AutoStrategy | None = None) -> str:
-    """``ring_sdpa(rotate="auto")``'s rotation for this call."""
+    """``ring_sdpa(rotate="auto")``'s rotation for this call ("p2p" while
+    torch.compile traces: the choice is host work a graph cannot hold, and
+    every rotation computes the same result)."""
+    if torch.compiler.is_compiling():
+        return "p2p"
     auto = auto or _RING_AUTO
     layout = "per_document" if per_document else "head_tail" if load_balanced else "sequential"
     w = workload_from_call(q, k, v, world_size, is_causal=is_causal, window=window,

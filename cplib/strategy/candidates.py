@@ -64,13 +64,17 @@ class Constraints:
     settings (they win); ``families``: the families allowed (``ring_sdpa``:
     the ring only); ``data_layout``: the layout the shards already have
     (:func:`data_layout`), or None where the candidate may choose it
-    (sharding still to come); ``memory_limit``: bytes per rank."""
+    (sharding still to come); ``memory_limit``: bytes per rank; ``margin``:
+    torch's prototype default (the ring with all-gather), where admitted and
+    within the limit, is kept unless another candidate is predicted more than
+    this fraction faster."""
 
     rotate: str | None = None
     ulysses_degree: int | None = None
     families: tuple[str, ...] | None = None
     data_layout: tuple | None = None
     memory_limit: int | None = None
+    margin: float = 0.0
 
     def admits(self, c: Candidate, world_size: int) -> bool:
         if self.families is not None and c.family not in self.families:

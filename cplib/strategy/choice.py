@@ -80,6 +80,12 @@ def format_choice(choice: Choice) -> str:
         lines.append(f"| {mark} | {name} | {p.time_s * 1e3:.4g} | {p.compute_s * 1e3:.4g} | "
                      f"{p.exposed_s * 1e3:.4g} | {p.fixed_s * 1e3:.4g} | {_mib(p.bytes_sent)} | "
                      f"{_mib(p.memory_bytes)} |")
+    fastest = min((r for r in choice.rows if r.fits), key=lambda r: r.prediction.time_s)
+    gain = choice.prediction.time_s / fastest.prediction.time_s - 1
+    if fastest.candidate != choice.chosen and gain > 0:
+        lines.append(f"\nkept torch's default ({choice.chosen.name}): {fastest.candidate.name} "
+                     f"is predicted only {gain:.1%} faster (margin "
+                     f"{choice.constraints.margin:.0%})")
     return "\n".join(lines)
 
 
@@ -93,7 +99,8 @@ def stable_hash(value: object) -> int:
 def choose(w: Workload, cal: Calibration, constraints: Constraints = Constraints()) -> Choice:
     """The candidate with the least predicted time among those
     ``constraints`` admit and whose predicted peak memory fits
-    ``constraints.memory_limit``; ValueError when none is admitted or none
+    ``constraints.memory_limit`` (torch's default, the ring with all-gather,
+    when it is within ``constraints.margin`` of it); ValueError when none is admitted or none
     fits (naming the limit and the smallest prediction). Pure: no
     communication, the same result on every rank for the same inputs."""
     cands = candidates_for(w, constraints)
@@ -111,6 +118,11 @@ def choose(w: Workload, cal: Calibration, constraints: Constraints = Constraints
             f"smallest predicted peak is {least.prediction.memory_bytes:.0f} bytes "
             f"({least.candidate.name}); raise the limit or use more ranks")
     best = min(fitting, key=lambda r: (r.prediction.time_s, cands.index(r.candidate)))
+    default = next((r for r in fitting if r.candidate.family == "ring"
+                    and r.candidate.rotate == "allgather"), None)
+    if default is not None and \
+            default.prediction.time_s <= best.prediction.time_s * (1 + constraints.margin):
+        best = default  # not enough predicted gain to leave torch's default
     ordered = sorted(rows, key=lambda r: (r.prediction.time_s, cands.index(r.candidate)))
     return Choice(w, cal, constraints, tuple(ordered), best.candidate, tuple(cands))
 

@@ -12,7 +12,13 @@ from .candidates import Constraints
 from .choice import Choice, calibration_for, choose, format_choice
 from .workload import NO_LIMIT, Workload, element_size, ranks_per_node
 
-__all__ = ["explain", "format_choice", "workload_of"]
+__all__ = ["explain", "format_choice", "workload_of", "constraints_of", "DEFAULT_MARGIN"]
+
+# The predicted gain a candidate needs to replace torch's default (the ring
+# with all-gather): about the model's error on the CPU sweep
+# (benchmarks/RESULTS.md), so that auto leaves the default only when it is
+# confident.
+DEFAULT_MARGIN = 0.05
 
 
 def _sides(window: Any, causal: bool) -> tuple[int, int] | None:
@@ -63,7 +69,8 @@ def explain(context: Any = None, *, seq_len: int | None = None, q_heads: int | N
             device_type: str | None = None, layout: str | None = None, backward: bool = True,
             calibration: Calibration | str | Mapping[str, float] | None = None,
             memory_limit: int | None = None, rotate: str | None = None,
-            ulysses_degree: int | None = None) -> Choice | list[Choice]:
+            ulysses_degree: int | None = None, margin: float = DEFAULT_MARGIN
+            ) -> Choice | list[Choice]:
     """The candidates for one attention call of global shape (``batch``,
     ``q_heads`` / ``kv_heads``, ``seq_len``, ``head_dim``) over ``world_size``
     ranks (or ``group``'s size), costed and chosen as ``strategy="auto"``
@@ -74,7 +81,9 @@ def explain(context: Any = None, *, seq_len: int | None = None, q_heads: int | N
     ``group`` is given (measured now if not cached: collective, call it on
     every rank), else the device's default. ``memory_limit`` (bytes per
     rank), ``rotate`` and ``ulysses_degree`` constrain the choice as explicit
-    settings do. ``layout``: the layout the shards are in ("head_tail",
+    settings do; ``margin``: torch's default (the ring with all-gather) is kept
+    unless another candidate is predicted more than this much faster.
+    ``layout``: the layout the shards are in ("head_tail",
     "sequential", "per_document"), None to let the candidates choose.
 
     ``explain(cp)``, for the handle of a ``context_parallel(...,
@@ -102,15 +111,17 @@ def explain(context: Any = None, *, seq_len: int | None = None, q_heads: int | N
                     is_causal=is_causal, window=window, cu_seqlens=cu_seqlens,
                     node_ranks=ranks_per_node, device_type=device_type, layout=layout,
                     backward=backward)
-    constraints = constraints_of(rotate, ulysses_degree, memory_limit, n)
+    constraints = constraints_of(rotate, ulysses_degree, memory_limit, n, margin=margin)
     cal = calibration_for(name, torch.device(device_type), head_dim, dtype, calibration)
     return choose(w, cal, constraints)
 
 
 def constraints_of(rotate: str | None, ulysses_degree: int | None, memory_limit: int | None,
                    world_size: int, families: tuple[str, ...] | None = None,
-                   data_layout: tuple | None = None) -> Constraints:
+                   data_layout: tuple | None = None, margin: float = 0.0) -> Constraints:
     """Constraints from explicit settings, each checked (ValueError naming it)."""
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+        raise ValueError(f"cplib.strategy: margin={margin!r} must be a number in [0, 1)")
     from .candidates import ROTATIONS
 
     if rotate is not None and rotate not in ROTATIONS:
@@ -125,4 +136,5 @@ def constraints_of(rotate: str | None, ulysses_degree: int | None, memory_limit:
                                      or not memory_limit > 0):
         raise ValueError(f"cplib.strategy: memory_limit={memory_limit!r} must be a positive "
                          "number of bytes per rank")
-    return Constraints(rotate, ulysses_degree, families, data_layout, memory_limit)
+    return Constraints(rotate, ulysses_degree, families, data_layout, memory_limit,
+                       float(margin))

@@ -75,7 +75,7 @@ def entry_choice(auto: AutoStrategy, group_name: str, world_size: int, seq_len: 
                     cu_seqlens=documents, node_ranks=auto.ranks_per_node,
                     device_type=device_type, layout=layout)
     constraints = constraints_of(auto.rotate, auto.ulysses_degree, auto.memory_limit,
-                                 world_size, auto.families)
+                                 world_size, auto.families, margin=auto.margin)
     device = torch.device(device_type)
     return agreed_choice(group_name, w, constraints,
                          lambda: calibration_for(group_name, device, shape.head_dim,
@@ -90,7 +90,7 @@ def routed_config(config: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     which has no ring)."""
     auto: AutoStrategy = config.strategy
     n, u = config.world_size, config.ulysses_degree
-    if u == n:
+    if u == n or torch.compiler.is_compiling():  # traced: the context's rotation
         return config
     from ..ring.args import window_arg
 
