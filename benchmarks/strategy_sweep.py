@@ -116,6 +116,7 @@ def _one_config(c: Config, iters: int) -> dict:
     from cplib.strategy.explain import DEFAULT_MARGIN, constraints_of
 
     w = _workload(c)
+    dist.barrier()  # ranks arrive apart after the spawn: that wait is not calibration
     t0 = time.perf_counter()
     fresh = not any(k[2] == c.head_dim for k in _calibrations)
     cal = calibration_for(dist.group.WORLD.group_name, torch.device("cpu"), c.head_dim,

@@ -105,6 +105,12 @@ class AutoStrategy:
                        else ulysses_degree, group=self.group if group is None else group,
                        choices=[])
 
+    def record(self, choice: Choice) -> None:
+        """Notes a choice made under this strategy (a cached one too: another
+        context may have made it), once."""
+        if not any(c is choice for c in self.choices):
+            self.choices.append(choice)
+
     def explain(self) -> list[Choice]:
         """The choices made under this strategy so far (one per distinct call)."""
         return list(self.choices)
@@ -161,8 +167,9 @@ def choose_for_call(auto: AutoStrategy, group_name: str, w: Workload,
         return calibration_for(group_name, q.device, w.head_dim, q.dtype, auto.calibration)
 
     choice = agreed_choice(group_name, keyed, constraints, calibration,
-                           auto.choices.append if record else None,
                            full=lambda: replace(w, documents=_documents(cu_seqlens)))
+    if record:
+        auto.record(choice)
     return choice.chosen
 
 

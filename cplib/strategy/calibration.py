@@ -19,6 +19,9 @@ Built-in defaults (``DEFAULTS``), and where their figures come from:
   - InfiniBand NDR: one 400 Gb/s ConnectX-7 per GPU = 50 GB/s each way
     (NVIDIA DGX H100 user guide); 90 % of it (45 GB/s).
   - HBM3: 3.35 TB/s (datasheet); 2.6 TB/s for a copy's read + write.
+  - Masks: a masked kernel at 2.5x the unmasked one per unit (an estimate:
+    cplib's CUDA tiles run the memory-efficient kernel with a bias), a mask
+    built in about 6 passes of 5 bytes per element at the copy rate, twice.
   - Fixed costs: 20 us per collective (an NCCL launch plus cplib's Python
     op round trip), 40 us per fwd+bwd pair of kernel calls (the route costs
     of RESULTS.md's "CUDA glue" section, on the host); overlap 0.9 (NCCL
@@ -45,21 +48,24 @@ class Calibration:
     ``unit_s``: seconds of a fwd+bwd kernel per unit of work, one visible
     query-key pair times (D + Dv) (so 3.5 x 4·D FLOPs for D = Dv);
     ``masked_unit_s``: the same for a kernel given an explicit mask, per unit
-    of the area it computes; ``call_s``: fixed seconds per fwd+bwd pair of
-    kernel calls (host work, launch, small-block inefficiency);
-    ``copy_bps``: bytes per second of a pass over memory (merges, packing,
-    masks), read + write counted; ``latency_s``: fixed seconds per
-    collective; ``link_bps``: bytes per second one rank sends inside a node;
-    ``inter_node_bps``: the same across nodes; ``reduce_scatter_bps``: bytes
-    per second of a reduce-scatter's input and ``reduce_scatter_s`` its fixed
-    seconds (gloo's is several times an all-to-all's); ``overlap``: the fraction of a
-    ring step's exchange the step's compute hides (0 on CPU, where gloo's
-    copies need the same cores); ``fwd_fraction``: a forward's share of a
-    fwd+bwd kernel, for forward-only calls."""
+    of the area it computes (per head); ``mask_s``: seconds of building that
+    mask, per element (once per call, forward and backward); ``call_s``:
+    fixed seconds per fwd+bwd pair of kernel calls (host work, launch,
+    small-block inefficiency); ``copy_bps``: bytes per second of a pass over
+    memory (merges, packing), read + write counted; ``latency_s``: fixed
+    seconds per collective; ``link_bps``: bytes per second one rank sends
+    inside a node; ``inter_node_bps``: the same across nodes;
+    ``reduce_scatter_bps``: bytes per second of a reduce-scatter's input and
+    ``reduce_scatter_s`` its fixed seconds (gloo's is several times an
+    all-to-all's); ``overlap``: the fraction of a ring step's exchange the
+    step's compute hides (0 on CPU, where gloo's copies need the same
+    cores); ``fwd_fraction``: a forward's share of a fwd+bwd kernel, for
+    forward-only calls."""
 
     name: str
     unit_s: float
     masked_unit_s: float
+    mask_s: float
     call_s: float
     copy_bps: float
     latency_s: float
@@ -94,12 +100,14 @@ _H100_UNIT = 46.77e-3 / (16 * 32768 * 32769 / 2 * 256)
 
 DEFAULTS: dict[str, Calibration] = {
     "h100": Calibration("h100 (NVLink node, InfiniBand NDR between nodes)",
-                        unit_s=_H100_UNIT, masked_unit_s=2.5 * _H100_UNIT, call_s=40e-6,
+                        unit_s=_H100_UNIT, masked_unit_s=2.5 * _H100_UNIT, mask_s=2.5e-11,
+                        call_s=40e-6,
                         copy_bps=2.6e12, latency_s=20e-6, link_bps=360e9,
                         inter_node_bps=45e9, reduce_scatter_bps=360e9, reduce_scatter_s=20e-6,
                         overlap=0.9),
     "cpu": Calibration("cpu (2-core development machine, gloo loopback)",
                        unit_s=3.2 / (8 * 8192 * 8193 / 2 * 128), masked_unit_s=1.2e-10,
+                       mask_s=2e-9,
                        call_s=300e-6, copy_bps=8e9, latency_s=200e-6, link_bps=1.5e9,
                        inter_node_bps=1.5e9, reduce_scatter_bps=0.5e9, reduce_scatter_s=1e-3,
                        overlap=0.0),

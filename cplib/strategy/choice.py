@@ -200,7 +200,6 @@ def calibration_for(group_name: str | None, device: torch.device, head_dim: int,
 
 def agreed_choice(group_name: str | None, w: Workload, constraints: Constraints,
                   calibration: Callable[[], Calibration],
-                  on_choice: Callable[[Choice], None] | None = None,
                   full: Callable[[], Workload] | None = None) -> Choice:
     """:func:`choose`, cached per (group, workload key, constraints) and
     agreed: on a miss every rank of the group exchanges a hash of the key and
@@ -225,8 +224,6 @@ def agreed_choice(group_name: str | None, w: Workload, constraints: Constraints,
         if every[0][0] != values[0]:
             choice = Choice(w, cal, constraints, choice.rows, order[every[0][0]], choice.candidates)
     _choices[key] = choice
-    if on_choice is not None:
-        on_choice(choice)
     p = choice.prediction
     log.info("cplib.strategy: %s for S=%d B=%d heads %d/%d D=%d %s on %d ranks (%d per node): "
              "predicted %.3g ms, %.3g MiB sent, %.3g MiB peak per rank",

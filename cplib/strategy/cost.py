@@ -84,13 +84,13 @@ def _step_compute(work: StepWork, w: Workload, cal: Calibration, heads: int, kv_
     d = w.head_dim + w.v_head_dim
     scale = 1.0 if w.backward else cal.fwd_fraction
     kernels = (work.pairs * cal.unit_s + work.masked * cal.masked_unit_s) * d * w.batch * heads
+    kernels += work.masked * cal.mask_s  # once per call, whatever the heads
     calls = (work.calls + work.masked_calls) * cal.call_s
-    # Memory passes: the mask (once per masked call, for every head), the
-    # merge into the fp32 accumulators (fwd) and dQ / dK|dV accumulation
-    # (bwd), and K/V expanded to q's heads for GQA.
+    # Memory passes: the merge into the fp32 accumulators (fwd) and dQ /
+    # dK|dV accumulation (bwd), and K/V expanded to q's heads for GQA. (The
+    # masks' construction is in masked_unit_s: the calibration builds them.)
     a, e = w.acc_size, w.element_size
-    passes = work.masked * 16.0
-    passes += w.batch * heads * q_rows * w.v_head_dim * (2 * a + e)
+    passes = w.batch * heads * q_rows * w.v_head_dim * (2 * a + e)
     if w.backward:
         passes += w.batch * heads * q_rows * w.head_dim * (2 * a + e)
         passes += w.batch * kv_heads * k_rows * d * 3 * a

@@ -24,7 +24,7 @@ from .workload import ranks_per_node
 __all__ = ["measure", "agree"]
 
 # (heads, small rows, large rows, masked rows, exchange bytes small / large) per device type.
-_SIZES = {"cpu": (4, 128, 640, 384, 4096, 2 << 20),
+_SIZES = {"cpu": (4, 128, 640, 768, 4096, 2 << 20),
           "cuda": (8, 512, 4096, 2048, 4096, 64 << 20)}
 
 
@@ -53,19 +53,31 @@ def contention(local_ranks: int) -> float:
 
 def _attention(heads: int, rows: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                masked: bool) -> Callable[[], None]:
+    """One fwd+bwd: square (rows x rows), or as the ring runs a partial
+    block: a tile of 256 query rows against ``rows`` keys with an explicit
+    mask built for the call, forward and backward (a band and a document
+    boundary, as ring_mask.cpp builds it)."""
     g = torch.Generator(device="cpu").manual_seed(0)
-    q, k, v = (torch.randn(1, heads, rows, head_dim, generator=g).to(device, dtype)
-               .requires_grad_() for _ in range(3))
-    mask = None
-    if masked:  # a band: what a tile of a window or a document boundary looks like
-        i = torch.arange(rows, device=device)
-        band = (i[:, None] - i[None, :]).abs() <= rows // 4
-        mask = torch.zeros(rows, rows, device=device, dtype=dtype).masked_fill(~band,
-                                                                               float("-inf"))
+    q_rows = 256 if masked else rows
+    q, k, v = (torch.randn(1, heads, n, head_dim, generator=g).to(device, dtype)
+               .requires_grad_() for n in (q_rows, rows, rows))
+    kpos = torch.arange(rows, device=device)
+    qpos = torch.arange(rows - q_rows, rows, device=device)
+    kdoc, qdoc = (kpos >= rows // 3).long(), (qpos >= rows // 3).long()
+
+    def mask() -> torch.Tensor | None:
+        if not masked:
+            return None
+        visible = (kpos[None, :] >= qpos[:, None] - rows // 2) & (kpos[None, :] <= qpos[:, None])
+        visible &= kdoc[None, :] == qdoc[:, None]
+        visible.any(1)  # the rows that see nothing (the ring fixes them up)
+        return torch.where(visible, 0.0, float("-inf")).to(dtype)
 
     def run() -> None:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask())
+        mask()  # the backward builds it again
         out.backward(torch.ones_like(out))
+    run.mask = mask  # type: ignore[attr-defined]
     return run
 
 
@@ -76,23 +88,35 @@ def measure(group: dist.ProcessGroup, device: torch.device, head_dim: int,
     kind = "cuda" if device.type == "cuda" else "cpu"
     heads, small, large, masked_rows, xs, xl = _SIZES[kind]
     sync = torch.cuda.synchronize if kind == "cuda" else (lambda: None)
-    # CPU: the kernels' CPU time (free of the scheduler's time slices when
-    # ranks outnumber cores), scaled by how many ranks share the cores.
+    # CPU: the kernels' CPU time (free of the scheduler's time slices, which
+    # swamp a small call when ranks outnumber cores), times the wall seconds
+    # per CPU second of the large call (how many ranks, or other jobs, share
+    # the cores; at least our own ranks' share).
     clock = time.perf_counter if kind == "cuda" else time.process_time
-    share = 1.0 if kind == "cuda" else contention(ranks_per_node(dist.get_world_size(group)))
+    attn_large = _attention(heads, large, head_dim, dtype, device, False)
+    t_large = _timed(attn_large, sync, clock=clock)
+    share = 1.0
+    if kind == "cpu":
+        wall = _timed(attn_large, sync, reps=2)
+        share = max(contention(ranks_per_node(dist.get_world_size(group))),
+                    wall / max(t_large, 1e-9))
+        t_large *= share
     d = 2 * head_dim
 
     def attention(rows: int, masked: bool, fn=None) -> float:
         fn = fn or _attention(heads, rows, head_dim, dtype, device, masked)
         return share * _timed(fn, sync, clock=clock)
     t_small = attention(small, False)
-    attn_large = _attention(heads, large, head_dim, dtype, device, False)
-    t_large = attention(large, False, attn_large)
     units_small, units_large = heads * small * small * d, heads * large * large * d
     unit_s = max((t_large - t_small) / (units_large - units_small), 1e-18)
     call_s = max(t_small - units_small * unit_s, 0.0)
-    t_masked = attention(masked_rows, True)
-    masked_unit_s = max((t_masked - call_s) / (heads * masked_rows ** 2 * d), unit_s)
+    tile = _attention(heads, masked_rows, head_dim, dtype, device, True)
+    # Building a tile's mask, per element (twice a fwd+bwd), apart from its
+    # kernel (per head): calls of few heads pay it relatively more.
+    area = 256 * masked_rows
+    mask_s = 2 * attention(masked_rows, True, tile.mask) / area
+    t_masked = attention(masked_rows, True, tile)
+    masked_unit_s = max((t_masked - call_s - mask_s * area) / (heads * area * d), unit_s)
 
     buf = torch.empty(xl // 4, dtype=torch.float32, device=device)
     other = torch.empty_like(buf)
@@ -137,7 +161,8 @@ def measure(group: dist.ProcessGroup, device: torch.device, head_dim: int,
         hidden = t_attn + t_xl - t_both
         overlap = min(max(hidden / max(min(t_attn, t_xl), 1e-9), 0.0), 1.0)
     return Calibration(f"measured ({kind}, {n} ranks)", unit_s=unit_s,
-                       masked_unit_s=masked_unit_s, call_s=call_s, copy_bps=copy_bps,
+                       masked_unit_s=masked_unit_s, mask_s=mask_s, call_s=call_s,
+                       copy_bps=copy_bps,
                        latency_s=latency_s, link_bps=link_bps,
                        inter_node_bps=min(ref.inter_node_bps, link_bps),
                        reduce_scatter_bps=rs_bps, reduce_scatter_s=rs_s, overlap=overlap,
@@ -145,7 +170,8 @@ def measure(group: dist.ProcessGroup, device: torch.device, head_dim: int,
 
 
 # Calibration fields agreed across ranks: (name, worse is larger, scale to an int).
-_AGREED = (("unit_s", True, 1e21), ("masked_unit_s", True, 1e21), ("call_s", True, 1e12),
+_AGREED = (("unit_s", True, 1e21), ("masked_unit_s", True, 1e21), ("mask_s", True, 1e21),
+           ("call_s", True, 1e12),
            ("copy_bps", False, 1.0), ("latency_s", True, 1e12), ("link_bps", False, 1.0),
            ("reduce_scatter_bps", False, 1.0), ("reduce_scatter_s", True, 1e12),
            ("overlap", False, 1e6))

@@ -77,10 +77,11 @@ def entry_choice(auto: AutoStrategy, group_name: str, world_size: int, seq_len: 
     constraints = constraints_of(auto.rotate, auto.ulysses_degree, auto.memory_limit,
                                  world_size, auto.families, margin=auto.margin)
     device = torch.device(device_type)
-    return agreed_choice(group_name, w, constraints,
-                         lambda: calibration_for(group_name, device, shape.head_dim,
-                                                 shape.dtype, auto.calibration),
-                         auto.choices.append).chosen
+    choice = agreed_choice(group_name, w, constraints,
+                           lambda: calibration_for(group_name, device, shape.head_dim,
+                                                   shape.dtype, auto.calibration))
+    auto.record(choice)
+    return choice.chosen
 
 
 def routed_config(config: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
