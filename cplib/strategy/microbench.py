@@ -81,6 +81,45 @@ def _attention(heads: int, rows: int, head_dim: int, dtype: torch.dtype, device:
     return run
 
 
+def _exchange_rates(group: dist.ProcessGroup, device: torch.device, xs: int, xl: int,
+                    barrier: Callable[[], None], attn_large: Callable[[], None]) -> tuple:
+    """(seconds per collective, link bytes/s, reduce-scatter bytes/s and fixed
+    seconds, overlap) of the group: its all-to-all at two sizes, a
+    reduce-scatter at two sizes, and the large all-to-all in flight under the
+    large attention call."""
+    n = dist.get_world_size(group)
+
+    def exchange(nbytes: int, async_op: bool = False):
+        numel = max(nbytes // 4 // n, 1) * n
+        return dist.all_to_all_single(torch.empty(numel, device=device),
+                                      torch.ones(numel, device=device), group=group,
+                                      async_op=async_op)
+
+    t_xs = _timed(lambda: exchange(xs), barrier, reps=5)
+    t_xl = _timed(lambda: exchange(xl), barrier, reps=2)
+    link_bps = (xl - xs) * (n - 1) / n / max(t_xl - t_xs, 1e-9)
+    latency_s = max(t_xs - xs * (n - 1) / n / link_bps, 0.0)
+    # reduce_scatter_single from torch 2.13 on (the older name warns there).
+    rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+    def reduce_scatter(nbytes: int) -> None:
+        numel = max(nbytes // 4 // n, 1)
+        rs(torch.empty(numel, device=device), torch.ones(numel * n, device=device), group=group)
+    t_rs_small = _timed(lambda: reduce_scatter(xs), barrier, reps=5)
+    t_rs = _timed(lambda: reduce_scatter(xl), barrier, reps=2)
+    rs_bps = (xl - xs) / max(t_rs - t_rs_small, 1e-9)
+    rs_s = max(t_rs_small - xs / rs_bps, 0.0)
+
+    def both() -> None:
+        work = exchange(xl, async_op=True)
+        attn_large()
+        work.wait()
+    t_both = _timed(both, barrier, reps=2)
+    t_attn = _timed(attn_large, barrier, reps=2)  # its wall time, as in both()
+    overlap = min(max((t_attn + t_xl - t_both) / max(min(t_attn, t_xl), 1e-9), 0.0), 1.0)
+    return latency_s, link_bps, rs_bps, rs_s, overlap
+
+
 def measure(group: dist.ProcessGroup, device: torch.device, head_dim: int,
             dtype: torch.dtype) -> Calibration:
     """This rank's measured Calibration (collective: every rank of ``group``
@@ -124,42 +163,10 @@ def measure(group: dist.ProcessGroup, device: torch.device, head_dim: int,
 
     n = dist.get_world_size(group)
     barrier = (lambda: dist.barrier(group)) if kind == "cpu" else sync
-
-    def exchange(nbytes: int, async_op: bool = False):
-        numel = max(nbytes // 4 // n, 1) * n
-        return dist.all_to_all_single(torch.empty(numel, device=device),
-                                      torch.ones(numel, device=device), group=group,
-                                      async_op=async_op)
-
     ref = default_for(kind)
-    latency_s, link_bps, overlap = ref.latency_s, ref.link_bps, ref.overlap
-    rs_bps, rs_s = ref.reduce_scatter_bps, ref.reduce_scatter_s
-    if n > 1:
-        t_xs = _timed(lambda: exchange(xs), barrier, reps=5)
-        t_xl = _timed(lambda: exchange(xl), barrier, reps=2)
-        sent = (xl - xs) * (n - 1) / n
-        link_bps = sent / max(t_xl - t_xs, 1e-9)
-        latency_s = max(t_xs - xs * (n - 1) / n / link_bps, 0.0)
-        # reduce_scatter_single from torch 2.13 on (the older name warns there).
-        rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-        def reduce_scatter(nbytes: int) -> None:
-            numel = max(nbytes // 4 // n, 1)
-            rs(torch.empty(numel, device=device), torch.ones(numel * n, device=device),
-               group=group)
-        t_rs_small = _timed(lambda: reduce_scatter(xs), barrier, reps=5)
-        t_rs = _timed(lambda: reduce_scatter(xl), barrier, reps=2)
-        rs_bps = (xl - xs) / max(t_rs - t_rs_small, 1e-9)
-        rs_s = max(t_rs_small - xs / rs_bps, 0.0)
-
-        def both() -> None:
-            work = exchange(xl, async_op=True)
-            attn_large()
-            work.wait()
-        t_both = _timed(both, barrier, reps=2)
-        t_attn = _timed(attn_large, barrier, reps=2)  # its wall time, as in both()
-        hidden = t_attn + t_xl - t_both
-        overlap = min(max(hidden / max(min(t_attn, t_xl), 1e-9), 0.0), 1.0)
+    latency_s, link_bps, rs_bps, rs_s, overlap = (
+        _exchange_rates(group, device, xs, xl, barrier, attn_large) if n > 1 else
+        (ref.latency_s, ref.link_bps, ref.reduce_scatter_bps, ref.reduce_scatter_s, ref.overlap))
     return Calibration(f"measured ({kind}, {n} ranks)", unit_s=unit_s,
                        masked_unit_s=masked_unit_s, mask_s=mask_s, call_s=call_s,
                        copy_bps=copy_bps,
