@@ -48,6 +48,11 @@ from .ulysses.usp_layout import usp_load_balancer
 from .flex.allgather import flex_cp_allgather
 from .flex.block_mask import _create_cp_block_mask, _create_cp_block_mask as create_cp_block_mask
 
+# strategy: strategy="auto", the cost model that chooses ring, Ulysses or USP.
+from .strategy.auto import AttentionShape, AutoStrategy
+from .strategy.calibration import Calibration
+from .strategy.explain import explain
+
 # decode: inference over a sharded KV cache.
 from .decode.kv_cache import ShardedKVCache
 from .decode.op import decode_sdpa
@@ -128,4 +133,8 @@ __all__ = [
     "AnyLengthHeadTailLoadBalancer",
     "AnyLengthPerDocumentLoadBalancer",
     "DocumentPlacementLoadBalancer",
+    "AttentionShape",
+    "AutoStrategy",
+    "Calibration",
+    "explain",
 ]

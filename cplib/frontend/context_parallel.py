@@ -21,12 +21,14 @@ from ..ring.load_balancer import (
     shard_lengths,
 )
 from ..ring.placement import DocumentPlacementLoadBalancer
-from .options import RingConfig, _cp_options, _RotateMethod, parse_rotate_method, rotate_method_name
+from .options import (RingConfig, _cp_options, _RotateMethod, explicit_rotation,
+                      parse_rotate_method, rotate_method_name)
 from .sdpa_dispatch import CPDispatchMode
 from ..comm.native import check_mesh
-from .sharding import check_shardable, shard_tensor
+from .sharding import check_shardable, keep_shards_for_backward, shard_tensor
 from .unshard import unshard
 from ..ulysses.usp_layout import UspLoadBalancer, check_degrees, ulysses_layout, usp_groups
+from ..strategy.route import AutoStrategy, parse_strategy, strategy_entry
 
 __all__ = ["context_parallel", "ContextParallelHandle"]
 
@@ -39,6 +41,7 @@ class ContextParallelHandle:
     mesh: DeviceMesh
     config: RingConfig
     load_balancer: _LoadBalancer | None
+    strategy: AutoStrategy | None = None  # strategy="auto": cplib.explain(cp) shows its choices
 
     def unshard(self, tensors: Sequence[torch.Tensor],
                 seq_dims: Sequence[int]) -> list[torch.Tensor]:
@@ -117,25 +120,6 @@ def _agree_on_call(group_name: str, buffers: list, seq_dims: list, no_restore: l
         fields[f"window[{i}]"] = side
     handshake(group_name, "context_parallel", {f"buffer {i}": b for i, b in enumerate(buffers)},
               fields)
-
-
-def _keep_shards_for_backward(shards: list[torch.Tensor]):
-    """Autograd saves the buffers themselves (an embedding's ids, a linear
-    layer's input), and restoring them in place on exit would make a
-    backward() after the block see the full tensors (autograd's "modified by
-    an inplace operation"). A tensor saved while this is active that lives in
-    a shard's storage is saved as a fresh alias of that storage instead, which
-    the restore leaves alone: backward after exit gets the right gradients."""
-    storages = {s.untyped_storage().data_ptr() for s in shards if s.numel()}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if not storages or t.untyped_storage().data_ptr() not in storages:
-            return t
-        return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
-
-    if not storages:
-        return contextlib.nullcontext()
-    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
 
 def _plan(buffers: list[torch.Tensor], world_size: int, buffer_seq_dims, no_restore_buffers,
@@ -218,6 +202,7 @@ def context_parallel(
     position_ids: torch.Tensor | None = None,
     window: int | tuple[int | None, int | None] | None = None,
     modules: Sequence[torch.nn.Module] | None = None,
+    strategy: str | AutoStrategy | None = None,
 ) -> Generator[ContextParallelHandle, None, None]:
     """Context parallelism for the code inside the ``with`` block.
 
@@ -240,6 +225,8 @@ def context_parallel(
     length, within one token per chunk of each other, where torch's default
     falls back to sequential), and the context yields a
     :class:`ContextParallelHandle` whose ``unshard`` knows the layout.
+    ``strategy="auto"`` (or ``cplib.AutoStrategy(...)``) lets cplib's cost
+    model choose what the explicit settings leave open (docs/strategy.md).
 
     ``ulysses_degree=U`` (USP, cplib/ulysses/usp_layout.py) splits the N ranks into
     N/U ring positions x U Ulysses ranks: every SDPA call runs Ulysses
@@ -286,15 +273,20 @@ def context_parallel(
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     # 1. Every check before the handshake, whose all-gather comes before any
     # other collective (usp_groups); an error on one rank raises on all.
-    def check():
-        return _plan(buffers, world_size, buffer_seq_dims, no_restore_buffers, rotate_method,
-                     load_balance, ulysses_degree, cu_seqlens, position_ids, window, modules)
+    def plan(u: int = ulysses_degree, rotate=rotate_method, balance=load_balance) -> tuple:
+        return _plan(buffers, world_size, buffer_seq_dims, no_restore_buffers, rotate,
+                     balance, u, cu_seqlens, position_ids, window, modules)
 
     modules = [] if modules is None else list(modules)
-    # 2. Every rank agrees on the plan and on the call.
+    # 2. Every rank agrees on the plan and the call; strategy="auto" may choose more.
+    auto, planned = agreed("context_parallel", group.group_name, buffers,
+                           lambda: (parse_strategy(strategy, "context_parallel"), plan()))
+    auto, per_call, planned = strategy_entry(auto, planned, plan, group.group_name,
+                                             mesh.device_type, explicit_rotation(rotate_method),
+                                             ulysses_degree)
     (seq_dims, no_restore, rotate, ring_degree, per_document, balanced, seq_len, one_length,
-     documents, sides, balancer, indices) = agreed("context_parallel", group.group_name,
-                                                   buffers, check)
+     documents, sides, balancer, indices) = planned
+    ulysses_degree = world_size // ring_degree
     _agree_on_call(group.group_name, buffers, seq_dims, no_restore, len(modules), rotate,
                    ulysses_degree, load_balance, balanced, documents, sides)
 
@@ -321,7 +313,8 @@ def context_parallel(
                         seq_len=seq_len if one_length and (uneven or documents is not None)
                         else None,
                         cu_seqlens=documents, window=window, per_document=per_document,
-                        placement=isinstance(balancer, DocumentPlacementLoadBalancer))
+                        placement=isinstance(balancer, DocumentPlacementLoadBalancer),
+                        strategy=per_call)
     # 4. Shards in, attention dispatched inside the block; buffers restored on exit.
     old_balance = _cp_options.enable_load_balance
     swapped = 0
@@ -331,9 +324,9 @@ def context_parallel(
                 b.set_(s)
                 swapped += 1
         _cp_options.enable_load_balance = balanced  # as torch does, for code that reads it
-        handle = ContextParallelHandle(mesh, config, balancer)
+        handle = ContextParallelHandle(mesh, config, balancer, auto)
         with CPDispatchMode(config, handle), ulysses_layout(ulysses_degree), \
-                _keep_shards_for_backward(shards), applied_cp_plans(mesh, modules):
+                keep_shards_for_backward(shards), applied_cp_plans(mesh, modules):
             yield handle
     finally:
         _cp_options.enable_load_balance = old_balance

@@ -19,6 +19,7 @@ __all__ = [
     "RingConfig",
     "rotate_method_name",
     "parse_rotate_method",
+    "explicit_rotation",
 ]
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,17 @@ def rotate_method_name(method: _RotateMethod) -> str:
     return next(name for name, m in _NAMES.items() if m is method)
 
 
+def explicit_rotation(rotate_method: str | _RotateMethod | None) -> str | None:
+    """The rotation strategy="auto" must keep: an argument, or a process-wide
+    one other than cplib's default (a call of set_rotate_method("p2p") cannot
+    be told from the default), else None."""
+    if rotate_method is not None:
+        return rotate_method_name(parse_rotate_method(rotate_method))
+    if _cp_options.rotate_method is not _RotateMethod.P2P:
+        return rotate_method_name(_cp_options.rotate_method)
+    return None
+
+
 def set_rotate_method(rotate_method: str) -> None:
     """Sets the process-wide K/V rotation used by context parallel SDPA:
     ``"p2p"`` (cplib's default: send/recv ring, O(S/N) memory), ``"alltoall"``
@@ -115,3 +127,5 @@ class RingConfig:
     window: Any = None  # int | (left, right) | None
     per_document: bool = False  # shards head-tail inside every document
     placement: bool = False  # shards in the document placement (DocumentPlacementLoadBalancer)
+    # strategy="auto" (cplib/strategy/auto.py): the rotation is chosen per call.
+    strategy: Any = None

@@ -171,6 +171,9 @@ def routed_sdpa(config: RingConfig, *args: Any, **kwargs: Any) -> torch.Tensor:
 
     q, k, v, attn_mask, is_causal, scale, backend, window = _agreed_in(
         config, "scaled_dot_product_attention", tensors, check)
+    if config.strategy is not None:  # strategy="auto": the rotation for these shapes
+        from ..strategy.route import routed_config
+        config = routed_config(config, q, k, v, bool(is_causal), window)
     if config.ulysses_degree > 1:
         return _routed_ulysses(config, q, k, v, bool(is_causal), scale, backend, window,
                                attn_mask)

@@ -14,6 +14,7 @@ the cut is ``torch.chunk``'s.
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -122,6 +123,25 @@ def describe_load_balancer(load_balancer: _LoadBalancer | None) -> dict[str, int
 def _shard_block_mask(mesh: DeviceMesh, mask: Any, load_balancer: _LoadBalancer | None) -> Any:
     from ..flex.block_mask import _shard_block_mask as shard_flex_mask  # needs flex attention
     return shard_flex_mask(mesh, mask, load_balancer)
+
+
+def keep_shards_for_backward(shards: list[torch.Tensor]):
+    """Autograd saves the buffers themselves (an embedding's ids, a linear
+    layer's input), and restoring them in place on exit would make a
+    backward() after the block see the full tensors (autograd's "modified by
+    an inplace operation"). A tensor saved while this is active that lives in
+    a shard's storage is saved as a fresh alias of that storage instead, which
+    the restore leaves alone: backward after exit gets the right gradients."""
+    storages = {s.untyped_storage().data_ptr() for s in shards if s.numel()}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not storages or t.untyped_storage().data_ptr() not in storages:
+            return t
+        return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+
+    if not storages:
+        return contextlib.nullcontext()
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
 
 def shard(mesh: DeviceMesh, buffers: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],

@@ -18,10 +18,11 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..flex.hook import _flex_input_hook, _register_flex_input_hook
 from ..comm.handshake import agreed, handshake, register_groups
-from .options import RingConfig, _cp_options, rotate_method_name
+from .options import RingConfig, _cp_options, explicit_rotation, rotate_method_name
 from .sdpa_dispatch import CPDispatchMode, agreed_before_attention, dispatcher_enabled
 from ..comm.native import check_mesh
 from ..ulysses.usp_layout import UspGroups, check_degrees, usp_groups
+from ..strategy.route import AutoStrategy, context_strategy, parse_strategy
 
 __all__ = ["_ContextParallel", "attention_documents"]
 
@@ -38,7 +39,10 @@ class _ContextParallel(ParallelStyle):
     shard with ``cplib.usp_load_balancer``), ``window`` (the sliding window of
     the module's SDPA calls, as ``context_parallel``'s; ``cplib.attention_window``
     overrides it per call), and packed documents per batch through
-    :func:`attention_documents`."""
+    :func:`attention_documents`. ``strategy="auto"`` (or an
+    ``AutoStrategy``) chooses the rotation of each call's shapes with cplib's
+    cost model; the Ulysses degree stays the one given (the inputs are
+    sharded for it)."""
 
     class AttentionType(Enum):
         FLEX = "flex_attention"
@@ -46,8 +50,11 @@ class _ContextParallel(ParallelStyle):
 
     def __init__(self, seq_dim: int, attention_type: AttentionType,
                  ulysses_degree: int = 1, *,
-                 window: int | tuple[int | None, int | None] | None = None) -> None:
+                 window: int | tuple[int | None, int | None] | None = None,
+                 strategy: str | AutoStrategy | None = None) -> None:
         super().__init__()
+        # strategy="auto": the rotation chosen per call (cplib/strategy/route.py).
+        self.strategy = parse_strategy(strategy, "_ContextParallel")
         if window is not None:
             from ..ring.args import window_arg
             window_arg(window)  # ValueError naming a bad window, at construction
@@ -98,8 +105,10 @@ class _ContextParallel(ParallelStyle):
         if sdpa:
             groups = usp_groups(group, self.ulysses_degree)  # collective, once per mesh
             register_groups(groups.ulysses_group, groups.ring_group)  # their CPU side groups
-            module.forward = functools.partial(_sdpa_forward, module.forward, group, groups,
-                                               self.window)
+            module.forward = functools.partial(
+                _sdpa_forward, module.forward, group, groups, self.window,
+                context_strategy(self.strategy, group.group_name, explicit_rotation(None),
+                                 self.ulysses_degree))
             return module
         return _register_flex_input_hook(module, mesh, self.seq_dim)
 
@@ -153,7 +162,7 @@ def attention_documents(cu_seqlens: torch.Tensor | None = None, *,
 
 
 def _sdpa_forward(forward: Any, group: dist.ProcessGroup, groups: UspGroups, window: Any,
-                  *args: Any, **kwargs: Any) -> Any:
+                  strategy: AutoStrategy | None, *args: Any, **kwargs: Any) -> Any:
     cu_seqlens, per_document, placement = _documents[-1] if _documents else (None, False, False)
 
     def check() -> RingConfig:
@@ -172,7 +181,7 @@ def _sdpa_forward(forward: Any, group: dist.ProcessGroup, groups: UspGroups, win
                           groups.ulysses_group,
                           seq_len=None if cu_seqlens is None else int(cu_seqlens[-1]),
                           cu_seqlens=cu_seqlens, window=window, per_document=per_document,
-                          placement=placement)
+                          placement=placement, strategy=strategy)
 
     # An error here meets the handshake the other ranks' SDPA calls start with.
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]

@@ -11,11 +11,11 @@ from typing import Literal
 import torch
 
 from ..comm.handshake import agreed, tracing
-from ..comm.native import GroupLike, group_name_of, ops
+from ..comm.native import GroupLike, group_name_of, group_size, ops
 from . import fake  # noqa: F401  (registers the fake kernels)
 from .host_copy import host_copy
-from .args import (RING_PASS_CODES, _is_fake, backend_arg, check_inputs, int_arg, rotate_arg,
-                   scale_arg, window_arg)
+from .args import (RING_PASS_CODES, ROTATE_CODES, _is_fake, backend_arg, check_inputs,
+                   int_arg, rotate_arg, scale_arg, window_arg)
 
 __all__ = ["ring_sdpa", "ring_pass_auto"]
 
@@ -162,7 +162,10 @@ def ring_sdpa(
     log-sum-exp of the scaled scores over every key of the global sequence.
     With ``load_balanced`` the shards are in head-tail layout (rank r holds
     chunks r and 2N-1-r of 2N). K/V rotate with their own Hkv heads (GQA).
-    ``rotate`` is "p2p", "alltoall" or "allgather"; ``backend`` is None/"auto",
+    ``rotate`` is "p2p", "alltoall", "allgather" or "auto" (chosen by
+    cplib's cost model for these shapes, mask and group, agreed across the
+    ranks, cached; cplib/strategy/; "p2p" with explicit positions or
+    pass-Q); ``backend`` is None/"auto",
     "flash", "efficient" or "cudnn" (CUDA only; CPU always uses flash).
     Only ``out`` is differentiable.
 
@@ -230,6 +233,7 @@ def ring_sdpa(
     name = group_name_of(group)
     wants_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
+    auto_rotate = isinstance(rotate, str) and rotate == "auto"  # cplib/strategy
 
     def args():
         check_inputs("ring_sdpa", q=q, k=k, v=v, cu_seqlens=cu_seqlens, sinks=sinks,
@@ -241,7 +245,8 @@ def ring_sdpa(
             raise ValueError("cplib.ring_sdpa: ring_pass='q' is forward only, but q, k or v "
                              "requires grad: use ring_pass=\"kv\" (or run under "
                              "torch.no_grad())")
-        return (rotate_arg("ring_sdpa", rotate), backend_arg("ring_sdpa", backend),
+        return (rotate_arg("ring_sdpa", "p2p" if auto_rotate else rotate),
+                backend_arg("ring_sdpa", backend),
                 scale_arg("ring_sdpa", scale), window_arg(window),
                 int_arg("ring_sdpa", "seq_len", seq_len),
                 RING_PASS_CODES["kv" if wants_grad else ring_pass])
@@ -251,6 +256,12 @@ def ring_sdpa(
     # The plan reads these on the host: GPU tensors once per version (host_copy.py).
     cu_seqlens, q_positions, kv_positions = (host_copy(t) for t in
                                              (cu_seqlens, q_positions, kv_positions))
+    if auto_rotate and q_positions is None and pass_code != RING_PASS_CODES["q"]:
+        from ..strategy.auto import ring_rotation
+        rotate_code = ROTATE_CODES[ring_rotation(
+            q, k, v, name, group_size(name), is_causal=bool(is_causal),
+            load_balanced=bool(load_balanced), window=window, cu_seqlens=cu_seqlens,
+            seq_len=seq_len, per_document=bool(per_document), backward=wants_grad)]
     args = (q, k, v, name, bool(is_causal), bool(load_balanced), scale, backend_code,
             rotate_code, cu_seqlens, window, seq_len, bool(per_document), sinks, q_positions,
             kv_positions, pass_code, bool(placement))

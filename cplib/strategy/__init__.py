@@ -1,0 +1,1 @@
+"""cplib.strategy: see docs/strategy.md."""

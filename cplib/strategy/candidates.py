@@ -1,0 +1,165 @@
+"""The candidates the model weighs, as a registry.
+
+A ``Candidate`` names a *family* (whose cost function is registered with
+:func:`cplib.strategy.cost.register_family`) and its settings: the ring's
+rotation, the Ulysses degree, the sequence layout, and free-form
+``options`` for families added later. *Sources* (:func:`register_candidates`)
+list the candidates that apply to a workload; the built-in ones give the
+ring with each rotation, Ulysses when the heads allow it, and USP with every
+Ulysses degree that divides the group, the heads and the node.
+
+Adding a strategy later touches none of this: register its family's cost
+function and a source that yields its candidates (see docs/strategy.md,
+"Adding a candidate")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+from .workload import Workload
+
+__all__ = ["Candidate", "Constraints", "register_candidates", "unregister_candidates",
+           "candidates_for", "ROTATIONS", "heads_allow", "data_layout"]
+
+ROTATIONS = ("p2p", "alltoall", "allgather")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """``family``: "ring", "ulysses", "usp" or a registered one; ``rotate``:
+    the ring part's rotation (None: no ring); ``ulysses_degree``: U (1: no
+    Ulysses); ``layout``: the ring layout over the N / U ring positions
+    (cplib/strategy/plan.py's names); ``options``: (name, value) pairs a
+    later family reads (a flex rotation, a placement's parameters)."""
+
+    family: str
+    rotate: str | None = None
+    ulysses_degree: int = 1
+    layout: str = "head_tail"
+    options: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def name(self) -> str:
+        if self.family == "ring":
+            base = f"ring {self.rotate}"
+        elif self.family == "ulysses":
+            base = f"ulysses U={self.ulysses_degree}"
+        elif self.family == "usp":
+            base = f"usp U={self.ulysses_degree} {self.rotate}"
+        else:
+            base = " ".join([self.family] + [str(x) for x in (self.rotate,) if x]
+                            + ([f"U={self.ulysses_degree}"] if self.ulysses_degree > 1 else []))
+        extra = "".join(f" {k}={v}" for k, v in self.options)
+        return base + extra + ("" if self.layout in ("head_tail", "sequential")
+                               else f" ({self.layout})")
+
+    def option(self, name: str, default: Any = None) -> Any:
+        return dict(self.options).get(name, default)
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """What the call fixes. ``rotate`` / ``ulysses_degree``: explicit
+    settings (they win); ``families``: the families allowed (``ring_sdpa``:
+    the ring only); ``data_layout``: the layout the shards already have
+    (:func:`data_layout`), or None where the candidate may choose it
+    (sharding still to come); ``memory_limit``: bytes per rank; ``margin``:
+    torch's prototype default (the ring with all-gather), where admitted and
+    within the limit, is kept unless another candidate is predicted more than
+    this fraction faster."""
+
+    rotate: str | None = None
+    ulysses_degree: int | None = None
+    families: tuple[str, ...] | None = None
+    data_layout: tuple | None = None
+    memory_limit: int | None = None
+    margin: float = 0.0
+
+    def admits(self, c: Candidate, world_size: int) -> bool:
+        if self.families is not None and c.family not in self.families:
+            return False
+        if self.rotate is not None and c.rotate is not None and c.rotate != self.rotate:
+            return False
+        if self.ulysses_degree is not None and c.ulysses_degree != self.ulysses_degree:
+            return False
+        if self.data_layout is not None and \
+                data_layout(c.layout, world_size // c.ulysses_degree) != self.data_layout:
+            return False
+        return True
+
+
+def data_layout(layout: str, ring_degree: int) -> tuple:
+    """Where the shards' rows sit for a ring layout over ``ring_degree``
+    positions cut in N / ring_degree pieces each (USP's layout): sequential
+    for every degree is one layout; the others depend on the degree (over
+    one position, every layout is the identity)."""
+    if layout == "sequential" or ring_degree == 1:
+        return ("sequential",)
+    return (layout, ring_degree)
+
+
+def heads_allow(q_heads: int, kv_heads: int, degree: int) -> bool:
+    """cplib/ulysses/args.py's check_heads, as a predicate."""
+    return (degree >= 1 and kv_heads >= 1 and q_heads % kv_heads == 0 and q_heads % degree == 0
+            and (kv_heads % degree == 0 or degree % kv_heads == 0))
+
+
+def _ring_layout(w: Workload) -> str:
+    if w.layout is not None:
+        return w.layout
+    return "head_tail"  # torch's default (load balancing on)
+
+
+def _ring(w: Workload) -> Iterable[Candidate]:
+    layout = _ring_layout(w)
+    for rotate in ROTATIONS:
+        yield Candidate("ring", rotate, 1, layout)
+
+
+def _degrees(w: Workload) -> list[int]:
+    """Ulysses degrees > 1 that divide the group, the heads and the node."""
+    node = w.ranks_per_node
+    return [u for u in range(2, w.world_size + 1)
+            if w.world_size % u == 0 and heads_allow(w.q_heads, w.kv_heads, u)
+            and u <= node and node % u == 0]
+
+
+def _ulysses(w: Workload) -> Iterable[Candidate]:
+    if w.world_size in _degrees(w):
+        yield Candidate("ulysses", None, w.world_size, "sequential")
+
+
+def _usp(w: Workload) -> Iterable[Candidate]:
+    layout = _ring_layout(w)
+    for u in _degrees(w):
+        if u < w.world_size:
+            for rotate in ROTATIONS:
+                yield Candidate("usp", rotate, u, layout)
+
+
+Source = Callable[[Workload], Iterable[Candidate]]
+_sources: dict[str, Source] = {"ring": _ring, "ulysses": _ulysses, "usp": _usp}
+
+
+def register_candidates(name: str, source: Source) -> None:
+    """Adds (or replaces) a source of candidates: ``source(workload)`` yields
+    the candidates of a family that apply to the workload (none where it
+    does not: a flex ring only for flex calls, a document placement only
+    with documents). Their family's cost function must be registered."""
+    _sources[name] = source
+
+
+def unregister_candidates(name: str) -> None:
+    _sources.pop(name, None)
+
+
+def candidates_for(w: Workload, constraints: Constraints = Constraints()) -> list[Candidate]:
+    """Every registered source's candidates for ``w`` that ``constraints``
+    admit, in registration order (earlier wins ties)."""
+    found: list[Candidate] = []
+    for source in _sources.values():
+        for c in source(w):
+            if c not in found and constraints.admits(c, w.world_size):
+                found.append(c)
+    return found
