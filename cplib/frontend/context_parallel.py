@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Generator, Sequence
+from typing import Any
 from dataclasses import dataclass
 
 import torch
@@ -188,6 +189,25 @@ def _plan(buffers: list[torch.Tensor], world_size: int, buffer_seq_dims, no_rest
             one_length, documents, sides, balancer, indices)
 
 
+def _ring_config(groups, group_name: str, world_size: int, balanced: bool, rotate: Any,
+                 ulysses_degree: int, ring_degree: int, seq_len: int | None, one_length: bool,
+                 balancer: Any, documents: Any, window: Any, per_document: bool,
+                 strategy: Any) -> RingConfig:
+    """The configuration of the attention calls inside a context."""
+    # The ring infers S from equal shards; uneven ones (or documents) need it.
+    uneven = seq_len is not None and shard_lengths(seq_len, world_size, balancer) is not None
+    # USP: odd ring shards cut in equal pieces are uneven for the ring's head-tail.
+    uneven = uneven or (isinstance(balancer, UspLoadBalancer) and balanced
+                        and seq_len % (2 * ring_degree) != 0)
+    return RingConfig(groups.ring_group or group_name, world_size, balanced,
+                      rotate_method_name(rotate), ulysses_degree, groups.ulysses_group,
+                      seq_len=seq_len if one_length and (uneven or documents is not None)
+                      else None,
+                      cu_seqlens=documents, window=window, per_document=per_document,
+                      placement=isinstance(balancer, DocumentPlacementLoadBalancer),
+                      strategy=strategy)
+
+
 @contextlib.contextmanager
 def context_parallel(
     mesh: DeviceMesh,
@@ -303,18 +323,9 @@ def context_parallel(
     saved = [None if any(b is t for t in no_restore)
              else (b.untyped_storage(), b.storage_offset(), b.size(), b.stride())
              for b in buffers]
-    # The ring infers S from equal shards; uneven ones (or documents) need it.
-    uneven = seq_len is not None and shard_lengths(seq_len, world_size, balancer) is not None
-    # USP: odd ring shards cut in equal pieces are uneven for the ring's head-tail.
-    uneven = uneven or (isinstance(balancer, UspLoadBalancer) and balanced
-                        and seq_len % (2 * ring_degree) != 0)
-    config = RingConfig(groups.ring_group or group.group_name, world_size, balanced,
-                        rotate_method_name(rotate), ulysses_degree, groups.ulysses_group,
-                        seq_len=seq_len if one_length and (uneven or documents is not None)
-                        else None,
-                        cu_seqlens=documents, window=window, per_document=per_document,
-                        placement=isinstance(balancer, DocumentPlacementLoadBalancer),
-                        strategy=per_call)
+    config = _ring_config(groups, group.group_name, world_size, balanced, rotate, ulysses_degree,
+                          ring_degree, seq_len, one_length, balancer, documents, window,
+                          per_document, per_call)
     # 4. Shards in, attention dispatched inside the block; buffers restored on exit.
     old_balance = _cp_options.enable_load_balance
     swapped = 0
