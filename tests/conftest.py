@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 # slower here and timed them out on a 16-core GPU machine running 12 workers.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
-from harness import RankPool, run_threaded  # noqa: E402
+from harness import RankPool, _restore_process_state, run_threaded  # noqa: E402
 
 _pools: dict[int, RankPool] = {}
 
@@ -41,3 +41,11 @@ def ranks():
 def threaded():
     """``threaded(n, fn, *args)`` runs ``fn`` on a threaded process group."""
     return run_threaded
+
+
+@pytest.fixture(autouse=True)
+def _fresh_process_state():
+    """What one test switched in this process (the reference ring) is undone
+    before the next: a test's result never depends on the order."""
+    yield
+    _restore_process_state()

@@ -40,6 +40,15 @@ def _format_failures(failures: Sequence[tuple[int, str]]) -> str:
     return "\n".join(f"--- rank {r} failed ---\n{tb}" for r, tb in sorted(failures))
 
 
+def _restore_process_state() -> None:
+    """Undoes what a task may have switched for its own checks, so that the
+    next task on these pooled ranks starts as a fresh process would: the
+    reference ring (tests/cp_reference.py) goes back to the native op."""
+    reference = sys.modules.get("cp_reference")
+    if reference is not None:
+        reference.restore_native_ring()
+
+
 def _worker(rank: int, world_size: int, port: int, tasks, results,
             timeout_s: float = RANK_TIMEOUT_S) -> None:
     torch.set_num_threads(1)
@@ -59,6 +68,8 @@ def _worker(rank: int, world_size: int, port: int, tasks, results,
                 results.put((task_id, rank, True, fn(*args, **kwargs)))
             except BaseException:  # report everything; the pool respawns after a failure
                 results.put((task_id, rank, False, traceback.format_exc()))
+            finally:
+                _restore_process_state()
     finally:
         dist.destroy_process_group()
 
