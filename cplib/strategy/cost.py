@@ -107,16 +107,17 @@ class _Part:
     sent: float = 0.0
 
 
-def _schedule(w: Workload, size: int, layout: str) -> RingSchedule:
+def _schedule(w: Workload, size: int, layout: str, rotate: str) -> RingSchedule:
     left, right = w.sides
-    return ring_schedule(w.seq_len, size, layout, w.is_causal, left, right, w.documents)
+    return ring_schedule(w.seq_len, size, layout, w.is_causal, left, right, w.documents, rotate)
 
 
 def ring_part(w: Workload, cal: Calibration, size: int, stride: int, heads: int,
               kv_heads: int, rotate: str, layout: str) -> _Part:
     """The ring over ``size`` positions ``stride`` ranks apart (USP's ring
     groups), ``heads`` q heads and ``kv_heads`` K/V heads per rank."""
-    return schedule_cost(w, cal, _schedule(w, size, layout), stride, heads, kv_heads, rotate)
+    return schedule_cost(w, cal, _schedule(w, size, layout, rotate), stride, heads, kv_heads,
+                         rotate)
 
 
 def schedule_cost(w: Workload, cal: Calibration, sched: RingSchedule, stride: int, heads: int,
@@ -127,8 +128,8 @@ def schedule_cost(w: Workload, cal: Calibration, sched: RingSchedule, stride: in
     schedule (a flex ring's BlockMask) builds a RingSchedule and calls this."""
     size = sched.size
     d, e, a = w.head_dim + w.v_head_dim, w.element_size, w.acc_size
-    block = [w.batch * kv_heads * rows * d * e for rows in sched.rows]
-    grad = [b * a / e for b in block]
+    row = w.batch * kv_heads * d * e  # bytes of one K|V row (all heads)
+    block = [row * rows for rows in sched.rows]
     part = _Part()
     colls = 3 if w.backward else 1  # K|V fwd, K|V again and dK|dV back in the bwd
     per_rank = [[_step_compute(work, w, cal, heads, kv_heads, sched.rows[r],
@@ -158,16 +159,18 @@ def schedule_cost(w: Workload, cal: Calibration, sched: RingSchedule, stride: in
         part.compute += step
         if off == 0:
             continue
-        # Rank r sends its block to r + off when that rank attends it (again
-        # in the backward), and that rank sends the block's gradient back.
+        # Rank r sends the rows of its block that r + off reads (again in the
+        # backward), and that rank sends their gradient back (fp32).
         comm = 0.0
         for r in range(size):
             dst = (r + off) % size
-            if sched.receives(dst, s):
-                sent[r] += block[r] * (2 if w.backward else 1)
-                sent[dst] += grad[r] if w.backward else 0.0
-                msg = block[r] * (2 if w.backward else 1) + (grad[r] if w.backward else 0.0)
-                comm = max(comm, msg / _node_bps(w, cal, r * stride, dst * stride))
+            rows = sched.sent_rows(r, s)
+            if rows:
+                kv = row * rows * (2 if w.backward else 1)
+                back = row * rows * a / e if w.backward else 0.0
+                sent[r] += kv
+                sent[dst] += back
+                comm = max(comm, (kv + back) / _node_bps(w, cal, r * stride, dst * stride))
         part.exposed += max(0.0, comm - cal.overlap * step)
         part.fixed += colls * cal.latency_s
     part.sent = max(sent)
