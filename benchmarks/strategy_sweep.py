@@ -94,8 +94,10 @@ def _step(c: Config, cand, full: list[torch.Tensor]) -> Callable[[], None]:
     idx = _rows(c, cand)
     q, k, v = (t[:, :, idx].contiguous().requires_grad_() for t in full)
     docs = documents_of(c)
+    # As the front end passes them: the global length only with documents
+    # (the shards are even otherwise).
     extras = dict(cu_seqlens=None if docs is None else torch.tensor(docs),
-                  window=window_of(c), seq_len=c.seq_len)
+                  window=window_of(c), seq_len=None if docs is None else c.seq_len)
     balanced = cand.layout != "sequential"
 
     def run() -> None:
