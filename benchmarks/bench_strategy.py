@@ -36,7 +36,6 @@ from strategy_sweep import Config, run_configs  # noqa: E402
 ITERS = int(os.environ.get("CPLIB_BENCH_ITERS", "3"))
 DIM = int(os.environ.get("CPLIB_BENCH_DIM", "32"))
 JSONL = os.path.join(OUT_DIR, "bench_strategy.jsonl")
-DEFAULT = "ring allgather"  # torch's prototype: ring, all-gather, head-tail
 
 # (S, q heads, K/V heads, causal, mask) per world size: every value of the
 # issue's grid appears; the sizes keep the sweep near 10 minutes on 2 cores.
@@ -94,18 +93,20 @@ def spearman(xs: list[float], ys: list[float]) -> float | None:
 
 
 def summarise(result: dict) -> dict:
+    """One configuration's figures: auto's and the default's own times (each
+    run through context_parallel, measured like every candidate), the best
+    candidate's, and the rank correlation of predicted and measured times."""
     cands = result["candidates"]
-    by_name = {c["name"]: c for c in cands}
     best = min(cands, key=lambda c: c["measured_s"])
-    auto = by_name[result["chosen"]]
-    default = by_name.get(DEFAULT)
-    return dict(name=result["config"]["name"], chosen=auto["name"], best=best["name"],
+    auto, default = result["auto"], result["default"]
+    return dict(name=result["config"]["name"], chosen=result["auto_chose"], best=best["name"],
                 auto_s=auto["measured_s"], best_s=best["measured_s"],
+                default_s=default["measured_s"],
                 auto_over_best=auto["measured_s"] / best["measured_s"],
-                auto_over_default=(auto["measured_s"] / default["measured_s"]
-                                   if default else None),
+                auto_over_default=auto["measured_s"] / default["measured_s"],
                 spearman=spearman([c["predicted_s"] for c in cands],
                                   [c["measured_s"] for c in cands]),
+                load=result.get("load"),
                 calibration_s=result.get("calibration_s"), config_s=result.get("config_s"))
 
 
@@ -149,11 +150,13 @@ def main() -> None:
     rows = [summarise(r) for r in results]
     print_table(f"strategy='auto' against every candidate, fwd+bwd, slowest rank, median of "
                 f"{ITERS} (B=1 D={DIM} fp32, gloo, 1 thread/rank)",
-                ["config", "auto", "measured best", "auto s", "best s", "auto/best",
-                 "auto/default", "spearman"],
-                [(r["name"], r["chosen"], r["best"], r["auto_s"], r["best_s"],
-                  r["auto_over_best"], r["auto_over_default"] or "-",
-                  "-" if r["spearman"] is None else round(r["spearman"], 2)) for r in rows])
+                ["config", "auto chose", "measured best", "auto s", "best s", "default s",
+                 "auto/best", "auto/default", "spearman", "load"],
+                [(r["name"], r["chosen"], r["best"], r["auto_s"], r["best_s"], r["default_s"],
+                  r["auto_over_best"], r["auto_over_default"],
+                  "-" if r["spearman"] is None else round(r["spearman"], 2),
+                  "-" if not r["load"] else f"{r['load'][0]:.1f}-{r['load'][1]:.1f}")
+                 for r in rows])
     calibration = [r["calibration_s"] for r in rows if r["calibration_s"] is not None]
     print_table("goals", ["goal", "measured", "met"], goals(rows, calibration))
     path = write_json("bench_strategy", {"iters": ITERS, "head_dim": DIM, "rows": rows,
@@ -163,7 +166,7 @@ def main() -> None:
          "configuration", "ratio",
          {"auto / best": (list(range(len(rows))), [r["auto_over_best"] for r in rows]),
           "auto / default (ring allgather)": (list(range(len(rows))),
-                                              [r["auto_over_default"] or 0 for r in rows])})
+                                              [r["auto_over_default"] for r in rows])})
     print(f"json: {path}\nrows: {JSONL}\n{machine()}\n"
           f"bench_strategy: {time.perf_counter() - started:.0f} s this run "
           f"(configs: {sum(r['config_s'] or 0 for r in rows):.0f} s in all)")

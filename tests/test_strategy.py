@@ -46,9 +46,11 @@ def test_masks_cost_less_than_dense():
     docs = _times(_w(cu_seqlens=[0, 4096, 8192, 16384, 32768]))
     for name in dense:
         assert window[name] < causal[name] < dense[name], name
-        assert docs[name] < dense[name], name
         # Ulysses runs documents as masked tiles over the whole sequence (the
-        # ring's masked kernel on a ring of one): not always below causal.
+        # ring's plan on a ring of one: 124 tiles here, each building its
+        # mask): about the dense call's time on the H100 defaults.
+        if not name.startswith("ulysses"):
+            assert docs[name] < dense[name], name
         if name.startswith("ring"):
             assert docs[name] < causal[name], name
 
@@ -68,9 +70,11 @@ def test_bytes_follow_the_documented_formulas():
     # Ring p2p: K|V N-1 steps in the forward, N-1 again in the backward and
     # dK|dV N-1 times back: 2·shard·3(N-1) (the ring's byte counter agrees,
     # benchmarks/bench_strategy.py records both); Ulysses (N-1)/N·8·shard (MHA).
+    # Not causal: every receiver reads every row (a causal ring sends only
+    # the rows a receiver reads: tests/test_strategy_ranks.py).
     n, s, h, hkv, d = 4, 4096, 8, 8, 64
     w = workload_of(seq_len=s, q_heads=h, kv_heads=hkv, head_dim=d, world_size=n,
-                    dtype=torch.float32, device_type="cpu")
+                    dtype=torch.float32, device_type="cpu", is_causal=False)
     shard = s // n * h * d * 4
     assert predict(Candidate("ring", "p2p"), w, H100).bytes_sent == 2 * shard * 3 * (n - 1)
     ulysses = predict(Candidate("ulysses", None, n, "sequential"), w, H100).bytes_sent
@@ -129,6 +133,43 @@ def test_schedule_mirrors_the_ring():
     # Documents that share no rank: nothing moves.
     docs = ring_schedule(4096, 4, "sequential", True, 2 ** 62, 0, (0, 1024, 2048, 3072, 4096))
     assert docs.offsets == [0]
+
+
+def test_schedule_is_the_rings_plan_for_the_placement():
+    from cplib.comm.native import ops
+    from cplib.ring.placement import document_placement
+
+    # Documents that fit stay whole on one rank: no block travels.
+    docs = (0, 16, 32, 48, 64)
+    sched = ring_schedule(64, 4, "placement", True, 2 ** 62, 0, docs)
+    assert sched.offsets == [0]
+    assert sched.rows == [sum(n for _, n in p) for p in document_placement(docs, 4)]
+    # One document over every rank: head-tail inside it, every step visited.
+    one = ring_schedule(64, 4, "placement", True, 2 ** 62, 0, (0, 64))
+    assert one.offsets == [0, 1, 2, 3]
+    assert sum(w.pairs for steps in one.work for w in steps if w) == 64 * 65 / 2
+    # The op names what it cannot plan (no collective: it only plans).
+    with pytest.raises(ValueError, match="cu_seqlens must be strictly increasing"):
+        ops.ring_plan_summary(64, 4, True, True, [0, 32, 32, 64], None, False, True, 0)
+    with pytest.raises(ValueError, match="seq_len=2 is shorter than the world size 4"):
+        ops.ring_plan_summary(2, 4, True, True, None, None, False, False, 0)
+
+
+def test_placement_is_a_candidate_where_the_call_has_documents():
+    docs = [0, 1000, 5000, 9000, 16384]
+    names = {c.name for c in candidates_for(_w(seq_len=16384, cu_seqlens=docs))}
+    assert {"ring p2p (placement)", "ring allgather (placement)", "usp U=2 p2p"} <= names
+    assert not any("placement" in c.name for c in candidates_for(_w(seq_len=16384)))
+    # The data already in head-tail: no placement; in the placement: the ring only.
+    fixed = candidates_for(_w(seq_len=16384, cu_seqlens=docs, layout="head_tail"))
+    assert not any(c.layout == "placement" for c in fixed)
+    placed = candidates_for(_w(seq_len=16384, cu_seqlens=docs, layout="placement"))
+    assert {c.family for c in placed} == {"ring"} and len(placed) == 3
+    # Whole documents on each rank: nothing to exchange, the fastest by far.
+    even = _w(seq_len=16384, cu_seqlens=[0, 2048 * 1, 2048 * 2, 2048 * 3, 2048 * 4, 2048 * 5,
+                                         2048 * 6, 2048 * 7, 16384])
+    assert choose(even, H100).chosen.layout == "placement"
+    assert predict(Candidate("ring", "p2p", 1, "placement"), even, H100).bytes_sent == 0
 
 
 def test_registry_takes_a_new_family():

@@ -2,8 +2,9 @@
 and _ContextParallel with strategy="auto" against the full computation in one
 process (outputs and gradients), one choice on every rank even when each
 rank's calibration differs, the choice logged once, a bad strategy on one
-rank raising on every rank, and the model's bytes equal to the ring's
-counter (its schedule mirrors the op's)."""
+rank raising on every rank, the document placement chosen and run where
+the call has documents, and the model's bytes equal to the ring's counter
+(its schedule is the ring's own plan)."""
 
 from __future__ import annotations
 
@@ -177,6 +178,46 @@ def test_context_parallel_strategy_auto_matches_reference(ranks):
     assert per_rank[0] == per_rank[1]
 
 
+def _check_placement_chosen() -> list[str]:
+    """Packed documents that fit one per rank: auto chooses the document
+    placement on entry (nothing to exchange) and shards in it; a context
+    already in the placement gets its rotation chosen per call. Outputs and
+    gradients against the full computation within documents."""
+    from ring_mask_cases import masked_reference, visible
+
+    mesh, n = _mesh(), dist.get_world_size()
+    s, d = 16 * n, 8
+    cu = [16 * r for r in range(n + 1)]  # one document per rank
+    q, k, v, cot = _inputs(1, 4, 2, s, d, 70)
+    ref = masked_reference(q, k, v, cot, visible(s, causal=True, cu_seqlens=cu))
+    shape = cplib.AttentionShape(q_heads=4, kv_heads=2, head_dim=d, dtype=torch.float64)
+    chosen = []
+    for options in (dict(strategy=cplib.AutoStrategy(calibration="cpu", attention=shape)),
+                    dict(strategy=CPU, load_balance="placement")):
+        bufs = [t.clone() for t in (q, k, v, cot)]
+        with cplib.context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2] * 4,
+                                    cu_seqlens=torch.tensor(cu), **options) as cp:
+            assert isinstance(cp.load_balancer, cplib.DocumentPlacementLoadBalancer)
+            ql, kl, vl, cl = bufs
+            for t in (ql, kl, vl):
+                t.requires_grad_(True)
+            out = _attention(ql, kl, vl)
+            out.backward(cl)
+            got = cp.unshard([out.detach(), ql.grad, kl.grad, vl.grad], [2] * 4)
+            for t in (ql, kl, vl):
+                t.requires_grad_(False)
+        _compare(got, ref, f"placement chosen by auto ({options})")
+        chosen.append(cplib.explain(cp)[0].chosen)
+    assert chosen[0].layout == chosen[1].layout == "placement", chosen
+    choice_mod.clear_caches()
+    return [c.name for c in chosen]
+
+
+def test_auto_chooses_and_runs_the_document_placement(ranks):
+    per_rank = ranks(2).run(_check_placement_chosen)
+    assert per_rank[0] == per_rank[1]
+
+
 class _Attn(nn.Module):
     def forward(self, q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -222,29 +263,41 @@ def test_bad_strategy_on_one_rank_raises_on_every_rank(ranks):
 
 
 def _check_bytes_match_the_ring() -> list[tuple[str, float, float]]:
-    """The counted schedule sends what the ring sends (max over ranks)."""
+    """The model's bytes (priced from the ring's own plan) are what the ring
+    sends (max over ranks), for every layout: windows, documents, the causal
+    head-tail ring (which sends only the rows a receiver reads), per-document
+    head-tail and the document placement."""
     from cplib.comm.native import ops
     from cplib.strategy.candidates import Candidate
     from cplib.strategy.cost import predict
 
-    mesh, n = _mesh(), dist.get_world_size()
+    mesh, n, rank = _mesh(), dist.get_world_size(), dist.get_rank()
     s, h, d = 64 * n, 2, 8
+    docs = dict(cu_seqlens=[0, 40, 41, 150, s])
     out = []
-    for label, kw in (("window", dict(window=(40, 0))),
-                      ("documents", dict(cu_seqlens=[0, 40, 41, 150, s])),
-                      ("dense", {})):
-        for rotate in ("p2p", "allgather"):
+    for label, layout, kw, rotations in (
+            ("window", "sequential", dict(window=(40, 0)), ("p2p", "allgather")),
+            ("documents", "sequential", docs, ("p2p", "allgather")),
+            ("dense", "sequential", {}, ("p2p", "allgather")),
+            ("causal head-tail", "head_tail", {}, ("p2p",)),
+            ("per-document", "per_document", docs, ("p2p",)),
+            ("placement", "placement", docs, ("p2p", "allgather"))):
+        for rotate in rotations:
             w = cplib.strategy.explain.workload_of(
                 seq_len=s, q_heads=h, head_dim=d, world_size=n, dtype=torch.float32,
-                device_type="cpu", layout="sequential", **kw)
-            predicted = predict(Candidate("ring", rotate, 1, "sequential"), w,
-                                cplib.strategy.calibration.DEFAULTS["cpu"]).bytes_sent
-            x = torch.randn(1, h, s, d).chunk(n, dim=2)[dist.get_rank()].requires_grad_()
+                device_type="cpu", layout=layout, **kw)
+            cand = Candidate("ring", rotate, 1, layout)
+            predicted = predict(cand, w, cplib.strategy.calibration.DEFAULTS["cpu"]).bytes_sent
+            rows = cplib.strategy.plan.ring_schedule(s, n, layout, True, 2 ** 62, 0,
+                                                     w.documents, rotate).rows[rank]
+            x = torch.randn(1, h, rows, d).requires_grad_()
             extra = dict(kw, cu_seqlens=torch.tensor(kw["cu_seqlens"])) \
                 if "cu_seqlens" in kw else kw
             ops.ring_debug_bytes_sent(True)
             o, _ = cplib.ring_sdpa(x, x, x, mesh.get_group(), is_causal=True, rotate=rotate,
-                                   **extra)
+                                   load_balanced=layout != "sequential", seq_len=s,
+                                   per_document=layout == "per_document",
+                                   placement=layout == "placement", **extra)
             o.sum().backward()
             sent = torch.tensor([float(ops.ring_debug_bytes_sent(True))])
             dist.all_reduce(sent, op=dist.ReduceOp.MAX)

@@ -261,7 +261,8 @@ def ring_sdpa(
         rotate_code = ROTATE_CODES[ring_rotation(
             q, k, v, name, group_size(name), is_causal=bool(is_causal),
             load_balanced=bool(load_balanced), window=window, cu_seqlens=cu_seqlens,
-            seq_len=seq_len, per_document=bool(per_document), backward=wants_grad)]
+            seq_len=seq_len, per_document=bool(per_document), backward=wants_grad,
+            placement=bool(placement))]
     args = (q, k, v, name, bool(is_causal), bool(load_balanced), scale, backend_code,
             rotate_code, cu_seqlens, window, seq_len, bool(per_document), sinks, q_positions,
             kv_positions, pass_code, bool(placement))

@@ -177,14 +177,15 @@ def ring_rotation(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name:
                   world_size: int, *, is_causal: bool, load_balanced: bool,
                   window: list[int] | None, cu_seqlens: torch.Tensor | None,
                   seq_len: int | None, per_document: bool, backward: bool,
-                  auto: AutoStrategy | None = None) -> str:
+                  placement: bool = False, auto: AutoStrategy | None = None) -> str:
     """``ring_sdpa(rotate="auto")``'s rotation for this call ("p2p" while
     torch.compile traces: the choice is host work a graph cannot hold, and
     every rotation computes the same result)."""
     if torch.compiler.is_compiling():
         return "p2p"
     auto = auto or _RING_AUTO
-    layout = "per_document" if per_document else "head_tail" if load_balanced else "sequential"
+    layout = ("per_document" if per_document else "placement" if placement
+              else "head_tail" if load_balanced else "sequential")
     w = workload_from_call(q, k, v, world_size, is_causal=is_causal, window=window,
                            seq_len=seq_len, layout=layout, backward=backward,
                            node_ranks=auto.ranks_per_node)

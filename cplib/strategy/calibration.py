@@ -45,8 +45,10 @@ __all__ = ["Calibration", "DEFAULTS", "default_for", "as_calibration"]
 class Calibration:
     """Rates of one device type and group.
 
-    ``unit_s``: seconds of a fwd+bwd kernel per unit of work, one visible
-    query-key pair times (D + Dv) (so 3.5 x 4·D FLOPs for D = Dv);
+    ``unit_s``: seconds of a fwd+bwd kernel per unit of work, one query-key
+    cell the kernel computes times (D + Dv) (so 3.5 x 4·D FLOPs for D = Dv;
+    a causal call computes its visible pairs and the rest of the key blocks
+    they touch: cplib/strategy/kernels.py);
     ``masked_unit_s``: the same for a kernel given an explicit mask, per unit
     of the area it computes (per head); ``mask_s``: seconds of building that
     mask, per element (once per call, forward and backward); ``call_s``:
@@ -60,7 +62,10 @@ class Calibration:
     all-to-all's); ``overlap``: the fraction of a ring step's exchange the
     step's compute hides (0 on CPU, where gloo's copies need the same
     cores); ``fwd_fraction``: a forward's share of a fwd+bwd kernel, for
-    forward-only calls."""
+    forward-only calls; ``cores``: how many of a node's ranks compute at
+    full speed at once (on CPU, the cores the ranks share, less what other
+    jobs take; 0: every rank, each on its own device). On CPU the kernel and
+    copy rates are per CPU second of one rank."""
 
     name: str
     unit_s: float
@@ -75,6 +80,7 @@ class Calibration:
     reduce_scatter_s: float
     overlap: float
     fwd_fraction: float = 0.3
+    cores: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -110,7 +116,7 @@ DEFAULTS: dict[str, Calibration] = {
                        mask_s=2e-9,
                        call_s=300e-6, copy_bps=8e9, latency_s=200e-6, link_bps=1.5e9,
                        inter_node_bps=1.5e9, reduce_scatter_bps=0.5e9, reduce_scatter_s=1e-3,
-                       overlap=0.0),
+                       overlap=0.0, cores=2.0),
 }
 
 

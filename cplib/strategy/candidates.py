@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
+from .plan import layout_allows_ulysses
 from .workload import Workload
 
 __all__ = ["Candidate", "Constraints", "register_candidates", "unregister_candidates",
@@ -126,11 +127,13 @@ def _degrees(w: Workload) -> list[int]:
 
 
 def _ulysses(w: Workload) -> Iterable[Candidate]:
-    if w.world_size in _degrees(w):
+    if w.world_size in _degrees(w) and layout_allows_ulysses(w.layout):
         yield Candidate("ulysses", None, w.world_size, "sequential")
 
 
 def _usp(w: Workload) -> Iterable[Candidate]:
+    if not layout_allows_ulysses(w.layout):
+        return
     layout = _ring_layout(w)
     for u in _degrees(w):
         if u < w.world_size:

@@ -128,23 +128,24 @@ def measure(group: dist.ProcessGroup, device: torch.device, head_dim: int,
     heads, small, large, masked_rows, xs, xl = _SIZES[kind]
     sync = torch.cuda.synchronize if kind == "cuda" else (lambda: None)
     # CPU: the kernels' CPU time (free of the scheduler's time slices, which
-    # swamp a small call when ranks outnumber cores), times the wall seconds
-    # per CPU second of the large call (how many ranks, or other jobs, share
-    # the cores; at least our own ranks' share).
+    # swamp a small call when ranks outnumber cores), and how many ranks
+    # compute at full speed at once: the local ranks over the wall seconds
+    # per CPU second of the large call that every rank runs at once (other
+    # jobs' load counts too; at most the cores).
     clock = time.perf_counter if kind == "cuda" else time.process_time
     attn_large = _attention(heads, large, head_dim, dtype, device, False)
     t_large = _timed(attn_large, sync, clock=clock)
-    share = 1.0
+    cores = 0.0
     if kind == "cpu":
+        local = ranks_per_node(dist.get_world_size(group))
         wall = _timed(attn_large, sync, reps=2)
-        share = max(contention(ranks_per_node(dist.get_world_size(group))),
-                    wall / max(t_large, 1e-9))
-        t_large *= share
+        share = max(contention(local), wall / max(t_large, 1e-9))
+        cores = local / share
     d = 2 * head_dim
 
     def attention(rows: int, masked: bool, fn=None) -> float:
         fn = fn or _attention(heads, rows, head_dim, dtype, device, masked)
-        return share * _timed(fn, sync, clock=clock)
+        return _timed(fn, sync, clock=clock)
     t_small = attention(small, False)
     units_small, units_large = heads * small * small * d, heads * large * large * d
     unit_s = max((t_large - t_small) / (units_large - units_small), 1e-18)
@@ -159,7 +160,7 @@ def measure(group: dist.ProcessGroup, device: torch.device, head_dim: int,
 
     buf = torch.empty(xl // 4, dtype=torch.float32, device=device)
     other = torch.empty_like(buf)
-    copy_bps = 2 * xl / max(share * _timed(lambda: other.copy_(buf), sync, clock=clock), 1e-9)
+    copy_bps = 2 * xl / max(_timed(lambda: other.copy_(buf), sync, clock=clock), 1e-9)
 
     n = dist.get_world_size(group)
     barrier = (lambda: dist.barrier(group)) if kind == "cpu" else sync
@@ -173,7 +174,7 @@ def measure(group: dist.ProcessGroup, device: torch.device, head_dim: int,
                        latency_s=latency_s, link_bps=link_bps,
                        inter_node_bps=min(ref.inter_node_bps, link_bps),
                        reduce_scatter_bps=rs_bps, reduce_scatter_s=rs_s, overlap=overlap,
-                       fwd_fraction=ref.fwd_fraction)
+                       fwd_fraction=ref.fwd_fraction, cores=cores)
 
 
 # Calibration fields agreed across ranks: (name, worse is larger, scale to an int).
@@ -181,7 +182,7 @@ _AGREED = (("unit_s", True, 1e21), ("masked_unit_s", True, 1e21), ("mask_s", Tru
            ("call_s", True, 1e12),
            ("copy_bps", False, 1.0), ("latency_s", True, 1e12), ("link_bps", False, 1.0),
            ("reduce_scatter_bps", False, 1.0), ("reduce_scatter_s", True, 1e12),
-           ("overlap", False, 1e6))
+           ("overlap", False, 1e6), ("cores", False, 1e6))
 
 
 def agree(cal: Calibration, exchange: Callable[[list[int]], list[list[int]]]) -> Calibration:

@@ -16,7 +16,9 @@ from .auto import AutoStrategy, choose_for_call, parse_strategy, workload_from_c
 from .candidates import Candidate, data_layout
 from .choice import agreed_choice, calibration_for
 from .explain import constraints_of, workload_of
+from .placement import PLACEMENT
 from .plan import layout_load_balance
+from ..ring.placement import DocumentPlacementLoadBalancer
 
 __all__ = ["AutoStrategy", "parse_strategy", "strategy_entry", "context_strategy",
            "entry_choice", "routed_config"]
@@ -44,9 +46,11 @@ def strategy_entry(auto: AutoStrategy | None, planned: tuple, plan: Callable[...
     if auto is None:
         return None, None, planned
     auto = context_strategy(auto, group_name, explicit_rotate, ulysses_degree)
-    ring_degree, per_document, balanced, seq_len, documents, sides = (
-        planned[3], planned[4], planned[5], planned[6], planned[8], planned[9])
-    layout = "per_document" if per_document else None if balanced else "sequential"
+    ring_degree, per_document, balanced, seq_len, documents, sides, balancer = (
+        planned[3], planned[4], planned[5], planned[6], planned[8], planned[9], planned[10])
+    layout = ("per_document" if per_document else PLACEMENT if
+              isinstance(balancer, DocumentPlacementLoadBalancer) else None if balanced
+              else "sequential")
     chosen = entry_choice(auto, group_name, ring_degree * ulysses_degree, seq_len, documents,
                           sides, device_type, layout)
     if chosen is None:
@@ -95,10 +99,8 @@ def routed_config(config: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         return config
     from ..ring.args import window_arg
 
-    # A layout a later feature adds names itself on the config (``layout``).
-    layout = getattr(config, "layout", None) or ("per_document" if config.per_document else
-                                                 "head_tail" if config.load_balanced
-                                                 else "sequential")
+    layout = ("per_document" if config.per_document else PLACEMENT if config.placement
+              else "head_tail" if config.load_balanced else "sequential")
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     # q is this rank's shard of S / N rows for every head (before Ulysses).
     w = workload_from_call(q, k, v, n, is_causal=is_causal, window=window_arg(window),

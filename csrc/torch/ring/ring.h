@@ -92,6 +92,17 @@ Config check_args(const char* op, const Tensor& q, const Tensor& k, const Tensor
                   std::optional<double> scale, int64_t backend, int64_t rotate,
                   const Extras& extras = {});
 
+// cu_seqlens' values checked: [0, ..., seq_len], strictly increasing
+// (ValueError naming them).
+void check_bounds(const char* op, const std::vector<int64_t>& bounds, int64_t seq_len);
+
+// The q and k/v layouts and the mask of a ring over cfg.size ranks of sq
+// query and sk key tokens, from cfg.load_balanced, cfg.causal and the
+// documents in cfg.mask.bounds (checked): what check_args builds, and what
+// ring_plan_summary (ring_plan_summary.cpp) plans with.
+void lay_out(const char* op, Config& cfg, int64_t sq, int64_t sk, bool per_document,
+             bool placement, const std::optional<std::vector<int64_t>>& window);
+
 // ring_pass="auto": "q" (true) when passing the queries and returning the
 // partial (out, lse) moves fewer bytes than passing k and v, from the global
 // query and key counts, the head counts and head dims.

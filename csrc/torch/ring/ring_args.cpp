@@ -63,6 +63,22 @@ std::string join(const std::vector<int64_t>& v) {
   return os.str();
 }
 
+}  // namespace
+
+void check_bounds(const char* op, const std::vector<int64_t>& b, int64_t seq_len) {
+  CPLIB_CHECK_VALUE(b.size() >= 2, "cplib.", op, ": cu_seqlens must have at least 2 entries "
+                    "[0, ..., S], got ", join(b));
+  CPLIB_CHECK_VALUE(b.front() == 0, "cplib.", op, ": cu_seqlens must start at 0, got ",
+                    b.front(), " in ", join(b));
+  CPLIB_CHECK_VALUE(b.back() == seq_len, "cplib.", op, ": cu_seqlens must end at the sequence "
+                    "length ", seq_len, ", got ", b.back(), " in ", join(b));
+  for (size_t i = 1; i < b.size(); ++i)
+    CPLIB_CHECK_VALUE(b[i] > b[i - 1], "cplib.", op, ": cu_seqlens must be strictly increasing, "
+                      "got ", b[i - 1], " then ", b[i], " at index ", i, " in ", join(b));
+}
+
+namespace {
+
 // cu_seqlens as host integers (read once, Extras), checked: [0, ..., S],
 // strictly increasing.
 const std::vector<int64_t>& document_bounds(const char* op, const Extras& ex, int64_t seq_len) {
@@ -74,13 +90,7 @@ const std::vector<int64_t>& document_bounds(const char* op, const Extras& ex, in
                     ": cu_seqlens must be 1-D with at least 2 entries [0, ..., S], got shape ",
                     cu.sizes());
   const std::vector<int64_t>& b = ex.cu_seqlens_values();
-  CPLIB_CHECK_VALUE(b.front() == 0, "cplib.", op, ": cu_seqlens must start at 0, got ",
-                    b.front(), " in ", join(b));
-  CPLIB_CHECK_VALUE(b.back() == seq_len, "cplib.", op, ": cu_seqlens must end at the sequence "
-                    "length ", seq_len, ", got ", b.back(), " in ", join(b));
-  for (size_t i = 1; i < b.size(); ++i)
-    CPLIB_CHECK_VALUE(b[i] > b[i - 1], "cplib.", op, ": cu_seqlens must be strictly increasing, "
-                      "got ", b[i - 1], " then ", b[i], " at index ", i, " in ", join(b));
+  check_bounds(op, b, seq_len);
   return b;
 }
 
@@ -163,12 +173,8 @@ void check_extras(const char* op, Config& cfg, const Tensor& q, const Tensor& k,
   CPLIB_CHECK_VALUE(!ex.placement || (ex.cu_seqlens && ex.seq_len && !ex.per_document), "cplib.",
                     op, ": placement=True (documents placed across the ranks) needs cu_seqlens "
                     "and seq_len, and excludes per_document");
-  Mask& m = cfg.mask;
-  if (ex.cu_seqlens) m.bounds = document_bounds(op, ex, sq);
-  cfg.q_layout = {sq, n, cfg.load_balanced, {}, {}, {}};
-  cfg.kv_layout = {sk, n, cfg.load_balanced, {}, {}, {}};
-  if (ex.per_document) cfg.q_layout.documents = cfg.kv_layout.documents = m.bounds;
-  if (ex.placement) cfg.q_layout.placed = cfg.kv_layout.placed = document_placement(m.bounds, n);
+  if (ex.cu_seqlens) cfg.mask.bounds = document_bounds(op, ex, sq);
+  lay_out(op, cfg, sq, sk, ex.per_document, ex.placement, ex.window);
   if (ex.seq_len || ex.per_document) {
     const int64_t want = cfg.q_layout.local_len(cfg.rank);
     CPLIB_CHECK_VALUE(lq == want && lk == want, "cplib.", op, ": seq_len=", sq, " over ", n,
@@ -178,11 +184,23 @@ void check_extras(const char* op, Config& cfg, const Tensor& q, const Tensor& k,
                       " layout) gives rank ", cfg.rank, " ", want, " rows, but q has ", lq,
                       " and k/v ", lk);
   }
+}
+
+}  // namespace
+
+void lay_out(const char* op, Config& cfg, int64_t sq, int64_t sk, bool per_document,
+             bool placement, const std::optional<std::vector<int64_t>>& window) {
+  const int64_t n = cfg.size;
+  Mask& m = cfg.mask;
+  cfg.q_layout = {sq, n, cfg.load_balanced, {}, {}, {}};
+  cfg.kv_layout = {sk, n, cfg.load_balanced, {}, {}, {}};
+  if (per_document) cfg.q_layout.documents = cfg.kv_layout.documents = m.bounds;
+  if (placement) cfg.q_layout.placed = cfg.kv_layout.placed = document_placement(m.bounds, n);
   m.causal = cfg.causal;
   m.seq_len = std::max(sq, sk);
   m.left = m.right = m.seq_len;
-  if (ex.window) {
-    const auto& w = *ex.window;
+  if (window) {
+    const auto& w = *window;
     CPLIB_CHECK_VALUE(w.size() == 2, "cplib.", op, ": window must be (left, right), got ",
                       join(w));
     CPLIB_CHECK_VALUE(w[0] >= 0 && w[1] >= 0, "cplib.", op, ": window=", join(w),
@@ -192,8 +210,6 @@ void check_extras(const char* op, Config& cfg, const Tensor& q, const Tensor& k,
   }
   if (cfg.causal) m.right = 0;
 }
-
-}  // namespace
 
 namespace {
 
