@@ -51,16 +51,12 @@ an idle 2-core machine); ``CPLIB_QUICK_TESTS=1`` runs only the left column.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import unittest.mock
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.attention.flex_attention as fa
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, create_mask
 
@@ -70,9 +66,9 @@ from cplib import (
     _ContextParallel,
     _create_cp_block_mask,
     _HeadTailLoadBalancer,
-    _PerDocumentHeadTailLoadBalancer,
-    _PTRRLoadBalancer,
 )
+from flex_cases import (FlexAttention, balancer, causal, cp_model, cpu_flex_grads,
+                        document_causal, document_lengths, mesh, rotate, sliding_window)
 from harness import assert_close
 
 WORLD = 2
@@ -82,107 +78,16 @@ TOL = dict(atol=2e-6, rtol=1e-5)
 ALL_LB = ("none", "head_tail", "per_document_head_tail", "ptrr")
 
 
-# ------------------------------------------------------------------ masks
-
-
-def causal(b, h, q_idx, kv_idx):
-    return q_idx >= kv_idx
-
-
-def _sliding_window(window: int):
-    def sliding_window_causal(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (q_idx - kv_idx <= window)
-    return sliding_window_causal
-
-
-def _document_lengths(B: int, S: int, docs: int, unit: int, seed: int) -> list[list[int]]:
-    """``docs`` random document lengths per batch row, multiples of ``unit``, summing to S."""
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(B):
-        cuts = (torch.randperm(S // unit - 1, generator=g)[: docs - 1] + 1).sort().values
-        bounds = [0, *cuts.tolist(), S // unit]
-        rows.append([(bounds[i + 1] - bounds[i]) * unit for i in range(docs)])
-    return rows
-
-
-def _document_causal(lengths: list[list[int]]):
-    doc_ids = torch.stack([
-        torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)) for row in lengths
-    ])
-
-    def document_causal(b, h, q_idx, kv_idx):
-        return (doc_ids[b, q_idx] == doc_ids[b, kv_idx]) & (q_idx >= kv_idx)
-    return document_causal
-
-
-# ------------------------------------------------------------------ per-rank plumbing
-
-
-@contextlib.contextmanager
-def _cpu_flex_grads():
-    """Lifts torch's "no flex backward on CPU" guard (see the module docstring)."""
-    with unittest.mock.patch.object(fa, "_validate_device", lambda *args: None), \
-            torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=512):
-        yield
-
-
-class FlexAttention(nn.Module):
-    """A module with flex_attention's signature (what _ContextParallel wraps)."""
-
-    def forward(self, query, key, value, score_mod=None, block_mask=None, scale=None,
-                enable_gqa=False, return_aux=None):
-        return fa.flex_attention(query, key, value, score_mod=score_mod, block_mask=block_mask,
-                                 scale=scale, enable_gqa=enable_gqa, return_aux=return_aux)
-
-
-class Model(nn.Module):
-    """Calls its attention submodule, so compiling the model traces the CP
-    hook and the attention as one frame (compiling the attention module
-    itself would compile its forward pre-hook as a separate frame)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.attn = FlexAttention()
-
-    def forward(self, *args, **kwargs):
-        return self.attn(*args, **kwargs)
-
-
-def _cp_model() -> nn.Module:
-    return parallelize_module(Model(), _mesh(), {"attn": _ContextParallel(
-        seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX)})
-
-
 _per_process: dict[str, object] = {}
-
-
-def _mesh() -> DeviceMesh:
-    if "mesh" not in _per_process:
-        _per_process["mesh"] = DeviceMesh("cpu", list(range(dist.get_world_size())))
-    return _per_process["mesh"]
-
 
 def _compiled(name: str, backend: str):
     """One compiled function per (role, backend) and process: every case reuses
     dynamo's cache, so equal shapes and masks never compile twice."""
     key = f"{name}/{backend}"
     if key not in _per_process:
-        module = _cp_model() if name == "cp" else FlexAttention()
+        module = cp_model() if name == "cp" else FlexAttention()
         _per_process[key] = torch.compile(module, backend=backend, fullgraph=True, dynamic=False)
     return _per_process[key]
-
-
-def _balancer(kind: str, S: int, block_mask, lengths):
-    if kind == "none":
-        return None
-    if kind == "head_tail":
-        return _HeadTailLoadBalancer(S, dist.get_world_size(), "cpu")
-    if kind == "per_document_head_tail":
-        return _PerDocumentHeadTailLoadBalancer(lengths, dist.get_world_size(), "cpu")
-    if kind == "ptrr":
-        return _PTRRLoadBalancer(block_mask, dist.get_world_size())
-    raise AssertionError(kind)
 
 
 def _randn(shape, seed: int) -> torch.Tensor:
@@ -240,16 +145,16 @@ def _check_config(mask_kind: str, B: int, S: int, balancers: tuple[str, ...],
                   compiled_mask_builder: tuple[str, ...] = ()) -> list[str]:
     """Runs every balancer of one (mask, B, S) on this rank; returns what it checked."""
     torch.manual_seed(0)
-    mesh = _mesh()
+    mesh = mesh()
     lengths = None
     if mask_kind == "causal":
         mask_mod = causal
     elif mask_kind == "sliding_window":
-        mask_mod = _sliding_window(S // 5)
+        mask_mod = sliding_window(S // 5)
     else:  # document: arbitrary lengths, or multiples of 2 * world for per-document head-tail
         unit = 2 * dist.get_world_size() if mask_kind == "document_chunked" else 1
-        lengths = _document_lengths(B, S, 28, unit, seed=S + B + unit)
-        mask_mod = _document_causal(lengths)
+        lengths = document_lengths(B, S, 28, unit, seed=S + B + unit)
+        mask_mod = document_causal(lengths)
     q_heads, kv_heads = heads
     gqa = q_heads != kv_heads
     q = _randn((B, q_heads, S, DIM), 1)
@@ -257,10 +162,10 @@ def _check_config(mask_kind: str, B: int, S: int, balancers: tuple[str, ...],
     cot_out, cot_lse = _randn((B, q_heads, S, DIM), 4), _randn((B, q_heads, S), 5)
     full_mask = create_block_mask(mask_mod, B, 1, S, S, device="cpu")
     done = []
-    with _cpu_flex_grads():
+    with cpu_flex_grads(), rotate("allgather"):
         ref = _reference(q, k, v, full_mask, gqa, cot_out, cot_lse)
         for kind in balancers:
-            lb = _balancer(kind, S, full_mask, lengths)
+            lb = balancer(kind, S, full_mask, lengths)
             # The compiled mask builder is slow to compile on CPU: a few cases use it,
             # the rest run it eagerly.
             stance = "default" if kind in compiled_mask_builder else "force_eager"
@@ -298,13 +203,13 @@ def _check_small_sequence_errors(kinds: tuple[str, ...]) -> list[str]:
     torch's messages, before anything is communicated. As in torch,
     ``_context_parallel_shard`` asks the balancer first (so PTRR reports its
     own limit), ``_create_cp_block_mask`` checks Q_LEN first."""
-    mesh = _mesh()
+    mesh = mesh()
     full_mask = create_block_mask(causal, 1, 1, 128, 128, device="cpu")
     msgs = []
     for kind in kinds:
         # PTRR's exact wording is checked by test_small_sequence_ptrr_message.
         pattern = "divisible by group_size" if kind == "ptrr" else "Q_LEN 128 is not divisible"
-        lb = _balancer(kind, 128, full_mask, None)
+        lb = balancer(kind, 128, full_mask, None)
         with pytest.raises(NotImplementedError, match="Q_LEN 128 is not divisible"):
             _create_cp_block_mask(causal, 1, 1, 128, 128, mesh, lb)
         with pytest.raises(NotImplementedError, match=pattern) as info:
@@ -316,10 +221,10 @@ def _check_small_sequence_errors(kinds: tuple[str, ...]) -> list[str]:
 def _check_block_size_and_bad_input() -> int:
     """The block size is a parameter (here the mask's own 64-blocks make S=128
     shardable); bad arguments are ValueErrors naming the value."""
-    mesh = _mesh()
+    mesh = mesh()
     small = create_block_mask(causal, 1, 1, 128, 128, device="cpu", BLOCK_SIZE=64)
     for kind in ("none", "head_tail", "ptrr"):
-        lb = _balancer(kind, 128, small, None)
+        lb = balancer(kind, 128, small, None)
         with torch.compiler.set_stance("force_eager"):
             cp_mask, = _context_parallel_shard(mesh, [small], [0], lb)
             direct = _create_cp_block_mask(causal, 1, 1, 128, 128, mesh, lb, block_size=64)
@@ -413,7 +318,7 @@ def _check_hook_arguments() -> int:
         def forward(self, *args, **kwargs):
             return args, kwargs
 
-    probe = parallelize_module(Probe(), _mesh(), _ContextParallel(
+    probe = parallelize_module(Probe(), mesh(), _ContextParallel(
         seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX))
     q = _randn((1, 4, 8, 4), 1)
     k_full, v_full = _randn((1, 2, 8 * n, 4), 2), _randn((1, 2, 8 * n, 6), 3)
@@ -445,8 +350,13 @@ def _check_hook_arguments() -> int:
     return len(calls)
 
 
+def _check_hook_arguments_allgather() -> int:
+    with rotate("allgather"):
+        return _check_hook_arguments()
+
+
 def test_hook_passes_arguments_through(ranks):
-    assert ranks(WORLD).run(_check_hook_arguments) == [4, 4]
+    assert ranks(WORLD).run(_check_hook_arguments_allgather) == [4, 4]
 
 
 def _check_fullgraph_no_graph_break() -> int:
@@ -454,14 +364,14 @@ def _check_fullgraph_no_graph_break() -> int:
     from torch._dynamo.testing import CompileCounterWithBackend
 
     counter = CompileCounterWithBackend("aot_eager")
-    compiled = torch.compile(_cp_model(), backend=counter, fullgraph=True)
+    compiled = torch.compile(cp_model(), backend=counter, fullgraph=True)
     S = 512
     full_mask = create_block_mask(causal, 1, 1, S, S, device="cpu")
     lb = _HeadTailLoadBalancer(S, WORLD, "cpu")
     tensors = [_randn((1, HEADS, S, DIM), seed) for seed in (1, 2, 3)]
     with torch.compiler.set_stance("force_eager"):
-        q, k, v, mask = _context_parallel_shard(_mesh(), [*tensors, full_mask], [2, 2, 2, 0], lb)
-    with _cpu_flex_grads():
+        q, k, v, mask = _context_parallel_shard(mesh(), [*tensors, full_mask], [2, 2, 2, 0], lb)
+    with cpu_flex_grads(), rotate("allgather"):
         q.requires_grad_(True)
         out, aux = compiled(q, k, v, block_mask=mask, return_aux=AuxRequest(lse=True))
         (out.sum() + aux.lse.sum()).backward()
