@@ -145,7 +145,7 @@ def _check_config(mask_kind: str, B: int, S: int, balancers: tuple[str, ...],
                   compiled_mask_builder: tuple[str, ...] = ()) -> list[str]:
     """Runs every balancer of one (mask, B, S) on this rank; returns what it checked."""
     torch.manual_seed(0)
-    mesh = mesh()
+    cp_mesh = mesh()
     lengths = None
     if mask_kind == "causal":
         mask_mod = causal
@@ -171,7 +171,7 @@ def _check_config(mask_kind: str, B: int, S: int, balancers: tuple[str, ...],
             stance = "default" if kind in compiled_mask_builder else "force_eager"
             with torch.compiler.set_stance(stance):
                 *inputs, cp_mask = _context_parallel_shard(
-                    mesh, [q, k, v, cot_out, cot_lse, full_mask], [2, 2, 2, 2, 2, 0], lb)
+                    cp_mesh, [q, k, v, cot_out, cot_lse, full_mask], [2, 2, 2, 2, 2, 0], lb)
             lq, lk, lv, l_cot_out, l_cot_lse = inputs
             _check_mask_structure(cp_mask, mask_mod, B, S,
                                   lb._generate_indices() if lb is not None else None)
@@ -181,7 +181,7 @@ def _check_config(mask_kind: str, B: int, S: int, balancers: tuple[str, ...],
                                                      enable_gqa=gqa,
                                                      return_aux=AuxRequest(lse=True))
             torch.autograd.backward([out, aux.lse], [l_cot_out, l_cot_lse])
-            want = cplib.shard(mesh, ref, [2] * len(ref), lb)
+            want = cplib.shard(cp_mesh, ref, [2] * len(ref), lb)
             what = _case_name(mask_kind, B, S, kind, heads)
             for name, got, exp in zip(("out", "lse", "dq", "dk", "dv"),
                                       (out, aux.lse, lq.grad, lk.grad, lv.grad), want):
@@ -192,7 +192,7 @@ def _check_config(mask_kind: str, B: int, S: int, balancers: tuple[str, ...],
                                                         enable_gqa=gqa)
                 got = _compiled("cp", "inductor")(*(t.detach() for t in (lq, lk, lv)),
                                                   block_mask=cp_mask, enable_gqa=gqa)
-                exp, = cplib.shard(mesh, [ref_out], [2], lb)
+                exp, = cplib.shard(cp_mesh, [ref_out], [2], lb)
                 assert_close(got, exp, what=f"{what}: inductor out", **TOL)
                 done.append(what + " inductor")
     return done
@@ -203,7 +203,7 @@ def _check_small_sequence_errors(kinds: tuple[str, ...]) -> list[str]:
     torch's messages, before anything is communicated. As in torch,
     ``_context_parallel_shard`` asks the balancer first (so PTRR reports its
     own limit), ``_create_cp_block_mask`` checks Q_LEN first."""
-    mesh = mesh()
+    cp_mesh = mesh()
     full_mask = create_block_mask(causal, 1, 1, 128, 128, device="cpu")
     msgs = []
     for kind in kinds:
@@ -211,9 +211,9 @@ def _check_small_sequence_errors(kinds: tuple[str, ...]) -> list[str]:
         pattern = "divisible by group_size" if kind == "ptrr" else "Q_LEN 128 is not divisible"
         lb = balancer(kind, 128, full_mask, None)
         with pytest.raises(NotImplementedError, match="Q_LEN 128 is not divisible"):
-            _create_cp_block_mask(causal, 1, 1, 128, 128, mesh, lb)
+            _create_cp_block_mask(causal, 1, 1, 128, 128, cp_mesh, lb)
         with pytest.raises(NotImplementedError, match=pattern) as info:
-            _context_parallel_shard(mesh, [torch.zeros(1, 1, 128, 4), full_mask], [2, 0], lb)
+            _context_parallel_shard(cp_mesh, [torch.zeros(1, 1, 128, 4), full_mask], [2, 0], lb)
         msgs.append(str(info.value))
     return msgs
 
@@ -221,27 +221,27 @@ def _check_small_sequence_errors(kinds: tuple[str, ...]) -> list[str]:
 def _check_block_size_and_bad_input() -> int:
     """The block size is a parameter (here the mask's own 64-blocks make S=128
     shardable); bad arguments are ValueErrors naming the value."""
-    mesh = mesh()
+    cp_mesh = mesh()
     small = create_block_mask(causal, 1, 1, 128, 128, device="cpu", BLOCK_SIZE=64)
     for kind in ("none", "head_tail", "ptrr"):
         lb = balancer(kind, 128, small, None)
         with torch.compiler.set_stance("force_eager"):
-            cp_mask, = _context_parallel_shard(mesh, [small], [0], lb)
-            direct = _create_cp_block_mask(causal, 1, 1, 128, 128, mesh, lb, block_size=64)
+            cp_mask, = _context_parallel_shard(cp_mesh, [small], [0], lb)
+            direct = _create_cp_block_mask(causal, 1, 1, 128, 128, cp_mesh, lb, block_size=64)
         for m in (cp_mask, direct):
             assert m.BLOCK_SIZE == (64, 64) and m.seq_lengths == (64, 128)
             _check_mask_structure(m, causal, 1, 128,
                                   lb._generate_indices() if lb is not None else None)
     with torch.compiler.set_stance("force_eager"):
-        rect = _create_cp_block_mask(causal, 1, 1, 256, 256, mesh, block_size=(64, 32))
+        rect = _create_cp_block_mask(causal, 1, 1, 256, 256, cp_mesh, block_size=(64, 32))
     assert rect.BLOCK_SIZE == (64, 32) and rect.seq_lengths == (128, 256)
     for bad in (0, (64,), (64, -1), "64"):
         with pytest.raises(ValueError, match="block_size"):
-            _create_cp_block_mask(causal, 1, 1, 256, 256, mesh, block_size=bad)
+            _create_cp_block_mask(causal, 1, 1, 256, 256, cp_mesh, block_size=bad)
     with pytest.raises(ValueError, match=r"shape \(1, 512\).*\(1, 256\)"):
-        _create_cp_block_mask(causal, 1, 1, 256, 256, mesh, _HeadTailLoadBalancer(512, 2, "cpu"))
+        _create_cp_block_mask(causal, 1, 1, 256, 256, cp_mesh, _HeadTailLoadBalancer(512, 2, "cpu"))
     with pytest.raises(ValueError, match=r"KV_LEN \(512\) must equal Q_LEN \(256\)"):
-        _create_cp_block_mask(causal, 1, 1, 256, 512, mesh, _HeadTailLoadBalancer(256, 2, "cpu"))
+        _create_cp_block_mask(causal, 1, 1, 256, 512, cp_mesh, _HeadTailLoadBalancer(256, 2, "cpu"))
     return 1
 
 

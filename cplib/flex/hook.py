@@ -12,6 +12,9 @@ the BlockMask this rank's shard (``_context_parallel_shard`` or
   from its arguments instead of the module's forward: each rank visits only
   the K/V rows its mask needs.
 
+The front end passes the choice in (``use_ring``): a feature folder does
+not read the front end's options itself.
+
 Either way score_mod sees global (original) positions when the mask was
 sharded by cplib, as mask_mod does.
 """
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import struct
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -29,7 +32,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm.handshake import agreed
 from ..comm.native import check_mesh, group_name_of
-from ..frontend.options import _cp_options, _RotateMethod
 from .allgather import flex_cp_allgather
 from .ring_args import ParsedCall, parse_call, ring_shard
 from .ring import RingCall, ring_attention
@@ -132,10 +134,10 @@ def _ring(call: ParsedCall, seq_dim: int, group_name: str, world: int, rank: int
 
 
 def _flex_forward(forward: Any, *args: Any, seq_dim: int, group_name: str, world: int,
-                  rank: int, **kwargs: Any) -> Any:
-    """The parallelized module's forward: the all-gather or the ring, by
-    the process-wide rotate method at the time of the call."""
-    if _cp_options.rotate_method is _RotateMethod.ALL_GATHER:
+                  rank: int, use_ring: Callable[[], bool], **kwargs: Any) -> Any:
+    """The parallelized module's forward: the ring when ``use_ring()`` says
+    so at the time of the call, else the all-gather."""
+    if not use_ring():
         args, kwargs = _flex_input_hook(None, args, kwargs, seq_dim=seq_dim,
                                         group_name=group_name)
         return forward(*args, **kwargs)
@@ -145,13 +147,15 @@ def _flex_forward(forward: Any, *args: Any, seq_dim: int, group_name: str, world
     return _ring(parsed, seq_dim, group_name, world, rank)
 
 
-def _register_flex_input_hook(module: nn.Module, mesh: DeviceMesh, seq_dim: int) -> nn.Module:
+def _register_flex_input_hook(module: nn.Module, mesh: DeviceMesh, seq_dim: int,
+                              use_ring: Callable[[], bool] = lambda: False) -> nn.Module:
     """Makes ``module`` (a flex_attention call) context parallel over the 1-D
-    ``mesh``: its forward runs as the all-gather or the ring (see the module
-    docstring)."""
+    ``mesh``: its forward runs as the all-gather or, when ``use_ring()`` at
+    the time of a call, the ring (see the module docstring)."""
     # The group name is resolved once here, so compiled forwards see a string.
     group = check_mesh(mesh)
     module.forward = functools.partial(_flex_forward, module.forward, seq_dim=seq_dim,
                                        group_name=group.group_name,
-                                       world=dist.get_world_size(group), rank=dist.get_rank(group))
+                                       world=dist.get_world_size(group), rank=dist.get_rank(group),
+                                       use_ring=use_ring)
     return module

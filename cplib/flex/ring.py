@@ -29,7 +29,7 @@ from torch.nn.attention.flex_attention import AuxRequest
 
 from ..merge.op import merge_partial_
 from .plan import FlexShard, RingStep, positions_mod
-from .ring_ops import pack, ring_begin, ring_shift
+from .ring_ops import pack, ring_begin, ring_end, ring_shift
 
 __all__ = ["RingCall", "ring_attention"]
 
@@ -116,7 +116,7 @@ def _forward(q, k, v, token, call: RingCall, group_name: str):
         if step.compute:
             o_b, lse_b = _attend(q, kb, vb, step, score_mod, call)
             merge_partial_(out, lse, o_b, lse_b.to(acc))
-    return out, lse
+    return out, ring_end(lse, token)
 
 
 def _differentiable(t: torch.Tensor, anchor: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -197,14 +197,18 @@ def _backward(q, k, v, out, lse, d_out, d_lse, call: RingCall, group_name: str,
             else:
                 dk.index_add_(2, step.send_index, rk.to(acc))
                 dv.index_add_(2, step.send_index, rv.to(acc))
-    return tuple(None if g is None else g.to(t.dtype) for g, t in ((dq, q), (dk, k), (dv, v)))
+    grads = [None if g is None else g.to(t.dtype) for g, t in ((dq, q), (dk, k), (dv, v))]
+    last = 2 if need_kv else 0
+    grads[last] = ring_end(grads[last], token)
+    return tuple(grads)
 
 
 class _FlexRing(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, token, call, group_name):
         out, lse = _forward(q, k, v, token, call, group_name)
-        out = out.to(q.dtype)
+        if out.dtype != q.dtype:  # (a no-op .to() here hides d_out on torch 2.11)
+            out = out.to(q.dtype)
         ctx.call, ctx.group_name = call, group_name
         ctx.save_for_backward(q, k, v, out, lse)
         return out, lse

@@ -2,11 +2,14 @@
 (``csrc/torch/flex/ring_exchange.cpp``): the handshake that opens a ring
 call and the exchange of one step.
 
-Both ops are marked as having side effects, so that no compiled graph drops
-one whose output it does not read (a rank that receives nothing at a step
-still joins that step's collective); each exchange takes the previous one's
-output as ``after``, which keeps the exchanges of a compiled graph in
-program order on every rank.
+Each exchange takes the previous one's output as ``after`` and the chain
+ends in ``flex_ring_end`` (a copy of a tensor the caller returns): the
+exchanges of a compiled graph stay in program order on every rank, and none
+is dropped on a rank that reads none of their outputs (one that receives
+nothing at a step still joins that step's collective). The ops are not
+marked as side-effectful on purpose: AOT's partitioner keeps such ops in
+both the forward and the backward graph, which would run the forward's
+exchanges again in the backward.
 """
 
 from __future__ import annotations
@@ -14,11 +17,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch.fx.node import has_side_effect
 
 from ..comm.native import ops, reject_real_in_fake
 
-__all__ = ["ring_begin", "ring_shift", "ring_bytes_received"]
+__all__ = ["ring_begin", "ring_shift", "ring_end", "ring_bytes_received"]
 
 
 @torch.library.register_fake("cplib_c::flex_ring_begin")
@@ -33,11 +35,15 @@ def _shift_fake(send, after, dst, recv_numel, src, group_name):
     return send.new_empty((recv_numel,))
 
 
-for _op in (torch.ops.cplib_c.flex_ring_begin.default, torch.ops.cplib_c.flex_ring_shift.default):
-    has_side_effect(_op)
+@torch.library.register_fake("cplib_c::flex_ring_end")
+def _end_fake(x, after):
+    reject_real_in_fake("flex_ring_end", x, after)
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 # `ops` makes each op's wrapper on first use, a mutation that torch.compile
 # refuses inside the ring's autograd.Function: make them now.
-for _name in ("flex_ring_begin", "flex_ring_shift", "merge_partial_"):
+for _name in ("flex_ring_begin", "flex_ring_shift", "flex_ring_end", "merge_partial_"):
     getattr(ops, _name)
 
 
@@ -55,6 +61,12 @@ def ring_shift(send: torch.Tensor, after: torch.Tensor, dst: int, recv_numel: in
     elements rank ``src`` sent (an empty tensor when 0); every rank of the
     group calls it at the same step."""
     return ops.flex_ring_shift(send, after, dst, recv_numel, src, group_name)
+
+
+def ring_end(x: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """A copy of ``x`` after the exchange that produced ``after`` (the end of
+    a chain of exchanges: see the module docstring)."""
+    return ops.flex_ring_end(x, after)
 
 
 def ring_bytes_received(reset: bool = False) -> int:

@@ -13,9 +13,15 @@
 //                     `after` argument is the previous exchange's output: a
 //                     data dependence that keeps the exchanges of a compiled
 //                     graph in program order on every rank.
+//   flex_ring_end     a copy of `x` that depends on the last exchange, so
+//                     that a compiled graph keeps every exchange of the
+//                     chain even on a rank that reads none of their outputs
+//                     (it receives nothing at the last steps).
 //
 // Every op is self-contained (it posts and waits its own collective), so a
-// compiled graph can move compute around it but never split it.
+// compiled graph can move compute around it but never split it. None is
+// marked as having side effects: a graph partitioner copies such ops into
+// both the forward and the backward graph.
 #include <algorithm>
 #include <atomic>
 #include <string>
@@ -90,6 +96,13 @@ Tensor flex_ring_shift(Tensor send, Tensor after, int64_t dst, int64_t recv_nume
   return out;
 }
 
+Tensor flex_ring_end(Tensor x, Tensor after) {
+  (void)after;  // only keeps the exchanges before it alive and in order
+  Tensor out = aten::empty(aten::sizes_of(x), aten::opts_of(x));
+  aten::copy_(out, x);
+  return out;
+}
+
 int64_t flex_ring_debug_bytes(bool reset) {
   return reset ? g_bytes_received.exchange(0) : g_bytes_received.load();
 }
@@ -103,12 +116,14 @@ STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
   m.def(
       "flex_ring_shift(Tensor send, Tensor after, int dst, int recv_numel, int src, "
       "str group_name) -> Tensor");
+  m.def("flex_ring_end(Tensor x, Tensor after) -> Tensor");
   m.def("flex_ring_debug_bytes(bool reset=False) -> int");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CPU, m) {
   m.impl("flex_ring_begin", TORCH_BOX(&flex_ring_begin));
   m.impl("flex_ring_shift", TORCH_BOX(&flex_ring_shift));
+  m.impl("flex_ring_end", TORCH_BOX(&flex_ring_end));
 }
 
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CompositeExplicitAutograd, m) {
@@ -119,6 +134,7 @@ STABLE_TORCH_LIBRARY_IMPL(cplib_c, CompositeExplicitAutograd, m) {
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CUDA, m) {
   m.impl("flex_ring_begin", TORCH_BOX(&flex_ring_begin));
   m.impl("flex_ring_shift", TORCH_BOX(&flex_ring_shift));
+  m.impl("flex_ring_end", TORCH_BOX(&flex_ring_end));
 }
 #endif
 
