@@ -82,17 +82,21 @@ def _unpack(flat: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             flat[nk:].view(b, v.shape[1], rows, v.shape[3]))
 
 
+def _row_numel(k: torch.Tensor, v: torch.Tensor) -> int:
+    """Elements of one sequence row of k and v together."""
+    return k.shape[0] * (k.shape[1] * k.shape[3] + v.shape[1] * v.shape[3])
+
+
 def _fetch(k, v, step: RingStep, after: torch.Tensor, whole: list,
            group_name: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Step ``step``'s exchange: sends our rows to ``step.dst``, returns
     ``(token, k_b, v_b)`` with the rows of ``step.src`` (None when none)."""
-    row_numel = k.shape[0] * (k.shape[1] * k.shape[3] + v.shape[1] * v.shape[3])
-    recv = ring_shift(_message(k, v, step, whole), after, step.dst,
-                      step.recv_rows * row_numel, step.src, group_name)
+    recv, token = ring_shift(_message(k, v, step, whole), after, step.dst,
+                             step.recv_rows * _row_numel(k, v), step.src, group_name)
     if step.recv_rows == 0:
-        return recv, None, None
+        return token, None, None
     kb, vb = _unpack(recv, k, v, step.recv_rows)
-    return recv, kb, vb
+    return token, kb, vb
 
 
 def _attend(q, kb, vb, step: RingStep, score_mod, call: RingCall):
@@ -116,6 +120,7 @@ def _forward(q, k, v, token, call: RingCall, group_name: str):
         if step.compute:
             o_b, lse_b = _attend(q, kb, vb, step, score_mod, call)
             merge_partial_(out, lse, o_b, lse_b.to(acc))
+            o_b = lse_b = None  # released before the next exchange
     return out, ring_end(lse, token)
 
 
@@ -154,6 +159,17 @@ def _block_grads(q, kb, vb, lse, d_out, delta, step, score_mod, call, need_q, ne
     return dq, dk, dv
 
 
+def _absorb(dk, dv, recv, k, v, step: RingStep) -> None:
+    """Adds the gradient of our rows that ``step.dst`` sent back (``recv``)."""
+    rk, rv = _unpack(recv, k, v, step.send_rows)
+    if step.send_index is None:
+        dk += rk
+        dv += rv
+    else:
+        dk.index_add_(2, step.send_index, rk.to(dk.dtype))
+        dv.index_add_(2, step.send_index, rv.to(dv.dtype))
+
+
 def _backward(q, k, v, out, lse, d_out, d_lse, call: RingCall, group_name: str,
               need_q: bool, need_kv: bool):
     acc = _acc_dtype(q)
@@ -176,6 +192,7 @@ def _backward(q, k, v, out, lse, d_out, d_lse, call: RingCall, group_name: str,
                                       need_q, need_kv, anchor_src)
             if need_q:
                 dq += gq
+            gq = None
         if not need_kv:
             continue
         if step.offset == 0:
@@ -186,17 +203,13 @@ def _backward(q, k, v, out, lse, d_out, d_lse, call: RingCall, group_name: str,
         # The visited block's gradient goes back to its owner; ours comes
         # back from the rank that visited our rows.
         send = pack((gk, gv)) if gk is not None else k.new_empty((0,))
-        row_numel = k.shape[0] * (k.shape[1] * k.shape[3] + v.shape[1] * v.shape[3])
-        token = ring_shift(send, token, step.src, step.send_rows * row_numel, step.dst,
-                           group_name)
+        gk = gv = kb = vb = None  # released before the exchange
+        recv, token = ring_shift(send, token, step.src, step.send_rows * _row_numel(k, v),
+                                 step.dst, group_name)
+        del send
         if step.send_rows:
-            rk, rv = _unpack(token, k, v, step.send_rows)
-            if step.send_index is None:
-                dk += rk
-                dv += rv
-            else:
-                dk.index_add_(2, step.send_index, rk.to(acc))
-                dv.index_add_(2, step.send_index, rv.to(acc))
+            _absorb(dk, dv, recv, k, v, step)
+        recv = None
     grads = [None if g is None else g.to(t.dtype) for g, t in ((dq, q), (dk, k), (dv, v))]
     last = 2 if need_kv else 0
     grads[last] = ring_end(grads[last], token)

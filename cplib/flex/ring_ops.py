@@ -2,7 +2,7 @@
 (``csrc/torch/flex/ring_exchange.cpp``): the handshake that opens a ring
 call and the exchange of one step.
 
-Each exchange takes the previous one's output as ``after`` and the chain
+Each exchange takes the previous one's token as ``after`` and the chain
 ends in ``flex_ring_end`` (a copy of a tensor the caller returns): the
 exchanges of a compiled graph stay in program order on every rank, and none
 is dropped on a rank that reads none of their outputs (one that receives
@@ -32,7 +32,7 @@ def _begin_fake(q, k, v, names, values, group_name):
 @torch.library.register_fake("cplib_c::flex_ring_shift")
 def _shift_fake(send, after, dst, recv_numel, src, group_name):
     reject_real_in_fake("flex_ring_shift", send, after)
-    return send.new_empty((recv_numel,))
+    return send.new_empty((recv_numel,)), send.new_empty((0,))
 
 
 @torch.library.register_fake("cplib_c::flex_ring_end")
@@ -56,10 +56,11 @@ def ring_begin(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fields: dict[s
 
 
 def ring_shift(send: torch.Tensor, after: torch.Tensor, dst: int, recv_numel: int, src: int,
-               group_name: str) -> torch.Tensor:
-    """Sends the flat ``send`` to rank ``dst`` and returns the ``recv_numel``
-    elements rank ``src`` sent (an empty tensor when 0); every rank of the
-    group calls it at the same step."""
+               group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sends the flat ``send`` to rank ``dst``; returns the ``recv_numel``
+    elements rank ``src`` sent (an empty tensor when 0) and the token the
+    next exchange takes as ``after``. Every rank of the group calls it at the
+    same step."""
     return ops.flex_ring_shift(send, after, dst, recv_numel, src, group_name)
 
 

@@ -9,10 +9,11 @@
 //   flex_ring_shift   one step's exchange: `send` (flat) to rank `dst`,
 //                     `recv_numel` elements from rank `src`, as a split
 //                     all-to-all that every rank joins (one non-empty peer
-//                     each way; every torch, every group), waited here. The
-//                     `after` argument is the previous exchange's output: a
-//                     data dependence that keeps the exchanges of a compiled
-//                     graph in program order on every rank.
+//                     each way; every torch, every group), waited here.
+//                     Returns (received, token). The `after` argument is the
+//                     previous exchange's token (or the begin op's): a data
+//                     dependence that keeps the exchanges of a compiled graph
+//                     in program order on every rank.
 //   flex_ring_end     a copy of `x` that depends on the last exchange, so
 //                     that a compiled graph keeps every exchange of the
 //                     chain even on a rank that reads none of their outputs
@@ -25,6 +26,7 @@
 #include <algorithm>
 #include <atomic>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "comm/collectives.h"
@@ -70,8 +72,9 @@ Tensor flex_ring_begin(Tensor q, Tensor k, Tensor v, std::vector<std::string> na
   return aten::empty({0}, aten::opts_of(q));
 }
 
-Tensor flex_ring_shift(Tensor send, Tensor after, int64_t dst, int64_t recv_numel, int64_t src,
-                       std::string group_name) {
+std::tuple<Tensor, Tensor> flex_ring_shift(Tensor send, Tensor after, int64_t dst,
+                                           int64_t recv_numel, int64_t src,
+                                           std::string group_name) {
   (void)after;  // only orders this exchange after the previous one
   const Group group = resolve_group(group_name);
   CPLIB_CHECK_VALUE(dst >= 0 && dst < group.size && src >= 0 && src < group.size,
@@ -82,18 +85,21 @@ Tensor flex_ring_shift(Tensor send, Tensor after, int64_t dst, int64_t recv_nume
   CPLIB_CHECK_VALUE(send.dim() == 1 && send.is_contiguous(),
                     "cplib.flex_ring_shift: send must be a flat contiguous buffer, got ",
                     send.sizes());
-  std::vector<int64_t> in_splits(static_cast<size_t>(group.size), 0), out_splits(in_splits);
-  if (send.numel() > 0) in_splits[dst] = send.numel();
-  if (recv_numel > 0) out_splits[src] = recv_numel;
   // A world of one has no other rank: the ring never schedules a step there.
   CPLIB_CHECK_VALUE(group.size > 1 || (send.numel() == 0 && recv_numel == 0),
                     "cplib.flex_ring_shift: a group of one rank exchanges nothing");
-  if (group.size == 1) return aten::empty({0}, aten::opts_of(send));
+  // The token is its own (empty) tensor, so that the next exchange's
+  // dependence on this one does not keep the received block alive.
+  Tensor token = aten::empty({0}, aten::opts_of(send));
+  if (group.size == 1) return {aten::empty({0}, aten::opts_of(send)), token};
+  std::vector<int64_t> in_splits(static_cast<size_t>(group.size), 0), out_splits(in_splits);
+  if (send.numel() > 0) in_splits[dst] = send.numel();
+  if (recv_numel > 0) out_splits[src] = recv_numel;
   Tensor out = all_to_all_split(group, send, out_splits, in_splits);
   wait(out);
-  if (recv_numel == 0) return aten::empty({0}, aten::opts_of(send));
+  if (recv_numel == 0) return {aten::empty({0}, aten::opts_of(send)), token};
   g_bytes_received += aten::nbytes(out);
-  return out;
+  return {out, token};
 }
 
 Tensor flex_ring_end(Tensor x, Tensor after) {
@@ -115,7 +121,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
       "str group_name) -> Tensor");
   m.def(
       "flex_ring_shift(Tensor send, Tensor after, int dst, int recv_numel, int src, "
-      "str group_name) -> Tensor");
+      "str group_name) -> (Tensor, Tensor)");
   m.def("flex_ring_end(Tensor x, Tensor after) -> Tensor");
   m.def("flex_ring_debug_bytes(bool reset=False) -> int");
 }
