@@ -164,7 +164,8 @@ def _rank_bench(args) -> list[dict]:
         from torch.distributed.tensor.experimental._context_parallel import _load_balancer
         torch_lib = argparse.Namespace(
             _HeadTailLoadBalancer=_load_balancer._HeadTailLoadBalancer,
-            _context_parallel_shard=tcp._context_parallel_shard, _ContextParallel=tcp._ContextParallel)
+            _context_parallel_shard=tcp._context_parallel_shard,
+            _ContextParallel=tcp._ContextParallel)
     except ImportError:
         pass
     n = dist.get_world_size()

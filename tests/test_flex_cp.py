@@ -1,4 +1,6 @@
-"""Flex-attention context parallelism on 2 gloo ranks (CPU, fp32) against
+"""Flex-attention context parallelism through the all-gather
+(``set_rotate_method("allgather")``, torch's prototype path; the flex ring is
+test_flex_ring*.py) on 2 gloo ranks (CPU, fp32) against
 ``torch.compile(flex_attention)`` on the full sequence in one process.
 
 What is compared (atol 2e-6, rtol 1e-5): outputs, lse and the gradients of

@@ -245,3 +245,25 @@ def _check_bad_input() -> list[str]:
 def test_bad_input_raises_on_every_rank(ranks):
     kinds = ["ValueError"] * 3 + ["NotImplementedError"] * 3
     assert ranks(2).run(_check_bad_input) == [kinds, kinds]
+
+
+def _check_one_tensor_as_q_k_v() -> int:
+    """model(x, x, x): the gradient of x sums its three roles, once each."""
+    S = 256
+    full = create_block_mask(causal, 1, 1, S, S, device="cpu", BLOCK_SIZE=32)
+    x, cot = randn((1, 2, S, DIM), 1), randn((1, 2, S, DIM), 2)
+    lb = balancer("head_tail", S, full, None)
+    with cpu_flex_grads(), rotate("p2p"):
+        xr = x.double().requires_grad_(True)
+        fa.flex_attention(xr, xr, xr, block_mask=full).backward(cot.double())
+        with torch.compiler.set_stance("force_eager"):
+            lx, lcot, mask = _context_parallel_shard(mesh(), [x, cot, full], [2, 2, 0], lb)
+        lx.requires_grad_(True)
+        _model(False)(lx, lx, lx, block_mask=mask).backward(lcot)
+    want, = cplib.shard(mesh(), [xr.grad], [2], lb)
+    assert_close(lx.grad.double(), want, atol=2e-6, rtol=1e-5, what="grad of x")
+    return 1
+
+
+def test_one_tensor_as_query_key_and_value(ranks):
+    assert ranks(2).run(_check_one_tensor_as_q_k_v) == [1, 1]

@@ -8,10 +8,11 @@ exchanges are cplib ops (``ring_ops.py``). The backward holds one visiting
 block at a time: it fetches each block again, recomputes that block's
 (o_b, lse_b) once with autograd and backpropagates
 
-    grad o_b   = w_b * dO
-    grad lse_b = w_b * (rowsum(dO * (o_b - O)) + dLSE),   w_b = exp(lse_b - LSE)
+    grad o_b   = w_b * dO,                                   w_b = exp(lse_b - LSE)
+    grad lse_b = rowsum(grad o_b * o_b) - w_b * (rowsum(dO * O) - dLSE)
 
-(exact: O = sum_b w_b o_b and LSE = logsumexp_b lse_b), then sends the
+(exact: O = sum_b w_b o_b and LSE = logsumexp_b lse_b; the first term of
+grad lse_b cancels the one flex's own backward subtracts), then sends the
 block's dK|dV back to its owner. Under torch.compile the recomputation's
 ``torch.autograd.grad`` is traced (dynamo's ``trace_autograd_ops``, switched
 on for that region only), so a compiled model stays one graph.
@@ -36,7 +37,7 @@ __all__ = ["RingCall", "ring_attention"]
 # Lets dynamo trace the backward's torch.autograd.grad (and nothing else):
 # entered around that call only.
 _TRACE_AUTOGRAD = DynamoConfigPatchProxy(torch._dynamo.config.patch(trace_autograd_ops=True))
-# torch 2.11's dynamo cannot trace requires_grad_() (2.13 can).
+# torch 2.11's dynamo cannot trace requires_grad_() (2.13 can): see _leaf.
 _REQUIRES_GRAD_TRACEABLE = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 13)
 
 
@@ -124,13 +125,14 @@ def _forward(q, k, v, token, call: RingCall, group_name: str):
     return out, ring_end(lse, token)
 
 
-def _differentiable(t: torch.Tensor, anchor: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """``t`` as a tensor whose gradient autograd.grad can ask for."""
-    if t.requires_grad:
-        return t
+def _leaf(t: torch.Tensor, anchor_src: torch.Tensor) -> torch.Tensor:
+    """``t`` as a fresh tensor that requires grad, for autograd.grad to ask
+    for its gradient: never ``t`` itself, whose history may hold other
+    inputs (``model(x, x, x)``). ``anchor_src``: an input that requires grad."""
     if _REQUIRES_GRAD_TRACEABLE or not torch.compiler.is_compiling():
         return t.detach().requires_grad_()
-    return t + anchor()  # a zero that requires grad: a differentiable copy
+    # torch 2.11's dynamo cannot trace requires_grad_(): add a zero that requires grad.
+    return t.detach() + (anchor_src.reshape(-1)[:1] * 0).sum().to(t.dtype)
 
 
 def _block_grads(q, kb, vb, lse, d_out, delta, step, score_mod, call, need_q, need_kv,
@@ -139,12 +141,9 @@ def _block_grads(q, kb, vb, lse, d_out, delta, step, score_mod, call, need_q, ne
     block's forward recomputed once, backpropagated with the weights that
     the merge gave it (see the module docstring): ``delta`` is
     ``rowsum(dO * O) - dLSE``; ``anchor_src`` a saved input that requires
-    grad (see _differentiable)."""
+    grad (see _leaf)."""
     with torch.enable_grad(), _TRACE_AUTOGRAD:
-        def anchor() -> torch.Tensor:
-            return (anchor_src.reshape(-1)[:1] * 0).sum().to(kb.dtype)
-
-        kv = (_differentiable(kb, anchor), _differentiable(vb, anchor)) if need_kv else (kb, vb)
+        kv = (_leaf(kb, anchor_src), _leaf(vb, anchor_src)) if need_kv else (kb, vb)
         inputs = ((q,) if need_q else ()) + (kv if need_kv else ())
         o_b, lse_b = _attend(q, *kv, step, score_mod, call)
         w = torch.exp(lse_b.detach().to(lse.dtype) - lse)
