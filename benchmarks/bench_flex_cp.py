@@ -193,6 +193,10 @@ def _rank_bench(args) -> list[dict]:
                         row[f"{name}_peak"] = peak_bytes(fns[name])
                 rows.append(row)
                 del variants, fns
+                if dist.get_rank() == 0:  # progress: this rank's view of the row
+                    print(f"[rank 0] S={S} {kind}: " + ", ".join(
+                        f"{k} {v:.3g}" for k, v in row.items() if k.endswith(("_s", "_peak"))),
+                        flush=True)
     return rows
 
 
@@ -233,15 +237,14 @@ def _plot(args, records) -> str:
     from common import OUT_DIR
 
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4))
-    for kind in args.masks:
+    for color, kind in zip(("C0", "C1", "C2", "C3"), args.masks):
         rs = [r for r in records if r["mask"] == kind]
-        for name, style in (("allgather", "--"), ("ring", "-")):
+        for name, style, marker in (("allgather", "--", "s"), ("ring", "-", "o")):
             pts = [(r["S"], r[f"{name}_s"], r.get(f"{name}_peak")) for r in rs if f"{name}_s" in r]
-            if pts:
-                ax_t.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o",
-                          label=f"{kind} {name}")
-                ax_m.plot([p[0] for p in pts], [p[2] / 2 ** 20 for p in pts], style, marker="o",
-                          label=f"{kind} {name}")
+            for ax, ys in ((ax_t, [p[1] for p in pts]), (ax_m, [p[2] / 2 ** 20 for p in pts])):
+                if pts:
+                    ax.plot([p[0] for p in pts], ys, style, marker=marker, color=color,
+                            label=f"{kind} {name}")
     for ax, label in ((ax_t, "s per fwd+bwd (slowest rank)"), (ax_m, "peak MiB beyond inputs")):
         ax.set_xlabel("sequence length S")
         ax.set_ylabel(label)
