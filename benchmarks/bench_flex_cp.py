@@ -1,21 +1,24 @@
-"""Flex-attention context parallelism: per-rank forward time of a causal
-flex_attention at world size 2 (gloo, one thread per rank), K/V all-gathered
-by cplib, against
-  - flex_attention on the full sequence in one process (one thread; the ideal
-    CP time is that divided by the world size). It runs on rank 0 while the
-    other ranks wait, interleaved with the CP variants, so that it sees the
-    same background load;
-  - torch's own flex CP (its ``_context_parallel_shard`` + ``_ContextParallel``
-    FLEX hook + ``flex_cp_allgather``) in the same run;
-  - the parts of cplib's step: the local attention alone (K/V gathered
-    beforehand) and the all-gather alone.
+"""Flex-attention context parallelism: the flex ring against the all-gather,
+side by side in one run (issue 35). Per rank, on gloo ranks with one thread
+each: the time of one forward+backward (slowest rank, median of interleaved
+rounds), the peak memory beyond the inputs (CPU allocator, torch.profiler),
+the K/V bytes one forward receives and its flex_attention calls, for
 
-Everything runs ``torch.compile(fullgraph=True)`` with inductor, whose CPU flex
-kernel is forward-only (torch has no CPU flex backward), so this times the
-forward. Each variant is timed round-robin with the others (ranks aligned by a
-barrier), so load changes on a shared machine hit every variant alike.
+  causal (head-tail), 28 packed documents (causal inside each, random
+  lengths as torch's tests; head-tail), sliding window 512 (no balancer),
+  prefix-LM with a prefix of S/4 (head-tail),
 
-  python benchmarks/bench_flex_cp.py [--seqs 2048 4096 8192] [--heads 4] [--dim 64]
+B=1, H=8, D=64, fp32, block 128. Both paths run the CP model under
+torch.compile(backend="aot_eager", fullgraph=True): flex's own dense
+implementation, with torch's "no flex backward on CPU" guard lifted (as the
+tests do); inductor's CPU flex kernel is forward-only and returns no lse,
+which the ring needs. Dense flex materialises each call's (queries x keys)
+scores, so memory grows with them: a variant whose estimate exceeds
+--mem-gib (all ranks together) is skipped and says so. "torch" is torch's
+own flex CP (its all-gather) on causal; "ideal" the whole sequence in one
+process (one thread) divided by N, where it fits.
+
+  python benchmarks/bench_flex_cp.py --ranks 4 --seqs 4096 8192 --iters 5
 """
 
 from __future__ import annotations
@@ -26,26 +29,40 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import interleaved, machine, plot, print_table, run_on_ranks, write_json  # noqa: E402
+from common import (interleaved, machine, peak_bytes, print_table,  # noqa: E402
+                    run_on_ranks, write_json)
 
 NAME = "bench_flex_cp"
+MASKS = ("causal", "documents", "window", "prefix")
+BALANCED = {"causal": True, "documents": True, "window": False, "prefix": True}
+# Peak bytes of one dense flex fwd+bwd per (query x key) score of one head,
+# measured (fp32, H=8: 3.7 GiB for 2048 x 8192), with some room.
+DENSE_BYTES_PER_SCORE = 32
 
 
-def causal(b, h, q_idx, kv_idx):
-    return q_idx >= kv_idx
+def _mask_mod(kind: str, S: int):
+    if kind == "causal":
+        return lambda b, h, q, kv: q >= kv
+    if kind == "window":
+        return lambda b, h, q, kv: (q >= kv) & (q - kv <= 512)
+    if kind == "prefix":
+        return lambda b, h, q, kv: (q >= kv) | (kv < S // 4)
+    g = torch.Generator().manual_seed(28)
+    cuts = torch.randperm(S - 1, generator=g)[:27].add(1).sort().values
+    doc = torch.zeros(S, dtype=torch.long).index_fill_(0, cuts, 1).cumsum(0)
+    return lambda b, h, q, kv: (doc[q] == doc[kv]) & (q >= kv)
 
 
-class _Attention(nn.Module):
+class _Attention(torch.nn.Module):
     def forward(self, query, key, value, block_mask=None):
         from torch.nn.attention.flex_attention import flex_attention
 
         return flex_attention(query, key, value, block_mask=block_mask)
 
 
-class _Model(nn.Module):
+class _Model(torch.nn.Module):
     """Wraps the attention module so one compiled frame holds the CP hook too."""
 
     def __init__(self) -> None:
@@ -56,128 +73,218 @@ class _Model(nn.Module):
         return self.attn(*args, **kwargs)
 
 
-def _inputs(args, S: int) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(S)
-    return [torch.randn(args.batch, args.heads, S, args.dim, generator=g) for _ in range(3)]
+def _fwd_bwd(model, q, k, v, mask, cot, method):
+    """One forward+backward of ``model`` under ``set_rotate_method(method)``."""
+    import cplib
+    from cplib.frontend.options import _cp_options
+
+    def step():
+        before = _cp_options.rotate_method
+        if method:
+            cplib.set_rotate_method(method)
+        try:
+            model(q, k, v, block_mask=mask).backward(cot)
+        finally:
+            _cp_options.rotate_method = before
+        q.grad = k.grad = v.grad = None
+    return step
 
 
-def _cp_variant(lib, mesh, args, S: int, balanced: bool):
-    """A timed forward of ``lib``'s flex CP (cplib or torch's module)."""
+def _variants(lib, mesh, args, S: int, kind: str):
+    """{name: (step, estimated bytes per rank)} of one (S, mask) and the
+    plan's ring statistics."""
     from torch.distributed.tensor.parallel import parallelize_module
-    from torch.nn.attention.flex_attention import create_block_mask
 
-    n = mesh.size()
-    mask = create_block_mask(causal, 1, 1, S, S, device="cpu")
-    lb = lib._HeadTailLoadBalancer(S, n, "cpu") if balanced else None
-    q, k, v, local_mask = lib._context_parallel_shard(mesh, [*_inputs(args, S), mask],
-                                                      [2, 2, 2, 0], lb)
-    model = parallelize_module(_Model(), mesh, {"attn": lib._ContextParallel(
-        seq_dim=2, attention_type=lib._ContextParallel.AttentionType.FLEX)})
-    compiled = torch.compile(model, fullgraph=True, dynamic=False)
-    compiled(q, k, v, block_mask=local_mask)  # compile outside the timing
-    return lambda: compiled(q, k, v, block_mask=local_mask)
+    import cplib
+    from cplib.flex.block_mask import _compiled_create_block_mask
+    from cplib.flex.plan import SHARD_ATTR
+
+    n, H = mesh.size(), args.heads
+    g = torch.Generator().manual_seed(S)
+    full = [torch.randn(1, H, S, args.dim, generator=g) for _ in range(4)]
+    mask = _compiled_create_block_mask()(_mask_mod(kind, S), 1, 1, S, S, device="cpu",
+                                         BLOCK_SIZE=args.block)
+    out, stats = {}, {}
+    libs = {"cplib": cplib} if kind != "causal" or lib is None else {"cplib": cplib, "torch": lib}
+    for name, mod in libs.items():
+        lb = mod._HeadTailLoadBalancer(S, n, "cpu") if BALANCED[kind] else None
+        try:
+            with torch.compiler.set_stance("force_eager"):
+                q, k, v, cot, local = mod._context_parallel_shard(mesh, [*full, mask],
+                                                                  [2] * 4 + [0], lb)
+        except Exception as exc:  # torch's prototype may not run here
+            stats["torch_note"] = f"{type(exc).__name__}: {exc}"[:200]
+            continue
+        for t in (q, k, v):
+            t.requires_grad_(True)
+        model = parallelize_module(_Model(), mesh, {"attn": mod._ContextParallel(
+            seq_dim=2, attention_type=mod._ContextParallel.AttentionType.FLEX)})
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        dense = DENSE_BYTES_PER_SCORE * H * (S // n) * S
+        if name == "torch":
+            out["torch allgather"] = (_fwd_bwd(compiled, q, k, v, local, cot, None), dense)
+            continue
+        shard = getattr(local, SHARD_ATTR)
+        ring_dense = DENSE_BYTES_PER_SCORE * H * (S // n) * max(
+            (s.recv_rows or S // n) for s in shard.steps)
+        out["allgather"] = (_fwd_bwd(compiled, q, k, v, local, cot, "allgather"), dense)
+        out["ring"] = (_fwd_bwd(compiled, q, k, v, local, cot, "p2p"), ring_dense)
+        stats = {"ring_calls": shard.calls, "ring_recv_rows": shard.recv_rows,
+                 "allgather_recv_rows": (n - 1) * (S // n),
+                 "row_bytes": 2 * H * args.dim * 4, "block_rows": S // n}
+    if DENSE_BYTES_PER_SCORE * H * S * S <= args.mem_gib * 2 ** 30 / 2:
+        attn = torch.compile(_Attention(), backend="aot_eager", fullgraph=True)
+        fq, fk, fv = (t.clone().requires_grad_(True) for t in full[:3])
+        run = _fwd_bwd(attn, fq, fk, fv, mask, full[3], None)
+        # One process on the machine: the other ranks wait at the barrier.
+        out["ideal"] = ((run if dist.get_rank() == 0 else (lambda: None)), 0)
+    return out, stats
 
 
-def _parts(cplib, mesh, args, S: int) -> dict:
-    """The full-sequence baseline and the two parts of a head-tail CP step."""
-    from torch.nn.attention.flex_attention import create_block_mask
+def _bytes_received(step) -> int:
+    from cplib.flex.ring_ops import ring_bytes_received
 
-    n = mesh.size()
-    mask = create_block_mask(causal, 1, 1, S, S, device="cpu")
-    full_inputs = _inputs(args, S)
-    lb = cplib._HeadTailLoadBalancer(S, n, "cpu")
-    q, k, v, local_mask = cplib._context_parallel_shard(mesh, [*full_inputs, mask],
-                                                        [2, 2, 2, 0], lb)
-    group = dist.group.WORLD.group_name
-    k_all, v_all = cplib.flex_cp_allgather(k, v, 2, group)
-    attn = torch.compile(_Attention(), fullgraph=True, dynamic=False)
-    attn(*full_inputs, block_mask=mask)
-    attn(q, k_all, v_all, block_mask=local_mask)
-    # The baseline runs on rank 0 alone (the others wait at the barrier), so it
-    # is one process on the machine, as a single-device run would be.
-    full = (lambda: attn(*full_inputs, block_mask=mask)) if mesh.get_local_rank() == 0 else (
-        lambda: None)
-    return {"full_sequence": full,
-            "cplib_local_attention_only": lambda: attn(q, k_all, v_all, block_mask=local_mask),
-            "cplib_allgather_only": lambda: cplib.flex_cp_allgather(k, v, 2, group)}
+    ring_bytes_received(reset=True)
+    step()
+    return ring_bytes_received(reset=True)
 
 
 def _rank_bench(args) -> list[dict]:
-    import cplib
-    import torch.distributed.tensor.experimental._context_parallel._attention as torch_cp
+    """Every (S, mask) on this rank: times, peaks and the ring's plan."""
+    import unittest.mock
+
+    import torch.nn.attention.flex_attention as fa
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor.experimental._context_parallel import _load_balancer
 
     torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.accumulated_recompile_limit = 1024
+    torch_lib = None
+    try:
+        import torch.distributed.tensor.experimental._context_parallel._attention as tcp
+        from torch.distributed.tensor.experimental._context_parallel import _load_balancer
+        torch_lib = argparse.Namespace(
+            _HeadTailLoadBalancer=_load_balancer._HeadTailLoadBalancer,
+            _context_parallel_shard=tcp._context_parallel_shard,
+            _ContextParallel=tcp._ContextParallel)
+    except ImportError:
+        pass
     n = dist.get_world_size()
     mesh = DeviceMesh("cpu", list(range(n)))
-    torch_lib = argparse.Namespace(
-        _HeadTailLoadBalancer=_load_balancer._HeadTailLoadBalancer,
-        _context_parallel_shard=torch_cp._context_parallel_shard,
-        _ContextParallel=torch_cp._ContextParallel)
+    budget = args.mem_gib * 2 ** 30 / n
     rows = []
-    for S in args.seqs:
-        fns = {"cplib": _cp_variant(cplib, mesh, args, S, False),
-               "cplib_head_tail": _cp_variant(cplib, mesh, args, S, True)}
-        note = ""
-        try:
-            fns["torch_head_tail"] = _cp_variant(torch_lib, mesh, args, S, True)
-        except Exception as exc:  # torch's prototype may not run on CPU/gloo
-            note = f"torch flex CP failed: {type(exc).__name__}: {exc}"[:300]
-        fns.update(_parts(cplib, mesh, args, S))
-        row = {"S": S, "torch_note": note}
-        row.update(interleaved(fns, args.iters, dist.barrier))
-        rows.append(row)
+    with unittest.mock.patch.object(fa, "_validate_device", lambda *a: None):
+        for S in args.seqs:
+            for kind in args.masks:
+                variants, stats = _variants(torch_lib, mesh, args, S, kind)
+                row = {"S": S, "mask": kind, **stats, "skipped": {}}
+                fns = {}
+                for name, (step, est) in variants.items():
+                    if est > budget:
+                        row["skipped"][name] = f"needs ~{est / 2 ** 30:.1f} GiB per rank"
+                    else:
+                        fns[name] = step
+                if "ring" in fns:  # forward and backward (blocks again, dK|dV back)
+                    row["ring_fwd_bwd_bytes"] = _bytes_received(fns["ring"])
+                row.update({f"{k}_s": t for k, t in interleaved(fns, args.iters, dist.barrier)
+                            .items()})
+                for name in ("allgather", "ring"):
+                    if name in fns:
+                        dist.barrier()
+                        row[f"{name}_peak"] = peak_bytes(fns[name])
+                rows.append(row)
+                del variants, fns
+                if dist.get_rank() == 0:  # progress: this rank's view of the row
+                    print(f"[rank 0] S={S} {kind}: " + ", ".join(
+                        f"{k} {v:.3g}" for k, v in row.items() if k.endswith(("_s", "_peak"))),
+                        flush=True)
     return rows
+
+
+def _table(args, per_rank) -> tuple[list[str], list[list], list[dict]]:
+    n = args.ranks
+    columns = ["S", "mask", "all-gather (s)", "ring (s)", "ring / all-gather", "torch (s)",
+               "ideal full/N (s)", "peak all-gather (MiB)", "peak ring (MiB)", "peak ratio",
+               "K/V recv ring (blocks)", "K/V recv all-gather (blocks)", "ring calls"]
+    table, records = [], []
+    for i, r0 in enumerate(per_rank[0]):
+        worst = {k: max(per_rank[r][i][k] for r in range(n)) for k in r0
+                 if k.endswith("_s") or k.endswith("_peak") or k.endswith("_bytes")
+                 or k in ("ring_calls", "ring_recv_rows")}
+        worst["ring_fwd_bytes"] = worst["ring_recv_rows"] * r0["row_bytes"]  # the plan's
+        rec = {**{k: r0[k] for k in ("S", "mask", "skipped", "row_bytes", "block_rows",
+                                     "allgather_recv_rows", "torch_note") if k in r0}, **worst,
+               "per_rank": [per_rank[r][i] for r in range(n)]}
+        block_bytes = rec["row_bytes"] * rec["block_rows"]
+        get = lambda k, scale=1.0: rec[k] * scale if k in rec else "skipped"
+        ratio = lambda a, b: rec[a] / rec[b] if a in rec and b in rec else "n/a"
+        ideal = rec["ideal_s"] / n if "ideal_s" in rec else "n/a"
+        table.append([rec["S"], rec["mask"], get("allgather_s"), get("ring_s"),
+                      ratio("ring_s", "allgather_s"), get("torch allgather_s"), ideal,
+                      get("allgather_peak", 2 ** -20), get("ring_peak", 2 ** -20),
+                      ratio("ring_peak", "allgather_peak"),
+                      get("ring_fwd_bytes", 1 / block_bytes),
+                      rec["allgather_recv_rows"] / rec["block_rows"], get("ring_calls")])
+        records.append(rec)
+    return columns, table, records
+
+
+def _plot(args, records) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from common import OUT_DIR
+
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4))
+    for color, kind in zip(("C0", "C1", "C2", "C3"), args.masks):
+        rs = [r for r in records if r["mask"] == kind]
+        for name, style, marker in (("allgather", "--", "s"), ("ring", "-", "o")):
+            pts = [(r["S"], r[f"{name}_s"], r.get(f"{name}_peak")) for r in rs if f"{name}_s" in r]
+            for ax, ys in ((ax_t, [p[1] for p in pts]), (ax_m, [p[2] / 2 ** 20 for p in pts])):
+                if pts:
+                    ax.plot([p[0] for p in pts], ys, style, marker=marker, color=color,
+                            label=f"{kind} {name}")
+    for ax, label in ((ax_t, "s per fwd+bwd (slowest rank)"), (ax_m, "peak MiB beyond inputs")):
+        ax.set_xlabel("sequence length S")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    ax_m.legend(fontsize=7)
+    fig.suptitle(f"flex CP, ring vs all-gather, N={args.ranks}, B=1 H={args.heads} "
+                 f"D={args.dim} fp32 (CPU, gloo)")
+    fig.tight_layout()
+    os.makedirs(OUT_DIR, exist_ok=True)
+    path = os.path.join(OUT_DIR, f"{NAME}_n{args.ranks}.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--seqs", type=int, nargs="+", default=[2048, 4096, 8192])
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192])
+    p.add_argument("--masks", nargs="+", default=list(MASKS), choices=MASKS)
+    p.add_argument("--heads", type=int, default=8)
     p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--block", type=int, default=128)
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--mem-gib", type=float, default=16.0,
+                   help="memory all ranks together may use; larger variants are skipped")
     args = p.parse_args()
 
-    per_rank = dict(enumerate(run_on_ranks(args.ranks, _rank_bench, args, timeout_s=900)))
-
-    n = args.ranks
-    columns = ["S", "full 1 proc (ms)", "ideal full/N (ms)", "cplib CP (ms)",
-               "cplib CP head-tail (ms)", "torch CP head-tail (ms)", "local attn only (ms)",
-               "all-gather only (ms)", "cplib head-tail / ideal"]
-    table, records = [], []
-    for i, S in enumerate(args.seqs):
-        # A rank's step ends when the slowest rank's does: take the max over ranks.
-        worst = {k: max(per_rank[r][i][k] for r in range(n))
-                 for k in per_rank[0][i] if k not in ("S", "torch_note")}
-        full = worst["full_sequence"]
-        ideal = full / n
-        torch_t = worst.get("torch_head_tail")
-        table.append([S, full * 1e3, ideal * 1e3, worst["cplib"] * 1e3,
-                      worst["cplib_head_tail"] * 1e3,
-                      torch_t * 1e3 if torch_t is not None else "n/a",
-                      worst["cplib_local_attention_only"] * 1e3,
-                      worst["cplib_allgather_only"] * 1e3, worst["cplib_head_tail"] / ideal])
-        per_rank_s = {k: [per_rank[r][i][k] for r in range(n)] for k in worst}
-        records.append({"S": S, "ideal_s": ideal, **worst, "per_rank_s": per_rank_s,
-                        "torch_note": per_rank[0][i]["torch_note"]})
-    title = (f"flex CP forward, causal, world size {n} (gloo, 1 thread/rank), "
-             f"B={args.batch} H={args.heads} D={args.dim}, fp32")
+    per_rank = run_on_ranks(args.ranks, _rank_bench, args, timeout_s=7200)
+    columns, table, records = _table(args, per_rank)
+    title = (f"flex CP fwd+bwd, ring vs all-gather, N={args.ranks} (gloo, 1 thread/rank), "
+             f"B=1 H={args.heads} D={args.dim} fp32, block {args.block}")
     print_table(title, columns, table)
     for r in records:
-        if r["torch_note"]:
-            print(f"S={r['S']}: {r['torch_note']}")
-    write_json(NAME, {"args": vars(args), "world_size": n, "rows": records})
-    series = {"full sequence, 1 process": (args.seqs, [r["full_sequence"] * 1e3 for r in records]),
-              "ideal (full / N)": (args.seqs, [r["ideal_s"] * 1e3 for r in records]),
-              "cplib CP": (args.seqs, [r["cplib"] * 1e3 for r in records]),
-              "cplib CP head-tail": (args.seqs, [r["cplib_head_tail"] * 1e3 for r in records])}
-    if all("torch_head_tail" in r for r in records):
-        series["torch CP head-tail"] = (args.seqs, [r["torch_head_tail"] * 1e3 for r in records])
-    path = plot(NAME, title, "sequence length", "ms per forward", series)
-    print(f"machine: {machine()}\nwrote {path}")
+        for name, why in r["skipped"].items():
+            print(f"S={r['S']} {r['mask']}: {name} skipped ({why})")
+        if r.get("torch_note"):
+            print(f"S={r['S']} {r['mask']}: torch's flex CP did not run: {r['torch_note']}")
+    write_json(f"{NAME}_n{args.ranks}", {"args": vars(args), "rows": records})
+    print(f"machine: {machine()}\nwrote {_plot(args, records)}")
 
 
 if __name__ == "__main__":

@@ -170,6 +170,21 @@ def time_full_sdpa(shape: Sequence[int], causal: bool, iters: int) -> tuple[floa
     return wall, sorted(cpu)[len(cpu) // 2]
 
 
+def peak_bytes(fn: Callable[[], Any]) -> int:
+    """The most bytes the CPU allocator held at once during ``fn`` beyond
+    what it held at the start (torch.profiler's memory events, in order)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
 def _rank_main(rank: int, n: int, port: int, timeout_s: float, fn, args, results) -> None:
     import traceback
 

@@ -1,4 +1,6 @@
-"""Flex-attention context parallelism on 2 gloo ranks (CPU, fp32) against
+"""Flex-attention context parallelism through the all-gather
+(``set_rotate_method("allgather")``, torch's prototype path; the flex ring is
+test_flex_ring*.py) on 2 gloo ranks (CPU, fp32) against
 ``torch.compile(flex_attention)`` on the full sequence in one process.
 
 What is compared (atol 2e-6, rtol 1e-5): outputs, lse and the gradients of
@@ -51,16 +53,12 @@ an idle 2-core machine); ``CPLIB_QUICK_TESTS=1`` runs only the left column.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import unittest.mock
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.attention.flex_attention as fa
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, create_mask
 
@@ -70,9 +68,9 @@ from cplib import (
     _ContextParallel,
     _create_cp_block_mask,
     _HeadTailLoadBalancer,
-    _PerDocumentHeadTailLoadBalancer,
-    _PTRRLoadBalancer,
 )
+from flex_cases import (FlexAttention, balancer, causal, cp_model, cpu_flex_grads,
+                        document_causal, document_lengths, mesh, rotate, sliding_window)
 from harness import assert_close
 
 WORLD = 2
@@ -82,107 +80,16 @@ TOL = dict(atol=2e-6, rtol=1e-5)
 ALL_LB = ("none", "head_tail", "per_document_head_tail", "ptrr")
 
 
-# ------------------------------------------------------------------ masks
-
-
-def causal(b, h, q_idx, kv_idx):
-    return q_idx >= kv_idx
-
-
-def _sliding_window(window: int):
-    def sliding_window_causal(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (q_idx - kv_idx <= window)
-    return sliding_window_causal
-
-
-def _document_lengths(B: int, S: int, docs: int, unit: int, seed: int) -> list[list[int]]:
-    """``docs`` random document lengths per batch row, multiples of ``unit``, summing to S."""
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(B):
-        cuts = (torch.randperm(S // unit - 1, generator=g)[: docs - 1] + 1).sort().values
-        bounds = [0, *cuts.tolist(), S // unit]
-        rows.append([(bounds[i + 1] - bounds[i]) * unit for i in range(docs)])
-    return rows
-
-
-def _document_causal(lengths: list[list[int]]):
-    doc_ids = torch.stack([
-        torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)) for row in lengths
-    ])
-
-    def document_causal(b, h, q_idx, kv_idx):
-        return (doc_ids[b, q_idx] == doc_ids[b, kv_idx]) & (q_idx >= kv_idx)
-    return document_causal
-
-
-# ------------------------------------------------------------------ per-rank plumbing
-
-
-@contextlib.contextmanager
-def _cpu_flex_grads():
-    """Lifts torch's "no flex backward on CPU" guard (see the module docstring)."""
-    with unittest.mock.patch.object(fa, "_validate_device", lambda *args: None), \
-            torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=512):
-        yield
-
-
-class FlexAttention(nn.Module):
-    """A module with flex_attention's signature (what _ContextParallel wraps)."""
-
-    def forward(self, query, key, value, score_mod=None, block_mask=None, scale=None,
-                enable_gqa=False, return_aux=None):
-        return fa.flex_attention(query, key, value, score_mod=score_mod, block_mask=block_mask,
-                                 scale=scale, enable_gqa=enable_gqa, return_aux=return_aux)
-
-
-class Model(nn.Module):
-    """Calls its attention submodule, so compiling the model traces the CP
-    hook and the attention as one frame (compiling the attention module
-    itself would compile its forward pre-hook as a separate frame)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.attn = FlexAttention()
-
-    def forward(self, *args, **kwargs):
-        return self.attn(*args, **kwargs)
-
-
-def _cp_model() -> nn.Module:
-    return parallelize_module(Model(), _mesh(), {"attn": _ContextParallel(
-        seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX)})
-
-
 _per_process: dict[str, object] = {}
-
-
-def _mesh() -> DeviceMesh:
-    if "mesh" not in _per_process:
-        _per_process["mesh"] = DeviceMesh("cpu", list(range(dist.get_world_size())))
-    return _per_process["mesh"]
-
 
 def _compiled(name: str, backend: str):
     """One compiled function per (role, backend) and process: every case reuses
     dynamo's cache, so equal shapes and masks never compile twice."""
     key = f"{name}/{backend}"
     if key not in _per_process:
-        module = _cp_model() if name == "cp" else FlexAttention()
+        module = cp_model() if name == "cp" else FlexAttention()
         _per_process[key] = torch.compile(module, backend=backend, fullgraph=True, dynamic=False)
     return _per_process[key]
-
-
-def _balancer(kind: str, S: int, block_mask, lengths):
-    if kind == "none":
-        return None
-    if kind == "head_tail":
-        return _HeadTailLoadBalancer(S, dist.get_world_size(), "cpu")
-    if kind == "per_document_head_tail":
-        return _PerDocumentHeadTailLoadBalancer(lengths, dist.get_world_size(), "cpu")
-    if kind == "ptrr":
-        return _PTRRLoadBalancer(block_mask, dist.get_world_size())
-    raise AssertionError(kind)
 
 
 def _randn(shape, seed: int) -> torch.Tensor:
@@ -240,16 +147,16 @@ def _check_config(mask_kind: str, B: int, S: int, balancers: tuple[str, ...],
                   compiled_mask_builder: tuple[str, ...] = ()) -> list[str]:
     """Runs every balancer of one (mask, B, S) on this rank; returns what it checked."""
     torch.manual_seed(0)
-    mesh = _mesh()
+    cp_mesh = mesh()
     lengths = None
     if mask_kind == "causal":
         mask_mod = causal
     elif mask_kind == "sliding_window":
-        mask_mod = _sliding_window(S // 5)
+        mask_mod = sliding_window(S // 5)
     else:  # document: arbitrary lengths, or multiples of 2 * world for per-document head-tail
         unit = 2 * dist.get_world_size() if mask_kind == "document_chunked" else 1
-        lengths = _document_lengths(B, S, 28, unit, seed=S + B + unit)
-        mask_mod = _document_causal(lengths)
+        lengths = document_lengths(B, S, 28, unit, seed=S + B + unit)
+        mask_mod = document_causal(lengths)
     q_heads, kv_heads = heads
     gqa = q_heads != kv_heads
     q = _randn((B, q_heads, S, DIM), 1)
@@ -257,16 +164,16 @@ def _check_config(mask_kind: str, B: int, S: int, balancers: tuple[str, ...],
     cot_out, cot_lse = _randn((B, q_heads, S, DIM), 4), _randn((B, q_heads, S), 5)
     full_mask = create_block_mask(mask_mod, B, 1, S, S, device="cpu")
     done = []
-    with _cpu_flex_grads():
+    with cpu_flex_grads(), rotate("allgather"):
         ref = _reference(q, k, v, full_mask, gqa, cot_out, cot_lse)
         for kind in balancers:
-            lb = _balancer(kind, S, full_mask, lengths)
+            lb = balancer(kind, S, full_mask, lengths)
             # The compiled mask builder is slow to compile on CPU: a few cases use it,
             # the rest run it eagerly.
             stance = "default" if kind in compiled_mask_builder else "force_eager"
             with torch.compiler.set_stance(stance):
                 *inputs, cp_mask = _context_parallel_shard(
-                    mesh, [q, k, v, cot_out, cot_lse, full_mask], [2, 2, 2, 2, 2, 0], lb)
+                    cp_mesh, [q, k, v, cot_out, cot_lse, full_mask], [2, 2, 2, 2, 2, 0], lb)
             lq, lk, lv, l_cot_out, l_cot_lse = inputs
             _check_mask_structure(cp_mask, mask_mod, B, S,
                                   lb._generate_indices() if lb is not None else None)
@@ -276,7 +183,7 @@ def _check_config(mask_kind: str, B: int, S: int, balancers: tuple[str, ...],
                                                      enable_gqa=gqa,
                                                      return_aux=AuxRequest(lse=True))
             torch.autograd.backward([out, aux.lse], [l_cot_out, l_cot_lse])
-            want = cplib.shard(mesh, ref, [2] * len(ref), lb)
+            want = cplib.shard(cp_mesh, ref, [2] * len(ref), lb)
             what = _case_name(mask_kind, B, S, kind, heads)
             for name, got, exp in zip(("out", "lse", "dq", "dk", "dv"),
                                       (out, aux.lse, lq.grad, lk.grad, lv.grad), want):
@@ -287,7 +194,7 @@ def _check_config(mask_kind: str, B: int, S: int, balancers: tuple[str, ...],
                                                         enable_gqa=gqa)
                 got = _compiled("cp", "inductor")(*(t.detach() for t in (lq, lk, lv)),
                                                   block_mask=cp_mask, enable_gqa=gqa)
-                exp, = cplib.shard(mesh, [ref_out], [2], lb)
+                exp, = cplib.shard(cp_mesh, [ref_out], [2], lb)
                 assert_close(got, exp, what=f"{what}: inductor out", **TOL)
                 done.append(what + " inductor")
     return done
@@ -298,17 +205,17 @@ def _check_small_sequence_errors(kinds: tuple[str, ...]) -> list[str]:
     torch's messages, before anything is communicated. As in torch,
     ``_context_parallel_shard`` asks the balancer first (so PTRR reports its
     own limit), ``_create_cp_block_mask`` checks Q_LEN first."""
-    mesh = _mesh()
+    cp_mesh = mesh()
     full_mask = create_block_mask(causal, 1, 1, 128, 128, device="cpu")
     msgs = []
     for kind in kinds:
         # PTRR's exact wording is checked by test_small_sequence_ptrr_message.
         pattern = "divisible by group_size" if kind == "ptrr" else "Q_LEN 128 is not divisible"
-        lb = _balancer(kind, 128, full_mask, None)
+        lb = balancer(kind, 128, full_mask, None)
         with pytest.raises(NotImplementedError, match="Q_LEN 128 is not divisible"):
-            _create_cp_block_mask(causal, 1, 1, 128, 128, mesh, lb)
+            _create_cp_block_mask(causal, 1, 1, 128, 128, cp_mesh, lb)
         with pytest.raises(NotImplementedError, match=pattern) as info:
-            _context_parallel_shard(mesh, [torch.zeros(1, 1, 128, 4), full_mask], [2, 0], lb)
+            _context_parallel_shard(cp_mesh, [torch.zeros(1, 1, 128, 4), full_mask], [2, 0], lb)
         msgs.append(str(info.value))
     return msgs
 
@@ -316,27 +223,27 @@ def _check_small_sequence_errors(kinds: tuple[str, ...]) -> list[str]:
 def _check_block_size_and_bad_input() -> int:
     """The block size is a parameter (here the mask's own 64-blocks make S=128
     shardable); bad arguments are ValueErrors naming the value."""
-    mesh = _mesh()
+    cp_mesh = mesh()
     small = create_block_mask(causal, 1, 1, 128, 128, device="cpu", BLOCK_SIZE=64)
     for kind in ("none", "head_tail", "ptrr"):
-        lb = _balancer(kind, 128, small, None)
+        lb = balancer(kind, 128, small, None)
         with torch.compiler.set_stance("force_eager"):
-            cp_mask, = _context_parallel_shard(mesh, [small], [0], lb)
-            direct = _create_cp_block_mask(causal, 1, 1, 128, 128, mesh, lb, block_size=64)
+            cp_mask, = _context_parallel_shard(cp_mesh, [small], [0], lb)
+            direct = _create_cp_block_mask(causal, 1, 1, 128, 128, cp_mesh, lb, block_size=64)
         for m in (cp_mask, direct):
             assert m.BLOCK_SIZE == (64, 64) and m.seq_lengths == (64, 128)
             _check_mask_structure(m, causal, 1, 128,
                                   lb._generate_indices() if lb is not None else None)
     with torch.compiler.set_stance("force_eager"):
-        rect = _create_cp_block_mask(causal, 1, 1, 256, 256, mesh, block_size=(64, 32))
+        rect = _create_cp_block_mask(causal, 1, 1, 256, 256, cp_mesh, block_size=(64, 32))
     assert rect.BLOCK_SIZE == (64, 32) and rect.seq_lengths == (128, 256)
     for bad in (0, (64,), (64, -1), "64"):
         with pytest.raises(ValueError, match="block_size"):
-            _create_cp_block_mask(causal, 1, 1, 256, 256, mesh, block_size=bad)
+            _create_cp_block_mask(causal, 1, 1, 256, 256, cp_mesh, block_size=bad)
     with pytest.raises(ValueError, match=r"shape \(1, 512\).*\(1, 256\)"):
-        _create_cp_block_mask(causal, 1, 1, 256, 256, mesh, _HeadTailLoadBalancer(512, 2, "cpu"))
+        _create_cp_block_mask(causal, 1, 1, 256, 256, cp_mesh, _HeadTailLoadBalancer(512, 2, "cpu"))
     with pytest.raises(ValueError, match=r"KV_LEN \(512\) must equal Q_LEN \(256\)"):
-        _create_cp_block_mask(causal, 1, 1, 256, 512, mesh, _HeadTailLoadBalancer(256, 2, "cpu"))
+        _create_cp_block_mask(causal, 1, 1, 256, 512, cp_mesh, _HeadTailLoadBalancer(256, 2, "cpu"))
     return 1
 
 
@@ -413,7 +320,7 @@ def _check_hook_arguments() -> int:
         def forward(self, *args, **kwargs):
             return args, kwargs
 
-    probe = parallelize_module(Probe(), _mesh(), _ContextParallel(
+    probe = parallelize_module(Probe(), mesh(), _ContextParallel(
         seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX))
     q = _randn((1, 4, 8, 4), 1)
     k_full, v_full = _randn((1, 2, 8 * n, 4), 2), _randn((1, 2, 8 * n, 6), 3)
@@ -445,8 +352,13 @@ def _check_hook_arguments() -> int:
     return len(calls)
 
 
+def _check_hook_arguments_allgather() -> int:
+    with rotate("allgather"):
+        return _check_hook_arguments()
+
+
 def test_hook_passes_arguments_through(ranks):
-    assert ranks(WORLD).run(_check_hook_arguments) == [4, 4]
+    assert ranks(WORLD).run(_check_hook_arguments_allgather) == [4, 4]
 
 
 def _check_fullgraph_no_graph_break() -> int:
@@ -454,14 +366,14 @@ def _check_fullgraph_no_graph_break() -> int:
     from torch._dynamo.testing import CompileCounterWithBackend
 
     counter = CompileCounterWithBackend("aot_eager")
-    compiled = torch.compile(_cp_model(), backend=counter, fullgraph=True)
+    compiled = torch.compile(cp_model(), backend=counter, fullgraph=True)
     S = 512
     full_mask = create_block_mask(causal, 1, 1, S, S, device="cpu")
     lb = _HeadTailLoadBalancer(S, WORLD, "cpu")
     tensors = [_randn((1, HEADS, S, DIM), seed) for seed in (1, 2, 3)]
     with torch.compiler.set_stance("force_eager"):
-        q, k, v, mask = _context_parallel_shard(_mesh(), [*tensors, full_mask], [2, 2, 2, 0], lb)
-    with _cpu_flex_grads():
+        q, k, v, mask = _context_parallel_shard(mesh(), [*tensors, full_mask], [2, 2, 2, 0], lb)
+    with cpu_flex_grads(), rotate("allgather"):
         q.requires_grad_(True)
         out, aux = compiled(q, k, v, block_mask=mask, return_aux=AuxRequest(lse=True))
         (out.sum() + aux.lse.sum()).backward()

@@ -129,12 +129,39 @@ def _create_cp_block_mask(
             f"must equal Q_LEN ({Q_LEN})"
         )
     q_shard = Q_LEN // world
-    return _compiled_create_block_mask()(
+    mask = _compiled_create_block_mask()(
         _rewrite_mask_mod(mask_mod, rank * q_shard, indices),
         B, H, q_shard, KV_LEN,
         device=device,
         BLOCK_SIZE=(q_block, kv_block),
     )
+    if not torch.compiler.is_compiling():  # the plan's all-gather runs eagerly only
+        _attach_plan(mask, mask_mod, device_mesh, indices, Q_LEN, KV_LEN, q_shard)
+    return mask
+
+
+def _attach_plan(mask: BlockMask, mask_mod: MaskMod, mesh: DeviceMesh,
+                 indices: torch.Tensor | None, q_len: int, kv_len: int, q_shard: int) -> None:
+    """Records on ``mask`` its shard's layout and flex-ring plan (plan.py)."""
+    from ..comm.handshake import handshake
+    from .plan import SHARD_ATTR, plan_shard
+
+    group = check_mesh(mesh)
+    rank, world = mesh.get_local_rank(), mesh.size()
+    device = mask.kv_num_blocks.device
+    qb, kb = mask.BLOCK_SIZE
+    # Every rank made its mask alike before the plan's all-gather (or all raise).
+    handshake(group.group_name, "create_cp_block_mask", fields={
+        "Q_LEN": q_len, "KV_LEN": kv_len, "B": mask.kv_num_blocks.shape[0],
+        "H": mask.kv_num_blocks.shape[1], "BLOCK_SIZE[0]": qb, "BLOCK_SIZE[1]": kb,
+        "load balanced": int(indices is not None)})
+    if indices is None:
+        q_pos = torch.arange(rank * q_shard, (rank + 1) * q_shard, device=device).unsqueeze(0)
+        positions = torch.arange(kv_len, device=device).unsqueeze(0)
+    else:
+        q_pos, positions = indices[:, rank * q_shard:(rank + 1) * q_shard], indices
+    setattr(mask, SHARD_ATTR,
+            plan_shard(mask, mask_mod, group.group_name, world, rank, q_pos, positions))
 
 
 def _shard_block_mask(device_mesh: DeviceMesh, block_mask: BlockMask,

@@ -18,7 +18,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..flex.hook import _flex_input_hook, _register_flex_input_hook
 from ..comm.handshake import agreed, handshake, register_groups
-from .options import RingConfig, _cp_options, explicit_rotation, rotate_method_name
+from .options import RingConfig, _cp_options, _RotateMethod, explicit_rotation, rotate_method_name
 from .sdpa_dispatch import CPDispatchMode, agreed_before_attention, dispatcher_enabled
 from ..comm.native import check_mesh
 from ..ulysses.usp_layout import UspGroups, check_degrees, usp_groups
@@ -32,8 +32,12 @@ class _ContextParallel(ParallelStyle):
     attention over ``mesh`` on inputs sharded with ``_context_parallel_shard``
     (head-tail when a load balancer was passed to it, which
     ``_cp_options.enable_load_balance`` records); needs
-    ``_enable_context_parallel_dispatcher()``. FLEX: the module's key and
-    value arguments are all-gathered along ``seq_dim`` before its forward.
+    ``_enable_context_parallel_dispatcher()``. FLEX (a module whose forward
+    is a flex_attention call): under ``set_rotate_method("allgather")`` its
+    key and value arguments are all-gathered along ``seq_dim`` before its
+    forward; under ``"p2p"``/``"alltoall"`` the flex ring computes the call,
+    each rank visiting only the key/value blocks its BlockMask needs
+    (docs/flex.md).
 
     cplib's additions: ``ulysses_degree`` (USP, as ``context_parallel``'s;
     shard with ``cplib.usp_load_balancer``), ``window`` (the sliding window of
@@ -110,7 +114,7 @@ class _ContextParallel(ParallelStyle):
                 context_strategy(self.strategy, group.group_name, explicit_rotation(None),
                                  self.ulysses_degree))
             return module
-        return _register_flex_input_hook(module, mesh, self.seq_dim)
+        return _register_flex_input_hook(module, mesh, self.seq_dim, _flex_ring_selected)
 
     def flex_input_fn(self, module: nn.Module | None, args: Any, kwargs: Any,
                       mesh: DeviceMesh) -> Any:
@@ -119,6 +123,12 @@ class _ContextParallel(ParallelStyle):
         full sequences."""
         return _flex_input_hook(module, args, kwargs, seq_dim=self.seq_dim,
                                 group_name=check_mesh(mesh).group_name)
+
+
+def _flex_ring_selected() -> bool:
+    """FLEX modules run the flex ring under set_rotate_method("p2p" or
+    "alltoall"), the all-gather under "allgather" (docs/flex.md)."""
+    return _cp_options.rotate_method is not _RotateMethod.ALL_GATHER
 
 
 # The documents of the SDPA calls of ``_ContextParallel`` modules made inside

@@ -1,0 +1,244 @@
+"""Flex attention as a ring: each rank keeps its queries and visits the K/V
+rows its BlockMask needs (the plan, ``plan.py``), one flex_attention call per
+visited block, merged exactly through the log-sum-exps with cplib's merge
+kernel (``cplib_c::merge_partial_``).
+
+flex_attention is a Python higher-order op, so the loop is Python; the
+exchanges are cplib ops (``ring_ops.py``). The backward holds one visiting
+block at a time: it fetches each block again, recomputes that block's
+(o_b, lse_b) once with autograd and backpropagates
+
+    grad o_b   = w_b * dO,                                   w_b = exp(lse_b - LSE)
+    grad lse_b = rowsum(grad o_b * o_b) - w_b * (rowsum(dO * O) - dLSE)
+
+(exact: O = sum_b w_b o_b and LSE = logsumexp_b lse_b; the first term of
+grad lse_b cancels the one flex's own backward subtracts), then sends the
+block's dK|dV back to its owner. Under torch.compile the recomputation's
+``torch.autograd.grad`` is traced (dynamo's ``trace_autograd_ops``, switched
+on for that region only), so a compiled model stays one graph.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+import torch.nn.attention.flex_attention as fa
+from torch._dynamo.decorators import DynamoConfigPatchProxy
+from torch.nn.attention.flex_attention import AuxRequest
+
+from ..merge.op import merge_partial_
+from .plan import FlexShard, RingStep, positions_mod
+from .ring_ops import pack, ring_begin, ring_end, ring_shift
+
+__all__ = ["RingCall", "ring_attention"]
+
+# Lets dynamo trace the backward's torch.autograd.grad (and nothing else):
+# entered around that call only.
+_TRACE_AUTOGRAD = DynamoConfigPatchProxy(torch._dynamo.config.patch(trace_autograd_ops=True))
+# torch 2.11's dynamo cannot trace requires_grad_() (2.13 can): see _leaf.
+_REQUIRES_GRAD_TRACEABLE = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 13)
+
+
+class RingCall:
+    """Everything one ring call needs besides q, k and v."""
+
+    def __init__(self, shard: FlexShard, score_mod: Callable | None, scale: float | None,
+                 enable_gqa: bool, kernel_options: dict[str, Any] | None) -> None:
+        self.shard = shard
+        self.scale = scale
+        self.enable_gqa = enable_gqa
+        self.kernel_options = kernel_options
+        # One score_mod per step, on global positions (shared by fwd and bwd).
+        self.score_mods = tuple(
+            None if score_mod is None else
+            positions_mod(score_mod, shard.q_positions, s.kv_positions, score=True)
+            for s in shard.steps)
+
+
+def _acc_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _message(k: torch.Tensor, v: torch.Tensor, step: RingStep,
+             whole: list[torch.Tensor]) -> torch.Tensor:
+    """Our K|V rows that ``step.dst`` needs, in one flat buffer (the whole
+    shard is packed once per pass and reused: ``whole`` caches it)."""
+    if step.send_rows == 0:
+        return k.new_empty((0,))
+    if step.send_index is None:
+        if not whole:
+            whole.append(pack((k, v)))
+        return whole[0]
+    return pack((k.index_select(2, step.send_index), v.index_select(2, step.send_index)))
+
+
+def _unpack(flat: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (k, v) of ``rows`` rows packed in ``flat`` (views)."""
+    b, h = k.shape[:2]
+    nk = b * h * rows * k.shape[3]
+    return (flat[:nk].view(b, h, rows, k.shape[3]),
+            flat[nk:].view(b, v.shape[1], rows, v.shape[3]))
+
+
+def _row_numel(k: torch.Tensor, v: torch.Tensor) -> int:
+    """Elements of one sequence row of k and v together."""
+    return k.shape[0] * (k.shape[1] * k.shape[3] + v.shape[1] * v.shape[3])
+
+
+def _fetch(k, v, step: RingStep, after: torch.Tensor, whole: list,
+           group_name: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Step ``step``'s exchange: sends our rows to ``step.dst``, returns
+    ``(token, k_b, v_b)`` with the rows of ``step.src`` (None when none)."""
+    recv, token = ring_shift(_message(k, v, step, whole), after, step.dst,
+                             step.recv_rows * _row_numel(k, v), step.src, group_name)
+    if step.recv_rows == 0:
+        return token, None, None
+    kb, vb = _unpack(recv, k, v, step.recv_rows)
+    return token, kb, vb
+
+
+def _attend(q, kb, vb, step: RingStep, score_mod, call: RingCall):
+    out, aux = fa.flex_attention(q, kb, vb, score_mod=score_mod, block_mask=step.mask,
+                                 scale=call.scale, enable_gqa=call.enable_gqa,
+                                 kernel_options=call.kernel_options,
+                                 return_aux=AuxRequest(lse=True))
+    return out, aux.lse
+
+
+def _forward(q, k, v, token, call: RingCall, group_name: str):
+    acc = _acc_dtype(q)
+    b, h, rows = q.shape[:3]
+    out = q.new_zeros((b, h, rows, v.shape[3]), dtype=acc)
+    lse = q.new_full((b, h, rows), -math.inf, dtype=acc)
+    whole: list[torch.Tensor] = []
+    for step, score_mod in zip(call.shard.steps, call.score_mods):
+        kb, vb = k, v
+        if step.offset:
+            token, kb, vb = _fetch(k, v, step, token, whole, group_name)
+        if step.compute:
+            o_b, lse_b = _attend(q, kb, vb, step, score_mod, call)
+            merge_partial_(out, lse, o_b, lse_b.to(acc))
+            o_b = lse_b = None  # released before the next exchange
+    return out, ring_end(lse, token)
+
+
+def _leaf(t: torch.Tensor, anchor_src: torch.Tensor) -> torch.Tensor:
+    """``t`` as a fresh tensor that requires grad, for autograd.grad to ask
+    for its gradient: never ``t`` itself, whose history may hold other
+    inputs (``model(x, x, x)``). ``anchor_src``: an input that requires grad."""
+    if _REQUIRES_GRAD_TRACEABLE or not torch.compiler.is_compiling():
+        return t.detach().requires_grad_()
+    # torch 2.11's dynamo cannot trace requires_grad_(): add a zero that requires grad.
+    return t.detach() + (anchor_src.reshape(-1)[:1] * 0).sum().to(t.dtype)
+
+
+def _block_grads(q, kb, vb, lse, d_out, delta, step, score_mod, call, need_q, need_kv,
+                 anchor_src):
+    """(dq, dk_b, dv_b) of one visited block for the global loss: the
+    block's forward recomputed once, backpropagated with the weights that
+    the merge gave it (see the module docstring): ``delta`` is
+    ``rowsum(dO * O) - dLSE``; ``anchor_src`` a saved input that requires
+    grad (see _leaf)."""
+    with torch.enable_grad(), _TRACE_AUTOGRAD:
+        kv = (_leaf(kb, anchor_src), _leaf(vb, anchor_src)) if need_kv else (kb, vb)
+        inputs = ((q,) if need_q else ()) + (kv if need_kv else ())
+        o_b, lse_b = _attend(q, *kv, step, score_mod, call)
+        w = torch.exp(lse_b.detach().to(lse.dtype) - lse)
+        grad_o = (w.unsqueeze(-1) * d_out).to(o_b.dtype)
+        # rowsum(grad_o * o_b) is what flex's backward subtracts (its delta),
+        # computed alike so that it cancels; the rest is the global delta.
+        delta_b = (o_b.detach().to(delta.dtype) * grad_o.to(delta.dtype)).sum(-1)
+        grad_lse = delta_b - w * delta
+        grads = torch.autograd.grad((o_b, lse_b), inputs, (grad_o, grad_lse.to(lse_b.dtype)))
+    dq = grads[0] if need_q else None
+    dk, dv = grads[-2:] if need_kv else (None, None)
+    return dq, dk, dv
+
+
+def _absorb(dk, dv, recv, k, v, step: RingStep) -> None:
+    """Adds the gradient of our rows that ``step.dst`` sent back (``recv``)."""
+    rk, rv = _unpack(recv, k, v, step.send_rows)
+    if step.send_index is None:
+        dk += rk
+        dv += rv
+    else:
+        dk.index_add_(2, step.send_index, rk.to(dk.dtype))
+        dv.index_add_(2, step.send_index, rv.to(dv.dtype))
+
+
+def _backward(q, k, v, out, lse, d_out, d_lse, call: RingCall, group_name: str,
+              need_q: bool, need_kv: bool):
+    acc = _acc_dtype(q)
+    d_out = d_out.to(acc)
+    delta = (d_out * out.to(acc)).sum(-1) - d_lse.to(acc)
+    # Rows no key sees (lse -inf) get weight 0 from every block.
+    lse = torch.where(lse == -math.inf, torch.zeros_like(lse), lse)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device) if need_q else None
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device) if need_kv else None
+    dv = torch.zeros(v.shape, dtype=acc, device=v.device) if need_kv else None
+    token, whole = d_out, []
+    anchor_src = next(t for t in (k, v, q) if t.requires_grad)
+    for step, score_mod in zip(call.shard.steps, call.score_mods):
+        kb, vb = k, v
+        if step.offset:
+            token, kb, vb = _fetch(k, v, step, token, whole, group_name)
+        gk = gv = None
+        if step.compute:
+            gq, gk, gv = _block_grads(q, kb, vb, lse, d_out, delta, step, score_mod, call,
+                                      need_q, need_kv, anchor_src)
+            if need_q:
+                dq += gq
+            gq = None
+        if not need_kv:
+            continue
+        if step.offset == 0:
+            if gk is not None:
+                dk += gk
+                dv += gv
+            continue
+        # The visited block's gradient goes back to its owner; ours comes
+        # back from the rank that visited our rows.
+        send = pack((gk, gv)) if gk is not None else k.new_empty((0,))
+        gk = gv = kb = vb = None  # released before the exchange
+        recv, token = ring_shift(send, token, step.src, step.send_rows * _row_numel(k, v),
+                                 step.dst, group_name)
+        del send
+        if step.send_rows:
+            _absorb(dk, dv, recv, k, v, step)
+        recv = None
+    grads = [None if g is None else g.to(t.dtype) for g, t in ((dq, q), (dk, k), (dv, v))]
+    last = 2 if need_kv else 0
+    grads[last] = ring_end(grads[last], token)
+    return tuple(grads)
+
+
+class _FlexRing(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, token, call, group_name):
+        out, lse = _forward(q, k, v, token, call, group_name)
+        if out.dtype != q.dtype:  # (a no-op .to() here hides d_out on torch 2.11)
+            out = out.to(q.dtype)
+        ctx.call, ctx.group_name = call, group_name
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        need_q = ctx.needs_input_grad[0]
+        need_kv = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        dq, dk, dv = _backward(q, k, v, out, lse, d_out, d_lse, ctx.call, ctx.group_name,
+                               need_q, need_kv)
+        return dq, dk, dv, None, None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: RingCall,
+                   fields: dict[str, int], group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of this rank's queries over the whole sequence; ``fields``
+    join the call's handshake (inputs already checked)."""
+    # Detached: the token carries no gradient (and the op has no autograd).
+    token = ring_begin(q.detach(), k.detach(), v.detach(), fields, group_name)
+    return _FlexRing.apply(q, k, v, token, call, group_name)
