@@ -23,7 +23,8 @@ from cplib.flex.ring_ops import ring_bytes_received
 from flex_cases import (balancer, causal, cp_model, cpu_flex_grads, document_causal,
                         document_lengths, mesh, randn, rotate, sliding_window)
 from harness import assert_close
-from test_flex_ring import _model, _reference
+from flex_cases import flex_reference
+from test_flex_ring import _model
 
 DIM = 16
 
@@ -147,8 +148,8 @@ def _check_bf16() -> list[str]:
     inputs.append(randn((B, H, S), 5, torch.bfloat16).float())
     lb = balancer("head_tail", S, full, None)
     with cpu_flex_grads(), rotate("p2p"):
-        truth = _reference(*inputs[:3], full, None, False, *inputs[3:])
-        single = _reference(*inputs[:3], full, None, False, *inputs[3:], dtype=torch.bfloat16)
+        truth = flex_reference(*inputs[:3], full, None, False, *inputs[3:])
+        single = flex_reference(*inputs[:3], full, None, False, *inputs[3:], dtype=torch.bfloat16)
         with torch.compiler.set_stance("force_eager"):
             *local, mask = _context_parallel_shard(
                 mesh(), [t.to(torch.bfloat16) for t in inputs] + [full], [2] * 5 + [0], lb)
@@ -181,7 +182,7 @@ def _check_no_mask() -> int:
     S = 256
     inputs = [randn((1, 2, S, DIM), seed) for seed in (1, 2, 3, 4)] + [randn((1, 2, S), 5)]
     with cpu_flex_grads(), rotate("p2p"):
-        want = _reference(*inputs[:3], None, None, False, *inputs[3:])
+        want = flex_reference(*inputs[:3], None, None, False, *inputs[3:])
         local = cplib.shard(mesh(), inputs, [2] * 5)
         for t in local[:3]:
             t.requires_grad_(True)
