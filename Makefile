@@ -92,7 +92,7 @@ test: build
 # The GPU tests' bodies (marker cuda) on the CPU: CPLIB_GPU_TESTS_ON_CPU=1
 # swaps their device, so their logic is proven without a GPU (CI runs this).
 test-gpu-on-cpu: build
-	CPLIB_GPU_TESTS_ON_CPU=1 $(VENV)/bin/pytest -q -m cuda $(wildcard tests/test_gpu_*.py)
+	CPLIB_GPU_TESTS_ON_CPU=1 $(VENV)/bin/pytest -q -m cuda $(wildcard tests/gpu/test_gpu_*.py)
 
 # The venv and pinned dependencies alone (CI prepares them while other
 # stages run).

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "support"))
 sys.path.insert(0, os.path.join(HERE, "gpu"))
 import common  # noqa: E402
 import ring_report as report  # noqa: E402
@@ -397,7 +397,7 @@ class _Worker:
 
     def run(self, cell: dict) -> Any:
         if os.environ.get("CPLIB_BENCH_HANG_CELL") == cell["label"]:
-            time.sleep(3600)  # tests/test_gpu_check.py: a cell that never ends
+            time.sleep(3600)  # tests/gpu/test_gpu_check.py: a cell that never ends
         if cell["impl"] == "merge":
             return merge_bandwidth(self.st, [tuple(cell["shape"])])[0]
         cfg = self.configs[cell["config"]]

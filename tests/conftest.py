@@ -1,5 +1,7 @@
 """Shared fixtures: persistent gloo rank pools (one per world size, reused by
-every test of the session) and the threaded-process-group runner."""
+every test of the session) and the threaded-process-group runner. The tests
+live in one folder per feature (tests/<feature>/test_*.py); their shared
+helpers in tests/support/, which goes on sys.path here."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
 # Inductor compiles in-process: its default pool of one compile worker per core,
 # started by every test process and rank process, made the compile tests 3x
 # slower here and timed them out on a 16-core GPU machine running 12 workers.

@@ -1,6 +1,6 @@
 """cplib's own CUDA kernels (csrc/cuda/merge.cu, csrc/cuda/halo.cu) on the
-GPU against their C twins on the CPU, which tests/test_merge.py and
-tests/test_halo.py check against references. Small shapes, every layout,
+GPU against their C twins on the CPU, which tests/merge/test_merge.py and
+tests/conv/test_halo.py check against references. Small shapes, every layout,
 dtype and edge row those tests use, so that compute-sanitizer's memcheck
 covers the kernels' whole index space in seconds:
 
@@ -22,9 +22,11 @@ import sys
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# The tests' helpers only: cplib is the one installed (or the tree's, through
-# PYTHONPATH, when built in place), never the tree's by default.
-sys.path.insert(0, os.path.join(ROOT, "tests"))
+# The tests' helpers and the two test modules read below only: cplib is the one
+# installed (or the tree's, through PYTHONPATH, when built in place), never the
+# tree's by default.
+for folder in ("support", "conv", "merge"):
+    sys.path.insert(0, os.path.join(ROOT, "tests", folder))
 
 import cplib  # noqa: E402
 import test_halo  # noqa: E402  (its ctypes view of the C API: Slab, _slab, _tensor)

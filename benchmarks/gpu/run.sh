@@ -39,7 +39,7 @@
 # CC / CXX (for the in-place build), GPU_CHECK_BENCH_ARGS (more bench_ring_gpu.py
 # arguments), GPU_CHECK_ASSUME_GPU=1 (run the GPU stages without a GPU: tests this
 # script's failure paths), GPU_CHECK_SKIP_BUILD=1 (no prepared wheel: use the cplib
-# python already finds instead of building; tests/test_gpu_check.py uses it).
+# python already finds instead of building; tests/gpu/test_gpu_check.py uses it).
 set -u -o pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)

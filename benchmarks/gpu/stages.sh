@@ -135,11 +135,11 @@ stage_memcheck() {
   # 1. cplib's CUDA kernels (merge, halo) against their C twins;
   memcheck_run kernels 20 "${cmd[@]}" "$PY" -P benchmarks/gpu/kernels_check.py
   # 2. the ring's block backward through the flash and efficient kernels, step by step;
-  memcheck_run ring-steps 25 "${cmd[@]}" "${pytest[@]}" "$ROOT/tests/test_ring_sdpa_threaded.py" \
+  memcheck_run ring-steps 25 "${cmd[@]}" "${pytest[@]}" "$ROOT/tests/ring/test_ring_sdpa_threaded.py" \
     -k "per_step and not cudnn"
   # 3. tp_convolution through the op on CUDA (its halo kernels in place).
   memcheck_run conv-op 15 "${cmd[@]}" "${pytest[@]}" \
-    "$ROOT/tests/test_gpu_conv_flex.py::test_tp_conv_on_gpu[bf16-2-2d]"
+    "$ROOT/tests/gpu/test_gpu_conv_flex.py::test_tp_conv_on_gpu[bf16-2-2d]"
   ((DRY)) && return
   local details
   details=$(printf '%s; ' "${MC_NOTES[@]}")

@@ -37,6 +37,6 @@ def _cudnn_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 
 # CompositeExplicitAutograd: CUDA tensors on a GPU, meta tensors in the CPU
-# guard (tests/test_cuda_glue.py); grad mode is off inside the native kernels.
+# guard (tests/comm/test_cuda_glue.py); grad mode is off inside the native kernels.
 _lib.impl("_cudnn_attention", _cudnn_attention, "CompositeExplicitAutograd")
 _lib.impl("_schema_arguments", _schema_arguments, "CompositeExplicitAutograd")

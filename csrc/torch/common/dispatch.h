@@ -13,7 +13,7 @@
 //
 // The stable call cannot return a SymInt/SymBool/SymFloat (torch 2.11-2.15:
 // "Expected Tensor but got Int"): never call an op whose schema returns one
-// (tests/test_cuda_glue.py audits every "aten::" name in csrc/).
+// (tests/comm/test_cuda_glue.py audits every "aten::" name in csrc/).
 #pragma once
 
 #include <algorithm>

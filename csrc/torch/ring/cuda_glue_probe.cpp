@@ -9,7 +9,7 @@
 // summed back over each GQA group. On META tensors every ATen call goes
 // through the stable dispatcher's argument and return conversion without a
 // GPU, which is where the H100 run of a24d28d failed ("Expected Tensor but
-// got Int" for ops returning SymInts): tests/test_cuda_glue.py runs it on
+// got Int" for ops returning SymInts): tests/comm/test_cuda_glue.py runs it on
 // CPU-only machines, for every backend.
 // `backend`: the ring's codes (ring.h); auto (-1) resolves as the ring does.
 // `masked`: the windows/documents path (an all-zero additive mask).
@@ -100,7 +100,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
       "bool backward, float? scale=None) -> (Tensor out, Tensor lse, Tensor dq, Tensor dk, "
       "Tensor dv)");
   // The argument names cplib passes to aten::_flash_attention_forward, in
-  // order (the running torch's schema; tests/test_cuda_glue.py compares them).
+  // order (the running torch's schema; tests/comm/test_cuda_glue.py compares them).
   m.def("_flash_forward_arguments() -> str[]");
 }
 

@@ -1,0 +1,144 @@
+"""The document placement through the front end: a Hugging Face Llama (SDPA
+route) under ``context_parallel(..., position_ids=pos,
+load_balance="placement")`` against every document alone in one process;
+shard / unshard / ``cp.unshard`` / ``context_parallel_unshard`` with
+``DocumentPlacementLoadBalancer``; ``_context_parallel_shard`` +
+``_ContextParallel`` + ``attention_documents(placement=True)``; the flex path
+(``_create_cp_block_mask`` with the balancer: the local mask is the full
+mask's, rows and keys in the placement's order); and errors on every rank:
+placement without documents, with Ulysses, and ranks whose placements
+differ."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import parallelize_module
+
+import cplib
+from harness import assert_close
+from model_cases import _check_llama_documents as _check_llama
+from ring_mask_cases import masked_reference, visible
+
+
+def _mesh() -> DeviceMesh:
+    return DeviceMesh("cpu", list(range(dist.get_world_size())))
+
+
+def test_hf_llama_packed_documents_placement(ranks):
+    pool = ranks(2)
+    for s, docs in ((257, [0, 100, 101, 200, 257]), (256, [0, 30, 60, 90, 256])):
+        counts = pool.run(_check_llama, s, "placement", docs)
+        assert counts[0] == counts[1] > 10
+
+
+class _Attention(nn.Module):
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _check_layouts() -> int:
+    n, rank = dist.get_world_size(), dist.get_rank()
+    mesh = _mesh()
+    s = 24 * n + 5
+    cu = [0, 3, 4, 10 * n, s]
+    lb = cplib.DocumentPlacementLoadBalancer(torch.tensor(cu), n, "cpu")
+    x = torch.randn(2, 3, s, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    (xs,) = cplib.shard(mesh, [x], [2], lb)
+    assert xs.shape[2] == lb.lengths()[rank]
+    (back,) = cplib.unshard(mesh, [xs], [2], lb)
+    assert torch.equal(back, x)
+    assert torch.equal(cplib.context_parallel_unshard(mesh, [xs], [2], lb)[0], x)
+    # the context: attention within documents, its handle unshards the layout
+    q, k, v = (torch.randn(1, 2, s, 8, dtype=torch.float64,
+                           generator=torch.Generator().manual_seed(i)) for i in range(3))
+    ref = masked_reference(q, k, v, torch.ones(1, 2, s, 8), visible(s, causal=True,
+                                                                     cu_seqlens=cu))[0]
+    bufs = [q.clone(), k.clone(), v.clone()]
+    with cplib.context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2, 2, 2],
+                                cu_seqlens=torch.tensor(cu), load_balance="placement") as cp:
+        assert isinstance(cp.load_balancer, cplib.DocumentPlacementLoadBalancer)
+        out = F.scaled_dot_product_attention(*bufs, is_causal=True)
+        (full,) = cp.unshard([out], [2])
+    assert_close(full, ref, atol=1e-10, rtol=1e-10, what="context_parallel placement")
+    # the module entry point, sharded by _context_parallel_shard
+    attn = parallelize_module(_Attention(), mesh, cplib._ContextParallel(
+        seq_dim=2, attention_type=cplib._ContextParallel.AttentionType.SDPA))
+    cplib._enable_context_parallel_dispatcher()
+    try:
+        lq, lk, lv = cplib._context_parallel_shard(mesh, (q, k, v), (2, 2, 2), lb)
+        with cplib.attention_documents(torch.tensor(cu), placement=True):
+            out = attn(lq, lk, lv)
+    finally:
+        cplib._disable_context_parallel_dispatcher()
+    assert_close(cplib.unshard(mesh, [out], [2], lb)[0], ref, atol=1e-10, rtol=1e-10,
+                 what="_ContextParallel placement")
+    return 3
+
+
+def test_placement_shard_unshard_context_and_module(ranks):
+    assert ranks(2).run(_check_layouts) == [3, 3]
+
+
+def _check_flex() -> int:
+    from torch.nn.attention.flex_attention import create_mask
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    mesh = _mesh()
+    s = 128 * n
+    cu = [0, 40, 41, 70 * n, s]
+    lb = cplib.DocumentPlacementLoadBalancer(cu, n, "cpu")
+    doc = torch.bucketize(torch.arange(s), torch.tensor(cu[1:]), right=True)
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+    cp_mask = cplib.create_cp_block_mask(document_causal, 1, 1, s, s, mesh, lb)
+    idx = lb._generate_indices()[0]
+    mine = idx[rank * (s // n):(rank + 1) * (s // n)]
+    # the local mask is the full mask's rows of this rank, keys in the layout's order
+    want = create_mask(document_causal, 1, 1, s, s, device="cpu")[0, 0][mine][:, idx]
+    assert torch.equal(create_mask(cp_mask.mask_mod, 1, 1, s // n, s, device="cpu")[0, 0], want)
+    # (what flex attention computes with it against the gathered keys:
+    # tests/flex/test_flex_cp.py, for every layout)
+    return 1
+
+
+def test_placement_flex_path(ranks):
+    assert ranks(2).run(_check_flex) == [1, 1]
+
+
+def _check_errors() -> list[str]:
+    n, rank = dist.get_world_size(), dist.get_rank()
+    mesh = _mesh()
+    x = torch.randn(1, 2, 16 * n, 4)
+    seen = []
+    for kwargs, exc in ((dict(load_balance="placement"), ValueError),
+                        (dict(load_balance="placement", cu_seqlens=torch.tensor([0, 5, 16 * n]),
+                              ulysses_degree=2), NotImplementedError)):
+        with pytest.raises(exc) as info:
+            with cplib.context_parallel(mesh, buffers=[x], buffer_seq_dims=[2], **kwargs):
+                pass
+        seen.append(str(info.value))
+    # ranks that place different documents disagree in the handshake
+    cu = [0, 5 + rank, 16 * n]
+    with pytest.raises(ValueError) as info:
+        cplib.shard(mesh, [x], [2], cplib.DocumentPlacementLoadBalancer(cu, n, "cpu"))
+    seen.append(str(info.value))
+    t = torch.ones(1)
+    dist.all_reduce(t)  # nobody is left in a collective
+    assert t.item() == n
+    return seen
+
+
+def test_placement_errors_on_every_rank(ranks):
+    results = ranks(2).run(_check_errors)
+    assert results[0] == results[1], results
+    no_docs, ulysses, differ = results[0]
+    assert "load_balance='placement' needs the documents" in no_docs
+    assert "ulysses_degree=2" in ulysses
+    assert "document placement (hash)" in differ

@@ -1,0 +1,72 @@
+"""Package structure: no module of cplib imports one that imports it back, no
+feature folder imports the front end, and the layout rules of
+build_support/layout_check.py hold (module and function sizes, one cplib/
+folder or a word in README.md for each csrc/torch/ folder, one docs/ page for
+each cplib/ folder)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _build_support_module(name: str):
+    # By path: the repository root must not go on sys.path (it would shadow
+    # an installed cplib for the tests that follow).
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(ROOT, "build_support", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _import_cycles_module():
+    return _build_support_module("import_cycles")
+
+
+def test_no_import_cycles():
+    ic = _import_cycles_module()
+    graph = ic.import_graph(os.path.join(ROOT, "cplib"), "cplib")
+    assert "cplib.ring.op" in graph and graph["cplib.ring.op"], "the import graph came out empty"
+    assert ic.cycles(graph) == []
+
+
+def test_cycle_finder_finds_a_cycle():
+    ic = _import_cycles_module()
+    graph = {"p.a": {"p.b"}, "p.b": {"p.c"}, "p.c": {"p.a"}, "p.d": {"p.a"}}
+    assert ic.cycles(graph) == [["p.a", "p.b", "p.c"]]
+
+
+def test_no_feature_folder_imports_the_front_end():
+    ic = _import_cycles_module()
+    graph = ic.import_graph(os.path.join(ROOT, "cplib"), "cplib")
+    features = ic.feature_folders(ROOT)
+    assert "ring" in features and "ulysses" in features
+    assert ic.front_end_imports(graph, "cplib", features) == []
+    # The finder sees one when there is one.
+    bad = {"p.ring.op": {"p.frontend.options"}, "p.frontend.style": {"p.ring.op"}}
+    assert ic.front_end_imports(bad, "p", ["ring"]) == [("p.ring.op", "p.frontend.options")]
+
+
+def test_layout_rules_hold():
+    lc = _build_support_module("layout_check")
+    assert lc.size_problems(ROOT) == []
+    assert lc.mirror_problems(ROOT) == []
+    assert lc.docs_problems(ROOT) == []
+    assert lc.link_problems(ROOT) == []
+
+
+def test_anchors_are_githubs():
+    lc = _build_support_module("layout_check")
+    assert lc.anchor("Ring attention on CPU (`cplib.ring_sdpa`)") == \
+        "ring-attention-on-cpu-cplibring_sdpa"
+    assert lc.anchor("Peak memory (N=4, fwd+bwd)") == "peak-memory-n4-fwdbwd"
+
+
+def test_function_lengths_leave_out_the_docstring():
+    lc = _build_support_module("layout_check")
+    body = "\n".join(f"    x{i} = {i}" for i in range(3))
+    source = f'def f():\n    """one\n    two"""\n{body}\n\nclass C:\n    def g(self):\n        pass\n'
+    assert lc.function_lengths(source) == [("f", 1, 4), ("C.g", 9, 2)]
