@@ -139,7 +139,7 @@ stage_memcheck() {
     -k "per_step and not cudnn"
   # 3. tp_convolution through the op on CUDA (its halo kernels in place).
   memcheck_run conv-op 15 "${cmd[@]}" "${pytest[@]}" \
-    "$ROOT/tests/gpu/test_gpu_conv_flex.py::test_tp_conv_on_gpu[bf16-2-2d]"
+    "$ROOT/tests/gpu/test_gpu_conv_flex.py::test_tp_conv_on_gpu[2d-bf16-2]"
   ((DRY)) && return
   local details
   details=$(printf '%s; ' "${MC_NOTES[@]}")
