@@ -46,7 +46,8 @@ class _ContextParallel(ParallelStyle):
     :func:`attention_documents`. ``strategy="auto"`` (or an
     ``AutoStrategy``) chooses the rotation of each call's shapes with cplib's
     cost model; the Ulysses degree stays the one given (the inputs are
-    sharded for it)."""
+    sharded for it). On FLEX it chooses the flex ring or the all-gather per
+    sharded BlockMask (``explain()`` returns those choices)."""
 
     class AttentionType(Enum):
         FLEX = "flex_attention"
@@ -59,6 +60,7 @@ class _ContextParallel(ParallelStyle):
         super().__init__()
         # strategy="auto": the rotation chosen per call (cplib/strategy/route.py).
         self.strategy = parse_strategy(strategy, "_ContextParallel")
+        self._applied: list[AutoStrategy] = []  # FLEX: the strategies of its modules
         if window is not None:
             from ..ring.args import window_arg
             window_arg(window)  # ValueError naming a bad window, at construction
@@ -114,7 +116,17 @@ class _ContextParallel(ParallelStyle):
                 context_strategy(self.strategy, group.group_name, explicit_rotation(None),
                                  self.ulysses_degree))
             return module
-        return _register_flex_input_hook(module, mesh, self.seq_dim, _flex_ring_selected)
+        auto = context_strategy(self.strategy, group.group_name, explicit_rotation(None), 1)
+        if auto is not None:
+            self._applied.append(auto)
+        return _register_flex_input_hook(module, mesh, self.seq_dim, functools.partial(
+            _flex_ring_selected, auto, self.seq_dim, group.group_name,
+            dist.get_world_size(group), dist.get_rank(group)))
+
+    def explain(self) -> list:
+        """The choices ``strategy="auto"`` made for the FLEX modules this style
+        parallelized (one per distinct plan; ``print`` each for its table)."""
+        return [c for auto in self._applied for c in auto.explain()]
 
     def flex_input_fn(self, module: nn.Module | None, args: Any, kwargs: Any,
                       mesh: DeviceMesh) -> Any:
@@ -125,10 +137,18 @@ class _ContextParallel(ParallelStyle):
                                 group_name=check_mesh(mesh).group_name)
 
 
-def _flex_ring_selected() -> bool:
+def _flex_ring_selected(auto: AutoStrategy | None, seq_dim: int, group_name: str, world: int,
+                        rank: int, args: tuple, kwargs: dict) -> bool:
     """FLEX modules run the flex ring under set_rotate_method("p2p" or
-    "alltoall"), the all-gather under "allgather" (docs/flex.md)."""
-    return _cp_options.rotate_method is not _RotateMethod.ALL_GATHER
+    "alltoall"), the all-gather under "allgather" (docs/flex.md); with
+    ``strategy="auto"`` the cost model chooses per plan unless a rotation is
+    explicit (cplib/strategy/flex_route.py)."""
+    default = _cp_options.rotate_method is not _RotateMethod.ALL_GATHER
+    if auto is None:
+        return default
+    from ..strategy.flex_route import flex_use_ring
+
+    return flex_use_ring(auto, args, kwargs, seq_dim, group_name, world, rank, default)
 
 
 # The documents of the SDPA calls of ``_ContextParallel`` modules made inside

@@ -118,7 +118,7 @@ def choose(w: Workload, cal: Calibration, constraints: Constraints = Constraints
             f"smallest predicted peak is {least.prediction.memory_bytes:.0f} bytes "
             f"({least.candidate.name}); raise the limit or use more ranks")
     best = min(fitting, key=lambda r: (r.prediction.time_s, cands.index(r.candidate)))
-    default = next((r for r in fitting if r.candidate.family == "ring"
+    default = next((r for r in fitting if r.candidate.family in ("ring", "flex")
                     and r.candidate.rotate == "allgather"), None)
     if default is not None and \
             default.prediction.time_s <= best.prediction.time_s * (1 + constraints.margin):
