@@ -11,7 +11,7 @@ ValueError on every rank; an explicit rotation wins (no choice made)."""
 
 from __future__ import annotations
 
-import logging
+import unittest
 from dataclasses import replace
 
 import pytest
@@ -107,28 +107,16 @@ def test_predicted_bytes_equal_the_rings_counter(ranks, world):
         assert any(rank[i][1] > 0 for rank in per_rank), i
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
 def _check_auto_matches_flex() -> tuple[str, str, int]:
     """strategy="auto" (measured calibration, different on each rank): two
     calls on one mask, one choice logged, results equal flex_attention."""
     (q, k, v, cot, full, lb), (lq, lk, lv, lcot, mask) = _case("window", 256, 32, "none")
-    log = logging.getLogger("cplib")
-    records, level = _Records(), log.level
-    log.addHandler(records)
-    log.setLevel(logging.INFO)
     style = cplib._ContextParallel(
         seq_dim=2, attention_type=cplib._ContextParallel.AttentionType.FLEX, strategy="auto")
     model = parallelize_module(Model(), mesh(), {"attn": style})
     try:
-        with cpu_flex_grads():
+        # assertLogs: captures the cplib logger at INFO, restored on exit.
+        with cpu_flex_grads(), unittest.TestCase().assertLogs("cplib", "INFO") as logs:
             ref = flex_reference(q, k, v, full, None, False, cot, torch.zeros(q.shape[:3]))
             want = cplib.shard(mesh(), [ref[0], ref[2], ref[3], ref[4]], [2] * 4, lb)
             for _ in range(2):
@@ -139,14 +127,13 @@ def _check_auto_matches_flex() -> tuple[str, str, int]:
                                       (out, a.grad, b.grad, c.grad), want):
                     assert_close(g.detach().double(), e.double(), what=f"auto {name}", **TOL)
         choices = cplib.explain(style)
-        chosen = [m for m in records.messages if m.startswith("cplib.strategy: flex ")]
-        assert len(choices) == 1 and len(chosen) == 1, (records.messages, choices)
+        messages = [r.getMessage() for r in logs.records]
+        chosen = [m for m in messages if m.startswith("cplib.strategy: flex ")]
+        assert len(choices) == 1 and len(chosen) == 1, (messages, choices)
         table = str(choices[0])
         assert "flex p2p" in table and "flex allgather" in table and "| * |" in table, table
         return choices[0].chosen.name, chosen[0].split(" for ")[0], len(choices[0].rows)
     finally:
-        log.removeHandler(records)
-        log.setLevel(level)
         choice_mod.clear_caches()
 
 

@@ -40,7 +40,7 @@ from .calibration import Calibration
 from .candidates import Candidate, register_candidates
 from .cost import Prediction, register_family
 from .kernels import pass_seconds
-from .ring_cost import parallel_wall
+from .ring_cost import _node_bps, parallel_wall
 from .workload import Workload
 
 __all__ = ["FlexStats", "FLEX", "flex_candidates", "received_per_rank", "sent_per_rank"]
@@ -132,11 +132,6 @@ def _call_seconds(w: Workload, cal: Calibration, partial: float, full: float,
     return scale * (kernel + cal.call_s) + passes
 
 
-def _bps(w: Workload, cal: Calibration, a: int, b: int) -> float:
-    node = w.ranks_per_node
-    return cal.link_bps if a // node == b // node else cal.inter_node_bps
-
-
 def _ring_time(w: Workload, cal: Calibration) -> tuple[float, float, float]:
     s, row, n = _stats(w), _row_bytes(w), _stats(w).world
     compute = exposed = fixed = 0.0
@@ -159,7 +154,7 @@ def _ring_time(w: Workload, cal: Calibration) -> tuple[float, float, float]:
             moved = row * (s.recv[r][src] * (2 if w.backward else 1)
                            + (s.recv[dst][r] if w.backward else 0))
             if moved:
-                comm = max(comm, moved / _bps(w, cal, r, src))
+                comm = max(comm, moved / _node_bps(w, cal, r, src))
         exposed += max(0.0, comm - cal.overlap * step)
         fixed += colls * cal.latency_s
     return compute, exposed, fixed
@@ -173,7 +168,7 @@ def _allgather_time(w: Workload, cal: Calibration) -> tuple[float, float, float]
     if n == 1:
         return compute, 0.0, 0.0
     shard = s.q_len * row
-    bps = min(_bps(w, cal, 0, r) for r in range(n))
+    bps = min(_node_bps(w, cal, 0, r) for r in range(n))
     exposed = (n - 1) * shard / bps
     if w.device_type == "cpu":  # gloo: the input repeated N times (comm/native.py)
         exposed += parallel_wall([n * shard * 2 / cal.copy_bps] * n, w, cal)
