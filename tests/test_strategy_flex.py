@@ -7,7 +7,8 @@ one on every rank (measured calibrations differ per rank), made once per
 plan and logged once, its outputs and gradients equal single-process
 flex_attention, ``explain`` lists both candidates; a memory limit between
 the two predictions picks the ring, one below both raises the same
-ValueError on every rank; an explicit rotation wins (no choice made)."""
+ValueError on every rank; an explicit rotation wins (no choice made); a
+compiled model (fullgraph) keeps the choice out of its graph (the ring)."""
 
 from __future__ import annotations
 
@@ -218,3 +219,24 @@ def test_explicit_rotation_wins(ranks):
     per_rank = ranks(2).run(_check_explicit_rotation)
     assert all(r[0] == 0 for r in per_rank), per_rank  # the all-gather: no ring bytes
     assert per_rank[1][1] > 0, per_rank  # the ring: rank 1 visits rank 0's window
+
+
+def _check_compiled() -> int:
+    """A compiled model (fullgraph) with strategy="auto": the choice stays
+    out of the graph (the ring runs), the output is flex_attention's."""
+    (q, k, v, cot, full, lb), (lq, lk, lv, _, mask) = _case("causal", 256, 32, "head_tail")
+    model = torch.compile(_model(CPU), backend="aot_eager", fullgraph=True)
+    try:
+        with cpu_flex_grads():
+            ref = flex_reference(q, k, v, full, None, False, cot, torch.zeros(q.shape[:3]))
+            ring_bytes_received(reset=True)
+            out = model(lq, lk, lv, block_mask=mask)
+        (want,) = cplib.shard(mesh(), [ref[0]], [2], lb)
+        assert_close(out.double(), want.double(), what="compiled auto: out", **TOL)
+        return ring_bytes_received(reset=True)
+    finally:
+        choice_mod.clear_caches()
+
+
+def test_compiled_auto_runs_the_ring(ranks):
+    assert all(b > 0 for b in ranks(2).run(_check_compiled))
