@@ -47,7 +47,8 @@ class _ContextParallel(ParallelStyle):
     ``AutoStrategy``) chooses the rotation of each call's shapes with cplib's
     cost model; the Ulysses degree stays the one given (the inputs are
     sharded for it). On FLEX it chooses the flex ring or the all-gather per
-    sharded BlockMask (``explain()`` returns those choices)."""
+    sharded BlockMask. ``explain()`` (or ``cplib.explain(style)``) returns
+    the choices made."""
 
     class AttentionType(Enum):
         FLEX = "flex_attention"
@@ -60,7 +61,7 @@ class _ContextParallel(ParallelStyle):
         super().__init__()
         # strategy="auto": the rotation chosen per call (cplib/strategy/route.py).
         self.strategy = parse_strategy(strategy, "_ContextParallel")
-        self._applied: list[AutoStrategy] = []  # FLEX: the strategies of its modules
+        self._applied: list[AutoStrategy] = []  # the strategies of its modules (explain)
         if window is not None:
             from ..ring.args import window_arg
             window_arg(window)  # ValueError naming a bad window, at construction
@@ -108,24 +109,24 @@ class _ContextParallel(ParallelStyle):
                           "ulysses_degree": self.ulysses_degree,
                           "window is not None": int(self.window is not None),
                           "window[0]": sides[0], "window[1]": sides[1]})
+        auto = context_strategy(self.strategy, group.group_name, explicit_rotation(None),
+                                self.ulysses_degree if sdpa else 1)
+        if auto is not None:
+            self._applied.append(auto)
         if sdpa:
             groups = usp_groups(group, self.ulysses_degree)  # collective, once per mesh
             register_groups(groups.ulysses_group, groups.ring_group)  # their CPU side groups
             module.forward = functools.partial(
-                _sdpa_forward, module.forward, group, groups, self.window,
-                context_strategy(self.strategy, group.group_name, explicit_rotation(None),
-                                 self.ulysses_degree))
+                _sdpa_forward, module.forward, group, groups, self.window, auto)
             return module
-        auto = context_strategy(self.strategy, group.group_name, explicit_rotation(None), 1)
-        if auto is not None:
-            self._applied.append(auto)
         return _register_flex_input_hook(module, mesh, self.seq_dim, functools.partial(
             _flex_ring_selected, auto, self.seq_dim, group.group_name,
             dist.get_world_size(group), dist.get_rank(group)))
 
     def explain(self) -> list:
-        """The choices ``strategy="auto"`` made for the FLEX modules this style
-        parallelized (one per distinct plan; ``print`` each for its table)."""
+        """The choices ``strategy="auto"`` made for the modules this style
+        parallelized (one per distinct call, FLEX: per plan; ``print`` each
+        for its table)."""
         return [c for auto in self._applied for c in auto.explain()]
 
     def flex_input_fn(self, module: nn.Module | None, args: Any, kwargs: Any,
