@@ -100,7 +100,8 @@ def choose(w: Workload, cal: Calibration, constraints: Constraints = Constraints
     """The candidate with the least predicted time among those
     ``constraints`` admit and whose predicted peak memory fits
     ``constraints.memory_limit`` (torch's default, the ring with all-gather,
-    when it is within ``constraints.margin`` of it); ValueError when none is admitted or none
+    or for flex the flex all-gather, when it is within ``constraints.margin``
+    of it); ValueError when none is admitted or none
     fits (naming the limit and the smallest prediction). Pure: no
     communication, the same result on every rank for the same inputs."""
     cands = candidates_for(w, constraints)
