@@ -12,8 +12,9 @@ the BlockMask this rank's shard (``_context_parallel_shard`` or
   from its arguments instead of the module's forward: each rank visits only
   the K/V rows its mask needs.
 
-The front end passes the choice in (``use_ring``): a feature folder does
-not read the front end's options itself.
+The front end passes the choice in (``use_ring``, given the call's
+arguments: ``strategy="auto"`` chooses per plan): a feature folder does not
+read the front end's options itself.
 
 Either way score_mod sees global (original) positions when the mask was
 sharded by cplib, as mask_mod does.
@@ -134,10 +135,10 @@ def _ring(call: ParsedCall, seq_dim: int, group_name: str, world: int, rank: int
 
 
 def _flex_forward(forward: Any, *args: Any, seq_dim: int, group_name: str, world: int,
-                  rank: int, use_ring: Callable[[], bool], **kwargs: Any) -> Any:
-    """The parallelized module's forward: the ring when ``use_ring()`` says
-    so at the time of the call, else the all-gather."""
-    if not use_ring():
+                  rank: int, use_ring: Callable[[tuple, dict], bool], **kwargs: Any) -> Any:
+    """The parallelized module's forward: the ring when ``use_ring(args,
+    kwargs)`` says so at the time of the call, else the all-gather."""
+    if not use_ring(args, kwargs):
         args, kwargs = _flex_input_hook(None, args, kwargs, seq_dim=seq_dim,
                                         group_name=group_name)
         return forward(*args, **kwargs)
@@ -148,10 +149,12 @@ def _flex_forward(forward: Any, *args: Any, seq_dim: int, group_name: str, world
 
 
 def _register_flex_input_hook(module: nn.Module, mesh: DeviceMesh, seq_dim: int,
-                              use_ring: Callable[[], bool] = lambda: False) -> nn.Module:
+                              use_ring: Callable[[tuple, dict], bool] = lambda a, k: False
+                              ) -> nn.Module:
     """Makes ``module`` (a flex_attention call) context parallel over the 1-D
-    ``mesh``: its forward runs as the all-gather or, when ``use_ring()`` at
-    the time of a call, the ring (see the module docstring)."""
+    ``mesh``: its forward runs as the all-gather or, when ``use_ring(args,
+    kwargs)`` (the call's arguments) at the time of a call, the ring (see
+    the module docstring)."""
     # The group name is resolved once here, so compiled forwards see a string.
     group = check_mesh(mesh)
     module.forward = functools.partial(_flex_forward, module.forward, seq_dim=seq_dim,

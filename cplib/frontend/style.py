@@ -46,7 +46,9 @@ class _ContextParallel(ParallelStyle):
     :func:`attention_documents`. ``strategy="auto"`` (or an
     ``AutoStrategy``) chooses the rotation of each call's shapes with cplib's
     cost model; the Ulysses degree stays the one given (the inputs are
-    sharded for it)."""
+    sharded for it). On FLEX it chooses the flex ring or the all-gather per
+    sharded BlockMask. ``explain()`` (or ``cplib.explain(style)``) returns
+    the choices made."""
 
     class AttentionType(Enum):
         FLEX = "flex_attention"
@@ -59,6 +61,7 @@ class _ContextParallel(ParallelStyle):
         super().__init__()
         # strategy="auto": the rotation chosen per call (cplib/strategy/route.py).
         self.strategy = parse_strategy(strategy, "_ContextParallel")
+        self._applied: list[AutoStrategy] = []  # the strategies of its modules (explain)
         if window is not None:
             from ..ring.args import window_arg
             window_arg(window)  # ValueError naming a bad window, at construction
@@ -106,15 +109,25 @@ class _ContextParallel(ParallelStyle):
                           "ulysses_degree": self.ulysses_degree,
                           "window is not None": int(self.window is not None),
                           "window[0]": sides[0], "window[1]": sides[1]})
+        auto = context_strategy(self.strategy, group.group_name, explicit_rotation(None),
+                                self.ulysses_degree if sdpa else 1)
+        if auto is not None:
+            self._applied.append(auto)
         if sdpa:
             groups = usp_groups(group, self.ulysses_degree)  # collective, once per mesh
             register_groups(groups.ulysses_group, groups.ring_group)  # their CPU side groups
             module.forward = functools.partial(
-                _sdpa_forward, module.forward, group, groups, self.window,
-                context_strategy(self.strategy, group.group_name, explicit_rotation(None),
-                                 self.ulysses_degree))
+                _sdpa_forward, module.forward, group, groups, self.window, auto)
             return module
-        return _register_flex_input_hook(module, mesh, self.seq_dim, _flex_ring_selected)
+        return _register_flex_input_hook(module, mesh, self.seq_dim, functools.partial(
+            _flex_ring_selected, auto, self.seq_dim, group.group_name,
+            dist.get_world_size(group), dist.get_rank(group)))
+
+    def explain(self) -> list:
+        """The choices ``strategy="auto"`` made for the modules this style
+        parallelized (one per distinct call, FLEX: per plan; ``print`` each
+        for its table)."""
+        return [c for auto in self._applied for c in auto.explain()]
 
     def flex_input_fn(self, module: nn.Module | None, args: Any, kwargs: Any,
                       mesh: DeviceMesh) -> Any:
@@ -125,10 +138,18 @@ class _ContextParallel(ParallelStyle):
                                 group_name=check_mesh(mesh).group_name)
 
 
-def _flex_ring_selected() -> bool:
+def _flex_ring_selected(auto: AutoStrategy | None, seq_dim: int, group_name: str, world: int,
+                        rank: int, args: tuple, kwargs: dict) -> bool:
     """FLEX modules run the flex ring under set_rotate_method("p2p" or
-    "alltoall"), the all-gather under "allgather" (docs/flex.md)."""
-    return _cp_options.rotate_method is not _RotateMethod.ALL_GATHER
+    "alltoall"), the all-gather under "allgather" (docs/flex.md); with
+    ``strategy="auto"`` the cost model chooses per plan unless a rotation is
+    explicit (cplib/strategy/flex_route.py)."""
+    default = _cp_options.rotate_method is not _RotateMethod.ALL_GATHER
+    if auto is None:
+        return default
+    from ..strategy.flex_route import flex_use_ring
+
+    return flex_use_ring(auto, args, kwargs, seq_dim, group_name, world, rank, default)
 
 
 # The documents of the SDPA calls of ``_ContextParallel`` modules made inside

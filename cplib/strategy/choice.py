@@ -100,7 +100,8 @@ def choose(w: Workload, cal: Calibration, constraints: Constraints = Constraints
     """The candidate with the least predicted time among those
     ``constraints`` admit and whose predicted peak memory fits
     ``constraints.memory_limit`` (torch's default, the ring with all-gather,
-    when it is within ``constraints.margin`` of it); ValueError when none is admitted or none
+    or for flex the flex all-gather, when it is within ``constraints.margin``
+    of it); ValueError when none is admitted or none
     fits (naming the limit and the smallest prediction). Pure: no
     communication, the same result on every rank for the same inputs."""
     cands = candidates_for(w, constraints)
@@ -118,7 +119,7 @@ def choose(w: Workload, cal: Calibration, constraints: Constraints = Constraints
             f"smallest predicted peak is {least.prediction.memory_bytes:.0f} bytes "
             f"({least.candidate.name}); raise the limit or use more ranks")
     best = min(fitting, key=lambda r: (r.prediction.time_s, cands.index(r.candidate)))
-    default = next((r for r in fitting if r.candidate.family == "ring"
+    default = next((r for r in fitting if r.candidate.family in ("ring", "flex")
                     and r.candidate.rotate == "allgather"), None)
     if default is not None and \
             default.prediction.time_s <= best.prediction.time_s * (1 + constraints.margin):

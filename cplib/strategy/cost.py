@@ -29,7 +29,8 @@ __all__ = ["Prediction", "register_family", "predict", "families", "ring_part",
 class Prediction:
     """Seconds on the slowest rank (``time_s`` = ``compute_s`` +
     ``exposed_s`` + ``fixed_s``), bytes sent per rank (the most any rank
-    sends), and peak bytes per rank beyond the inputs."""
+    sends), and peak bytes per rank beyond the inputs; ``received``: the
+    bytes each rank receives, where a family counts them per rank (flex)."""
 
     time_s: float
     compute_s: float
@@ -37,6 +38,7 @@ class Prediction:
     fixed_s: float
     bytes_sent: float
     memory_bytes: float
+    received: tuple[float, ...] = ()
 
 
 CostFn = Callable[[Candidate, Workload, Calibration], Prediction]

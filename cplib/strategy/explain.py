@@ -88,8 +88,12 @@ def explain(context: Any = None, *, seq_len: int | None = None, q_heads: int | N
 
     ``explain(cp)``, for the handle of a ``context_parallel(...,
     strategy="auto")`` block, returns the choices made in it so far (one per
-    distinct attention call; ``print`` each for its table)."""
+    distinct attention call; ``print`` each for its table); ``explain(style)``,
+    for a ``_ContextParallel(..., strategy="auto")``, the choices its modules
+    made (FLEX: the flex ring or all-gather, one per sharded BlockMask's plan)."""
     if context is not None:
+        if callable(getattr(context, "explain", None)):  # a _ContextParallel
+            return context.explain()
         strategy = getattr(context, "strategy", None)
         if not hasattr(context, "unshard"):
             raise ValueError("cplib.explain: the positional argument must be the handle of a "

@@ -11,7 +11,7 @@ from .calibration import Calibration
 from .plan import CAUSAL, PARTIAL
 from .workload import Workload
 
-__all__ = ["kernel_cells", "call_seconds"]
+__all__ = ["kernel_cells", "call_seconds", "pass_seconds"]
 
 
 def _splits(q_rows: int, device_type: str) -> tuple[int, int]:
@@ -52,6 +52,14 @@ def call_seconds(kind: int, q_rows: int, k_rows: int, w: Workload, cal: Calibrat
         kernel = cal.masked_unit_s * area * units + cal.mask_s * area
     else:
         kernel = cal.unit_s * kernel_cells(kind, q_rows, k_rows, w.device_type) * units
+    return scale * (kernel + cal.call_s) + pass_seconds(q_rows, k_rows, w, cal, heads, kv_heads)
+
+
+def pass_seconds(q_rows: int, k_rows: int, w: Workload, cal: Calibration, heads: int,
+                 kv_heads: int) -> float:
+    """Seconds of the memory passes around one call (a flex ring's calls
+    make the same ones)."""
+    d = w.head_dim + w.v_head_dim
     a, e, b = w.acc_size, w.element_size, w.batch
     # The forward merges the call's (out, lse) into the accumulators; the
     # backward adds dQ rows and the block's dK|dV rows (summed over a GQA
@@ -61,4 +69,4 @@ def call_seconds(kind: int, q_rows: int, k_rows: int, w: Workload, cal: Calibrat
         passes += b * heads * q_rows * w.head_dim * 3 * a + b * heads * k_rows * d * 2 * a
     if heads != kv_heads:
         passes += b * heads * k_rows * d * e * (2 if w.backward else 1)
-    return scale * (kernel + cal.call_s) + passes / cal.copy_bps
+    return passes / cal.copy_bps

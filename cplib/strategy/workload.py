@@ -76,7 +76,10 @@ class Workload:
 
     def mask_kind(self) -> str:
         """"dense", "causal", "documents", "window" or "documents+window" (with
-        "causal " in front where it applies): what the cache keys on."""
+        "causal " in front where it applies), or "flex" for a flex call (its
+        BlockMask's plan is in ``extras``): what the cache keys on."""
+        if self.extra("flex") is not None:
+            return "flex"
         parts = []
         if self.documents is not None and len(self.documents) > 2:
             parts.append("documents")

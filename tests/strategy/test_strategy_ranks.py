@@ -239,6 +239,7 @@ def _check_module_auto() -> str:
         cplib._disable_context_parallel_dispatcher()
     (full,) = cplib.context_parallel_unshard(mesh, [out], [2], lb)
     assert_close(full, want, what="_ContextParallel strategy=auto", **TOL)
+    assert [c.chosen.family for c in cplib.explain(style)] == ["ring"]
     choice_mod.clear_caches()
     return "ok"
 

@@ -1,0 +1,151 @@
+"""``strategy="auto"`` for ``_ContextParallel(seq_dim=2, AttentionType.FLEX)``:
+whether a call runs the flex ring or the flex all-gather.
+
+Explicit settings win, as for SDPA: the context's pinned rotation
+(``AutoStrategy(rotate=...)``, or a rotation other than the default that
+``set_rotate_method`` set when the module was parallelized) or one set at
+the time of the call. Otherwise the choice is made once per (plan, group):
+on the first call with a sharded BlockMask, every rank sends its row of the
+plan (rows it receives from each rank, the cells of its mask blocks on each
+rank's keys) through the strategy's handshake (ValueError on every rank if
+the plans differ), so every rank builds the same :class:`FlexStats`, the
+same Workload and the same cached, agreed choice (choice.agreed_choice).
+While torch.compile traces, the ring runs (the choice is host work a graph
+cannot hold; both paths compute the same result)."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from .auto import AutoStrategy
+from .choice import _communicates, _exchange, _exchange_unchecked, agreed_choice, calibration_for
+from .explain import constraints_of
+from .flex_cost import FLEX, FlexStats
+from .workload import Workload, element_size, ranks_per_node
+
+__all__ = ["flex_use_ring", "flex_stats"]
+
+# The plan statistics of each FlexShard (one exchange per sharded mask).
+_stats: "weakref.WeakKeyDictionary[Any, FlexStats]" = weakref.WeakKeyDictionary()
+
+
+def _local_row(shard: Any, block_mask: Any, q: torch.Tensor) -> list[int]:
+    """This rank's row of the plan: rows received from each rank, then the
+    cells of its partial and full mask blocks on each rank's keys (summed
+    over batch and query heads)."""
+    from ..flex.plan import _dense
+
+    n, L = shard.world, shard.q_len
+    recv = [0] * n
+    for step in shard.steps:
+        recv[step.src] += step.recv_rows
+    if block_mask is None:  # every key (dense_shard)
+        cells = q.shape[0] * q.shape[1] * L * L
+        return recv + [0] * n + [cells] * n
+    qb, kb = shard.block_size
+    per_rank, total = L // kb, shard.kv_len // kb
+    bm, hm, q_blocks = block_mask.kv_num_blocks.shape
+    rows = (L - torch.arange(q_blocks) * qb).clamp(0, qb)  # rows of each query block
+    spread = (q.shape[0] // bm) * (q.shape[1] // hm)  # a mask of 1 batch / head broadcasts
+
+    def cells(num, idx) -> list[int]:
+        if num is None:
+            return [0] * n
+        dense = _dense(num, idx, total).view(bm, hm, q_blocks, n, per_rank).cpu()
+        per_owner = (dense.sum(-1) * rows.view(1, 1, -1, 1)).sum((0, 1, 2))
+        return [int(x) * kb * spread for x in per_owner.tolist()]
+
+    return (recv + cells(block_mask.kv_num_blocks, block_mask.kv_indices)
+            + cells(block_mask.full_kv_num_blocks, block_mask.full_kv_indices))
+
+
+def flex_stats(shard: Any, block_mask: Any, q: torch.Tensor, group_name: str) -> FlexStats:
+    """The plan of every rank (collective on the first call per shard: one
+    handshake; cached on the shard after)."""
+    found = _stats.get(shard)
+    if found is not None:
+        return found
+    mine = _local_row(shard, block_mask, q)
+    every = [mine]
+    if _communicates(group_name):
+        fields = {"strategy flex plan (hash)": int(shard.plan_hash),
+                  "strategy flex ranks": shard.world}
+        every = _exchange(group_name, "strategy flex plan", fields, mine) or \
+            _exchange_unchecked(group_name, mine)
+    n = shard.world
+    stats = FlexStats(shard.q_len, *(tuple(tuple(row[i * n:(i + 1) * n]) for row in every)
+                                      for i in range(3)))
+    _stats[shard] = stats
+    return stats
+
+
+def _workload(stats: FlexStats, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              auto: AutoStrategy) -> Workload:
+    n = stats.world
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    return Workload(stats.q_len * n, int(q.shape[0]), int(q.shape[1]), int(k.shape[1]),
+                    int(q.shape[3]), int(v.shape[3]), element_size(q.dtype), n,
+                    ranks_per_node(n, auto.ranks_per_node), False, None, None, "sequential",
+                    q.device.type, grad, ((FLEX, stats),))
+
+
+def _pinned(auto: AutoStrategy | None) -> str | None:
+    from ..frontend.options import explicit_rotation
+
+    return explicit_rotation(None) or (auto.rotate if auto is not None else None)
+
+
+def flex_use_ring(auto: AutoStrategy | None, args: tuple, kwargs: dict, seq_dim: int,
+                  group_name: str, world: int, rank: int,
+                  default: bool) -> bool:
+    """Whether this FLEX call runs the flex ring: ``default`` (the rotate
+    method's) without a strategy; the explicit rotation where one is set;
+    else the agreed choice of the cost model for the call's plan. Calls the
+    ring cannot run (no plan of cplib's sharding, a dim other than 2) and
+    malformed calls go where they went without a strategy (where their
+    errors are raised, on every rank)."""
+    if auto is None:
+        return default
+    pinned = _pinned(auto)
+    if pinned is not None:
+        return pinned != "allgather"
+    if torch.compiler.is_compiling():
+        return True
+    from ..flex.plan import SHARD_ATTR, dense_shard
+    from ..flex.ring_args import parse_call
+
+    try:
+        call = parse_call(args, kwargs)
+    except ValueError:
+        return default
+    mask = call.block_mask
+    shard = (dense_shard(group_name, world, rank, call.query.shape[2], call.query.device)
+             if mask is None else getattr(mask, SHARD_ATTR, None))
+    if shard is None or shard.unsupported is not None or seq_dim not in (2, -2) or \
+            call.query.dim() != 4 or call.key.dim() != 4 or call.value.dim() != 4:
+        return default
+    if mask is None:
+        shard = _dense_key(shard, group_name, world, rank, call.query)
+    q, k, v = call.query, call.key, call.value
+    stats = flex_stats(shard, mask, q, group_name)  # eager: chosen outside a trace
+    w = _workload(stats, q, k, v, auto)
+    constraints = constraints_of(None, None, auto.memory_limit, world, (FLEX,),
+                                 margin=auto.margin)
+    choice = agreed_choice(group_name, w, constraints,
+                           lambda: calibration_for(group_name, q.device, w.head_dim, q.dtype,
+                                                   auto.calibration))
+    auto.record(choice)
+    return choice.chosen.rotate != "allgather"
+
+
+_dense_shards: dict[tuple, Any] = {}
+
+
+def _dense_key(shard: Any, group_name: str, world: int, rank: int, q: torch.Tensor) -> Any:
+    """One dense plan per (group, rank, rows, device): the stats cache keys
+    on the plan object, and a call without a mask makes a new one."""
+    key = (group_name, world, rank, int(q.shape[2]), str(q.device))
+    return _dense_shards.setdefault(key, shard)
