@@ -15,7 +15,7 @@ Built-in defaults (``DEFAULTS``), and where their figures come from:
     torch 2.11, so it is the default.
   - NVLink 4: 900 GB/s per GPU both directions together (NVIDIA H100
     datasheet), 450 GB/s each way; 80 % of it (360 GB/s) as the rate an
-    all-to-all reaches (the figure RESULTS.md's crossover table used).
+    all-to-all reaches (the figure the hand-made crossover table of earlier RESULTS.md used).
   - InfiniBand NDR: one 400 Gb/s ConnectX-7 per GPU = 50 GB/s each way
     (NVIDIA DGX H100 user guide); 90 % of it (45 GB/s).
   - HBM3: 3.35 TB/s (datasheet); 2.6 TB/s for a copy's read + write.

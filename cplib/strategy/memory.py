@@ -2,7 +2,7 @@
 this rank's tensors. The counts follow the ops' buffers and the CPU
 allocator's measurements:
 
-* ring p2p / alltoall (tests/test_ring_memory.py: 14.2 K-blocks at N=4,
+* ring p2p / alltoall (tests/ring/test_ring_memory.py: 14.2 K-blocks at N=4,
   fp32 MHA): out, grad_out and dQ, the block kernel's three gradients, two
   K|V blocks (one in use, one in flight), our own dK|dV accumulator and one
   dK|dV in flight; the accumulators in fp32;

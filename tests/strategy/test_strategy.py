@@ -56,7 +56,7 @@ def test_masks_cost_less_than_dense():
 
 
 def test_exchange_hidden_at_long_sequences_on_nvlink():
-    # RESULTS.md's crossover: at 128K on one H100 node the ring's sends hide.
+    # At 128K on one H100 node the ring's sends hide (RESULTS.md, the strategy on paper).
     w = _w(seq_len=131072)
     p2p = predict(Candidate("ring", "p2p"), w, H100)
     assert p2p.exposed_s == 0 and p2p.compute_s > 100 * p2p.fixed_s
@@ -71,7 +71,7 @@ def test_bytes_follow_the_documented_formulas():
     # dK|dV N-1 times back: 2·shard·3(N-1) (the ring's byte counter agrees,
     # benchmarks/bench_strategy.py records both); Ulysses (N-1)/N·8·shard (MHA).
     # Not causal: every receiver reads every row (a causal ring sends only
-    # the rows a receiver reads: tests/test_strategy_ranks.py).
+    # the rows a receiver reads: tests/strategy/test_strategy_ranks.py).
     n, s, h, hkv, d = 4, 4096, 8, 8, 64
     w = workload_of(seq_len=s, q_heads=h, kv_heads=hkv, head_dim=d, world_size=n,
                     dtype=torch.float32, device_type="cpu", is_causal=False)
