@@ -6,6 +6,8 @@ lengths; bad document arguments raising ValueError on every rank."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,10 +15,18 @@ import torch.nn.functional as F
 
 import cplib
 from cplib import context_parallel
+from cp_runs import sharded_fwd_bwd
 from harness import assert_close
 from model_cases import _check_llama_documents as _check_llama
 from model_cases import _mesh
 from ring_mask_cases import masked_reference, visible
+
+
+def _causal_sdpa(window, q, k, v):
+    if window is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with cplib.attention_window(window):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 def test_hf_llama_prime_length_and_documents(ranks):
@@ -47,18 +57,7 @@ def _check_window_and_uneven(n_unused: int = 0) -> int:
             bufs = [t.clone() for t in (q, k, v, cot)]
             with context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2] * 4, load_balance=lb,
                                   cu_seqlens=torch.tensor(cu), window=default) as cp:
-                ql, kl, vl, cl = bufs
-                for t in (ql, kl, vl):
-                    t.requires_grad_(True)
-                if window is not None:
-                    with cplib.attention_window(window):
-                        out = F.scaled_dot_product_attention(ql, kl, vl, is_causal=True)
-                else:
-                    out = F.scaled_dot_product_attention(ql, kl, vl, is_causal=True)
-                out.backward(cl)
-                got = cp.unshard([out.detach(), ql.grad, kl.grad, vl.grad], [2] * 4)
-                for t in (ql, kl, vl):
-                    t.requires_grad_(False)
+                got = sharded_fwd_bwd(cp, bufs, functools.partial(_causal_sdpa, window))
             for name, a, b in zip(("out", "dq", "dk", "dv"), got, (ref[0],) + ref[2:]):
                 assert_close(a, b, atol=1e-10, rtol=1e-10,
                              what=f"{name} lb={lb} window={window} default={default}")

@@ -21,6 +21,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 import cplib
 from cplib.strategy import choice as choice_mod
 from cplib.strategy import microbench
+from cp_runs import dispatched, sharded_fwd_bwd
 from harness import assert_close
 from ring_cases import global_tensor, reference
 
@@ -198,14 +199,7 @@ def _check_placement_chosen() -> list[str]:
         with cplib.context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2] * 4,
                                     cu_seqlens=torch.tensor(cu), **options) as cp:
             assert isinstance(cp.load_balancer, cplib.DocumentPlacementLoadBalancer)
-            ql, kl, vl, cl = bufs
-            for t in (ql, kl, vl):
-                t.requires_grad_(True)
-            out = _attention(ql, kl, vl)
-            out.backward(cl)
-            got = cp.unshard([out.detach(), ql.grad, kl.grad, vl.grad], [2] * 4)
-            for t in (ql, kl, vl):
-                t.requires_grad_(False)
+            got = sharded_fwd_bwd(cp, bufs, _attention)
         _compare(got, ref, f"placement chosen by auto ({options})")
         chosen.append(cplib.explain(cp)[0].chosen)
     assert chosen[0].layout == chosen[1].layout == "placement", chosen
@@ -232,11 +226,7 @@ def _check_module_auto() -> str:
     attn = parallelize_module(_Attn(), mesh, style)
     lb = cplib.HeadTailLoadBalancer(8 * n, n, "cpu")
     ql, kl, vl = cplib._context_parallel_shard(mesh, [q, k, v], [2, 2, 2], lb)
-    cplib._enable_context_parallel_dispatcher()
-    try:
-        out = attn(ql, kl, vl)
-    finally:
-        cplib._disable_context_parallel_dispatcher()
+    out = dispatched(attn, ql, kl, vl)
     (full,) = cplib.context_parallel_unshard(mesh, [out], [2], lb)
     assert_close(full, want, what="_ContextParallel strategy=auto", **TOL)
     assert [c.chosen.family for c in cplib.explain(style)] == ["ring"]

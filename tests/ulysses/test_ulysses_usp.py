@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 import cplib
 from cplib.comm.native import ops
 from cplib.ulysses.usp_layout import usp_groups
+from cp_runs import dispatched
 from harness import assert_close
 from model_cases import _compare_grads, _llama, _lm_loss, _setup
 from ring_cases import global_tensor, reference
@@ -176,11 +177,7 @@ def _check_module_style() -> None:
         seq_dim=2, attention_type=cplib._ContextParallel.AttentionType.SDPA, ulysses_degree=2))
     balancer = cplib.usp_load_balancer(s, n, 2)
     ql, kl, vl = cplib._context_parallel_shard(mesh, [q, k, v], [2, 2, 2], balancer)
-    cplib._enable_context_parallel_dispatcher()
-    try:
-        out = attn(ql, kl, vl)
-    finally:
-        cplib._disable_context_parallel_dispatcher()
+    out = dispatched(attn, ql, kl, vl)
     (full,) = cplib.context_parallel_unshard(mesh, [out], [2], balancer)
     assert_close(full, want, atol=1e-10, rtol=1e-10, what="_ContextParallel ulysses_degree=2")
 

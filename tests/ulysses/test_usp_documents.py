@@ -16,6 +16,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 import cplib
 from cplib.ulysses.usp_layout import usp_groups
+from cp_runs import sharded_fwd_bwd
 from harness import assert_close
 from ring_cases import global_tensor
 from ring_mask_cases import masked_reference, visible
@@ -112,14 +113,7 @@ def _check_context() -> int:
         with cplib.context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2] * 4,
                                     load_balance=lb, ulysses_degree=U, window=window,
                                     **extra) as cp:
-            ql, kl, vl, cl = bufs
-            for t in (ql, kl, vl):
-                t.requires_grad_(True)
-            out = fn(ql, kl, vl)
-            out.backward(cl)
-            got = cp.unshard([out.detach(), ql.grad, kl.grad, vl.grad], [2] * 4)
-            for t in (ql, kl, vl):
-                t.requires_grad_(False)
+            got = sharded_fwd_bwd(cp, bufs, fn)
         for label, g, w in zip(("out", "dq", "dk", "dv"), got, (ref[0],) + ref[2:]):
             assert_close(g, w, **TOL, what=f"context {label} [S={s} lb={lb} docs={docs} "
                                            f"window={window} compiled={compiled}]")
