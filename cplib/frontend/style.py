@@ -196,6 +196,11 @@ def _sdpa_forward(forward: Any, group: dist.ProcessGroup, groups: UspGroups, win
                   strategy: AutoStrategy | None, *args: Any, **kwargs: Any) -> Any:
     cu_seqlens, per_document, placement = _documents[-1] if _documents else (None, False, False)
 
+    # A rotation set explicitly after parallelize_module wins over the
+    # strategy's choice too (it is read per call, as the rotation itself is).
+    explicit = explicit_rotation(None) if strategy is not None and strategy.rotate is None else None
+    call_strategy = None if explicit is not None else strategy
+
     def check() -> RingConfig:
         if not dispatcher_enabled():
             raise RuntimeError(
@@ -212,7 +217,7 @@ def _sdpa_forward(forward: Any, group: dist.ProcessGroup, groups: UspGroups, win
                           groups.ulysses_group,
                           seq_len=None if cu_seqlens is None else int(cu_seqlens[-1]),
                           cu_seqlens=cu_seqlens, window=window, per_document=per_document,
-                          placement=placement, strategy=strategy)
+                          placement=placement, strategy=call_strategy)
 
     # An error here meets the handshake the other ranks' SDPA calls start with.
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]

@@ -238,6 +238,36 @@ def test_context_parallel_style_strategy_auto(ranks):
     assert ranks(2).run(_check_module_auto) == ["ok"] * 2
 
 
+def _check_rotation_set_after_parallelizing() -> list[int]:
+    """set_rotate_method("allgather") made after parallelize_module wins
+    over strategy="auto" (no choice made) and the result is exact; back on
+    the default rotation, auto chooses again."""
+    from flex_cases import rotate
+
+    mesh, n = _mesh(), dist.get_world_size()
+    q, k, v = (global_tensor((1, 4, 8 * n, 8), torch.float64, 80 + i) for i in range(3))
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    style = cplib._ContextParallel(seq_dim=2, attention_type=cplib._ContextParallel.AttentionType
+                                   .SDPA, strategy=CPU)
+    attn = parallelize_module(_Attn(), mesh, style)
+    lb = cplib.HeadTailLoadBalancer(8 * n, n, "cpu")
+    ql, kl, vl = cplib._context_parallel_shard(mesh, [q, k, v], [2, 2, 2], lb)
+    try:
+        with rotate("allgather"):
+            out = dispatched(attn, ql, kl, vl)
+        (full,) = cplib.context_parallel_unshard(mesh, [out], [2], lb)
+        assert_close(full, want, what="set_rotate_method after parallelize_module", **TOL)
+        assert cplib.explain(style) == []
+        dispatched(attn, ql, kl, vl)  # the default rotation again: auto chooses
+        return [len(cplib.explain(style))]
+    finally:
+        choice_mod.clear_caches()
+
+
+def test_rotation_set_after_parallelizing_wins_over_auto(ranks):
+    assert ranks(2).run(_check_rotation_set_after_parallelizing) == [[1], [1]]
+
+
 def _check_bad_strategy_on_one_rank() -> str:
     mesh, rank = _mesh(), dist.get_rank()
     x = torch.randn(1, 2, 8 * dist.get_world_size(), 8)
