@@ -51,6 +51,10 @@ class _ContextParallelOptions:
     enable_load_balance: bool = True
     # torch defaults to all-gather; cplib's default is the O(S/N)-memory ring.
     rotate_method: _RotateMethod = _RotateMethod.P2P
+    # cplib: the document layout of the last _context_parallel_shard (None:
+    # none yet), which _ContextParallel's SDPA calls check attention_documents
+    # against (cplib/frontend/shard_layout.py).
+    shard_layout: Any = None
 
 
 _cp_options = _ContextParallelOptions()

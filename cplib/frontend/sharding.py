@@ -199,7 +199,12 @@ def _context_parallel_shard(mesh: DeviceMesh, buffers: Any, seq_dims: Any,
                             load_balancer: _LoadBalancer | None = None) -> Any:
     """torch's ``_context_parallel_shard``: shards like :func:`shard` and, as
     torch does, records in ``_cp_options.enable_load_balance`` whether a load
-    balancer was used, which ``_ContextParallel`` SDPA modules then follow."""
+    balancer was used, which ``_ContextParallel`` SDPA modules then follow
+    (and in ``_cp_options.shard_layout`` its documents, which they check
+    ``attention_documents`` against)."""
+    from .shard_layout import shard_layout_of
+
     result = shard(mesh, buffers, seq_dims, load_balancer)
     _cp_options.enable_load_balance = load_balancer is not None
+    _cp_options.shard_layout = shard_layout_of(load_balancer)
     return result

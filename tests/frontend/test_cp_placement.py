@@ -6,8 +6,9 @@ shard / unshard / ``cp.unshard`` / ``context_parallel_unshard`` with
 ``_ContextParallel`` + ``attention_documents(placement=True)``; the flex path
 (``_create_cp_block_mask`` with the balancer: the local mask is the full
 mask's, rows and keys in the placement's order); and errors on every rank:
-placement without documents, with Ulysses, and ranks whose placements
-differ."""
+placement without documents, with Ulysses, ranks whose placements differ,
+and a module call whose ``attention_documents`` does not match the layout
+``_context_parallel_shard`` made."""
 
 from __future__ import annotations
 
@@ -142,3 +143,55 @@ def test_placement_errors_on_every_rank(ranks):
     assert "load_balance='placement' needs the documents" in no_docs
     assert "ulysses_degree=2" in ulysses
     assert "document placement (hash)" in differ
+
+
+def _check_module_documents_match_the_shard() -> list[str]:
+    """Inputs sharded in the placement but attended without
+    attention_documents(placement=True), with per_document=True, or with
+    other documents; head-tail inputs attended as a placement; one rank
+    inside attention_documents and the other not: each raises the same
+    ValueError on every rank before any exchange, and nothing hangs."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    mesh = _mesh()
+    s = 16 * n
+    cu = [0, 5, 9, s]
+    q, k, v = (torch.randn(1, 2, s, 4) for _ in range(3))
+    attn = parallelize_module(_Attention(), mesh, cplib._ContextParallel(
+        seq_dim=2, attention_type=cplib._ContextParallel.AttentionType.SDPA))
+    placed = cplib.DocumentPlacementLoadBalancer(cu, n, "cpu")
+    head_tail = cplib._HeadTailLoadBalancer(s, n, "cpu")
+    cases = ((placed, None), (placed, dict(per_document=True)),
+             (placed, dict(cu_seqlens=torch.tensor([0, 6, s]), placement=True)),
+             (head_tail, dict(placement=True)),
+             (placed, dict(placement=True) if rank == 0 else None))
+    seen = []
+    cplib._enable_context_parallel_dispatcher()
+    try:
+        for lb, documents in cases:
+            lq, lk, lv = cplib._context_parallel_shard(mesh, (q, k, v), (2, 2, 2), lb)
+            with pytest.raises(ValueError) as info:
+                if documents is None:
+                    attn(lq, lk, lv)
+                else:
+                    with cplib.attention_documents(
+                            **{"cu_seqlens": torch.tensor(cu), **documents}):
+                        attn(lq, lk, lv)
+            seen.append(str(info.value))
+    finally:
+        cplib._disable_context_parallel_dispatcher()
+    t = torch.ones(1)
+    dist.all_reduce(t)  # nobody is left in a collective
+    assert t.item() == n
+    return seen
+
+
+def test_module_documents_must_match_the_shard_on_every_rank(ranks):
+    results = ranks(2).run(_check_module_documents_match_the_shard)
+    assert results[0] == results[1], results
+    missing, per_document, other_docs, head_tail, one_rank = results[0]
+    assert "DocumentPlacementLoadBalancer (placement layout)" in missing
+    assert "attention_documents(cu_seqlens, placement=True)" in missing
+    assert "DocumentPlacementLoadBalancer (placement layout)" in per_document
+    assert "cu_seqlens [0, 6, " in other_docs and "[0, 5, 9, " in other_docs
+    assert "attention_documents(placement=True)" in head_tail and "HeadTail" in head_tail
+    assert "placement layout" in one_rank

@@ -11,6 +11,7 @@ computation on the full data.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import queue
@@ -43,10 +44,16 @@ def _format_failures(failures: Sequence[tuple[int, str]]) -> str:
 def _restore_process_state() -> None:
     """Undoes what a task may have switched for its own checks, so that the
     next task on these pooled ranks starts as a fresh process would: the
-    reference ring (tests/support/cp_reference.py) goes back to the native op."""
+    reference ring (tests/support/cp_reference.py) goes back to the native op,
+    the context-parallel options to their defaults."""
     reference = sys.modules.get("cp_reference")
     if reference is not None:
         reference.restore_native_ring()
+    options = sys.modules.get("cplib.frontend.options")
+    if options is not None:  # the rotation, the last shard's layout, ...
+        fresh = options._ContextParallelOptions()
+        for field in dataclasses.fields(fresh):
+            setattr(options._cp_options, field.name, getattr(fresh, field.name))
 
 
 def _worker(rank: int, world_size: int, port: int, tasks, results,
