@@ -51,8 +51,8 @@ class _ContextParallelOptions:
     enable_load_balance: bool = True
     # torch defaults to all-gather; cplib's default is the O(S/N)-memory ring.
     rotate_method: _RotateMethod = _RotateMethod.P2P
-    # cplib: the document layout of the last _context_parallel_shard (None:
-    # none yet), which _ContextParallel's SDPA calls check attention_documents
+    # cplib: the layout of the last _context_parallel_shard (None: none yet),
+    # which _ContextParallel's SDPA calls check how they read their inputs
     # against (cplib/frontend/shard_layout.py).
     shard_layout: Any = None
 

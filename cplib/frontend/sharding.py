@@ -200,8 +200,8 @@ def _context_parallel_shard(mesh: DeviceMesh, buffers: Any, seq_dims: Any,
     """torch's ``_context_parallel_shard``: shards like :func:`shard` and, as
     torch does, records in ``_cp_options.enable_load_balance`` whether a load
     balancer was used, which ``_ContextParallel`` SDPA modules then follow
-    (and in ``_cp_options.shard_layout`` its documents, which they check
-    ``attention_documents`` against)."""
+    (and in ``_cp_options.shard_layout`` its layout, which they check how they
+    read their inputs against: cplib/frontend/shard_layout.py)."""
     from .shard_layout import shard_layout_of
 
     result = shard(mesh, buffers, seq_dims, load_balancer)

@@ -19,7 +19,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from ..flex.hook import _flex_input_hook, _register_flex_input_hook
 from ..comm.handshake import agreed, handshake, register_groups
 from .options import RingConfig, _cp_options, _RotateMethod, explicit_rotation, rotate_method_name
-from .shard_layout import check_documents_told
+from .shard_layout import check_layout_read
 from .sdpa_dispatch import CPDispatchMode, agreed_before_attention, dispatcher_enabled
 from ..comm.native import check_mesh
 from ..ulysses.usp_layout import UspGroups, check_degrees, usp_groups
@@ -208,7 +208,10 @@ def _sdpa_forward(forward: Any, group: dist.ProcessGroup, groups: UspGroups, win
                 "cplib: this module was parallelized with _ContextParallel but the context "
                 "parallel dispatcher is off; call cplib._enable_context_parallel_dispatcher() "
                 "first")
-        check_documents_told(_cp_options.shard_layout, cu_seqlens, per_document, placement)
+        check_layout_read(_cp_options.shard_layout, load_balanced=_cp_options.enable_load_balance,
+                          per_document=per_document, placement=placement, cu_seqlens=cu_seqlens,
+                          world_size=dist.get_world_size(group),
+                          ulysses_degree=groups.ulysses_degree)
         if placement and groups.ulysses_degree > 1:
             raise NotImplementedError(
                 f"cplib: attention_documents(placement=True) with ulysses_degree="

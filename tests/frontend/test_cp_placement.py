@@ -7,8 +7,8 @@ shard / unshard / ``cp.unshard`` / ``context_parallel_unshard`` with
 (``_create_cp_block_mask`` with the balancer: the local mask is the full
 mask's, rows and keys in the placement's order); and errors on every rank:
 placement without documents, with Ulysses, ranks whose placements differ,
-and a module call whose ``attention_documents`` does not match the layout
-``_context_parallel_shard`` made."""
+and a module call that would read its inputs in another layout than the
+one ``_context_parallel_shard`` made."""
 
 from __future__ import annotations
 
@@ -145,12 +145,26 @@ def test_placement_errors_on_every_rank(ranks):
     assert "document placement (hash)" in differ
 
 
-def _check_module_documents_match_the_shard() -> list[str]:
-    """Inputs sharded in the placement but attended without
-    attention_documents(placement=True), with per_document=True, or with
+
+class _Reversed(cplib._LoadBalancer):
+    """A user's own layout (the sequence reversed), which SDPA cannot read."""
+
+    def __init__(self, s: int):
+        self.s = s
+
+    def _generate_indices(self, restore: bool = False) -> torch.Tensor:
+        return torch.arange(self.s - 1, -1, -1).unsqueeze(0)
+
+
+def _check_module_reads_the_shards_layout() -> list[str]:
+    """An SDPA module must read its inputs in the layout
+    _context_parallel_shard made: inputs in the placement attended without
+    attention_documents(placement=True), with per_document=True or with
     other documents; head-tail inputs attended as a placement; one rank
-    inside attention_documents and the other not: each raises the same
-    ValueError on every rank before any exchange, and nothing hangs."""
+    inside attention_documents and the other not; USP's sequential layout
+    read as head-tail; a layout for another Ulysses degree; a user's own
+    balancer (NotImplementedError). Each raises the same error on every rank
+    before any exchange, and nothing hangs."""
     n, rank = dist.get_world_size(), dist.get_rank()
     mesh = _mesh()
     s = 16 * n
@@ -159,24 +173,26 @@ def _check_module_documents_match_the_shard() -> list[str]:
     attn = parallelize_module(_Attention(), mesh, cplib._ContextParallel(
         seq_dim=2, attention_type=cplib._ContextParallel.AttentionType.SDPA))
     placed = cplib.DocumentPlacementLoadBalancer(cu, n, "cpu")
-    head_tail = cplib._HeadTailLoadBalancer(s, n, "cpu")
     cases = ((placed, None), (placed, dict(per_document=True)),
              (placed, dict(cu_seqlens=torch.tensor([0, 6, s]), placement=True)),
-             (head_tail, dict(placement=True)),
-             (placed, dict(placement=True) if rank == 0 else None))
+             (cplib._HeadTailLoadBalancer(s, n, "cpu"), dict(placement=True)),
+             (placed, dict(placement=True) if rank == 0 else None),
+             (cplib.usp_load_balancer(s, n, 1, head_tail=False), None),
+             (cplib.usp_load_balancer(s, n, 2), None),
+             (_Reversed(s), None))
     seen = []
     cplib._enable_context_parallel_dispatcher()
     try:
         for lb, documents in cases:
             lq, lk, lv = cplib._context_parallel_shard(mesh, (q, k, v), (2, 2, 2), lb)
-            with pytest.raises(ValueError) as info:
+            with pytest.raises((ValueError, NotImplementedError)) as info:
                 if documents is None:
                     attn(lq, lk, lv)
                 else:
                     with cplib.attention_documents(
                             **{"cu_seqlens": torch.tensor(cu), **documents}):
                         attn(lq, lk, lv)
-            seen.append(str(info.value))
+            seen.append(f"{info.type.__name__}: {info.value}")
     finally:
         cplib._disable_context_parallel_dispatcher()
     t = torch.ones(1)
@@ -185,13 +201,16 @@ def _check_module_documents_match_the_shard() -> list[str]:
     return seen
 
 
-def test_module_documents_must_match_the_shard_on_every_rank(ranks):
-    results = ranks(2).run(_check_module_documents_match_the_shard)
+def test_module_reads_the_shards_layout_or_raises_on_every_rank(ranks):
+    results = ranks(2).run(_check_module_reads_the_shards_layout)
     assert results[0] == results[1], results
-    missing, per_document, other_docs, head_tail, one_rank = results[0]
-    assert "DocumentPlacementLoadBalancer (placement layout)" in missing
+    missing, per_document, other_docs, head_tail, one_rank, sequential, usp, own = results[0]
+    assert missing.startswith("ValueError") and "DocumentPlacementLoadBalancer (placement" in missing
     assert "attention_documents(cu_seqlens, placement=True)" in missing
     assert "DocumentPlacementLoadBalancer (placement layout)" in per_document
     assert "cu_seqlens [0, 6, " in other_docs and "[0, 5, 9, " in other_docs
     assert "attention_documents(placement=True)" in head_tail and "HeadTail" in head_tail
     assert "placement layout" in one_rank
+    assert "(sequential layout)" in sequential and "as head-tail" in sequential
+    assert "ulysses_degree=2" in usp and "usp_load_balancer(S, 2, 1)" in usp
+    assert own.startswith("NotImplementedError") and "_Reversed" in own
