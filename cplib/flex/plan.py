@@ -13,6 +13,11 @@ shares those vectors, and every rank derives the same schedule from them:
   (only those: a targeted exchange when the mask is sparse, the whole shard
   when it is not) and sends rank ``r + d`` the rows of ours that it needs.
   Offsets that no rank needs are not visited at all.
+* each step's call takes only the span of our query rows that see any of
+  the attended blocks (under head-tail, half of them on every step but the
+  first): a kernel that computes a call's whole area (flex on the CPU)
+  computes no rows that the mask rules out, and one that skips empty
+  blocks (Triton) launches fewer.
 
 Each step has its own BlockMask: the local mask's block columns of the
 attended rows, renumbered, with a mask_mod that sees global (original)
@@ -47,8 +52,9 @@ class RingStep:
     send_rows: int                # rows of ours sent to dst
     send_index: torch.Tensor | None  # which rows go to dst, when not all of them
     compute: bool                 # whether any of our queries sees the attended rows
-    mask: BlockMask | None        # (our queries x the attended rows); None: no mask
+    mask: BlockMask | None        # (our queries q_rows x the attended rows); None: no mask
     kv_positions: torch.Tensor    # (1|B, rows): original positions of the attended rows
+    q_rows: tuple[int, int]       # [start, end) of our query rows that see the attended rows
 
 
 @dataclass(eq=False)
@@ -124,6 +130,13 @@ def _rows(blocks: torch.Tensor, block: int) -> torch.Tensor:
     return (blocks.unsqueeze(-1) * block + torch.arange(block, device=blocks.device)).reshape(-1)
 
 
+def _seeing_blocks(visible: torch.Tensor) -> tuple[int, int]:
+    """The span ``[first, end)`` of query blocks with any visible block in
+    ``visible`` ``(B, H, query blocks, key blocks)`` (one exists)."""
+    seen = visible.flatten(0, 1).any(0).any(-1).nonzero().flatten().tolist()
+    return seen[0], seen[-1] + 1
+
+
 def _gather_needs(need: torch.Tensor, group_name: str, world: int) -> torch.Tensor:
     """Every rank's need vector: ``(world, T)`` bool on the host."""
     if world == 1:
@@ -169,20 +182,24 @@ def plan_shard(block_mask: BlockMask, mask_mod, group_name: str, world: int, ran
         cols = (torch.arange(per_rank) if d == 0 else recv) + src * per_rank
         rows = _rows(cols.to(device), kb)
         kv_pos = positions[:, rows]
-        mask = None
+        mask, q_rows = None, (0, q_len)
         if recv.numel():
             pick = cols.to(device)
             p, f = partial[..., pick], full[..., pick]
+            first, end = _seeing_blocks(p | f)
+            q_rows = (first * qb, min(end * qb, q_len))
+            p, f = p[..., first:end, :], f[..., first:end, :]
             mask = BlockMask.from_kv_blocks(
                 *_ordered(p), *_ordered(f), BLOCK_SIZE=(qb, kb),
-                mask_mod=positions_mod(mask_mod, q_pos, kv_pos, score=False),
-                seq_lengths=(q_len, rows.numel()))
+                mask_mod=positions_mod(mask_mod, q_pos[:, q_rows[0]:q_rows[1]], kv_pos,
+                                       score=False),
+                seq_lengths=(q_rows[1] - q_rows[0], rows.numel()))
         send_index = None
         if d and 0 < send.numel() < per_rank:
             send_index = _rows(send.to(device), kb)
         steps.append(RingStep(d, src, dst, 0 if d == 0 else rows.numel(),
                               0 if d == 0 else send.numel() * kb, send_index,
-                              bool(recv.numel()), mask, kv_pos))
+                              bool(recv.numel()), mask, kv_pos, q_rows))
     digest = zlib.crc32(need.numpy().tobytes(), zlib.crc32(repr((world, q_len, kv_len, qb, kb))
                                                            .encode()))
     return FlexShard(group_name, world, rank, q_len, kv_len, (qb, kb), q_pos, positions,
@@ -197,7 +214,8 @@ def dense_shard(group_name: str, world: int, rank: int, q_len: int,
     steps = tuple(
         RingStep(d, (rank - d) % world, (rank + d) % world, q_len if d else 0,
                  q_len if d else 0, None, True, None,
-                 positions[:, ((rank - d) % world) * q_len:((rank - d) % world + 1) * q_len])
+                 positions[:, ((rank - d) % world) * q_len:((rank - d) % world + 1) * q_len],
+                 (0, q_len))
         for d in range(world))
     return FlexShard(group_name, world, rank, q_len, world * q_len, (q_len, q_len),
                      positions[:, rank * q_len:(rank + 1) * q_len], positions, steps, world)

@@ -53,7 +53,8 @@ class RingCall:
         # One score_mod per step, on global positions (shared by fwd and bwd).
         self.score_mods = tuple(
             None if score_mod is None else
-            positions_mod(score_mod, shard.q_positions, s.kv_positions, score=True)
+            positions_mod(score_mod, shard.q_positions[:, s.q_rows[0]:s.q_rows[1]],
+                          s.kv_positions, score=True)
             for s in shard.steps)
 
 
@@ -100,7 +101,14 @@ def _fetch(k, v, step: RingStep, after: torch.Tensor, whole: list,
     return token, kb, vb
 
 
+def _rows_of(t: torch.Tensor, step: RingStep) -> torch.Tensor:
+    """The query rows of ``t`` (dim 2) that ``step`` attends with (a view)."""
+    start, end = step.q_rows
+    return t if (start, end) == (0, t.shape[2]) else t[:, :, start:end]
+
+
 def _attend(q, kb, vb, step: RingStep, score_mod, call: RingCall):
+    """(o_b, lse_b) of the step's query rows ``q`` (``_rows_of``)."""
     out, aux = fa.flex_attention(q, kb, vb, score_mod=score_mod, block_mask=step.mask,
                                  scale=call.scale, enable_gqa=call.enable_gqa,
                                  kernel_options=call.kernel_options,
@@ -119,8 +127,8 @@ def _forward(q, k, v, token, call: RingCall, group_name: str):
         if step.offset:
             token, kb, vb = _fetch(k, v, step, token, whole, group_name)
         if step.compute:
-            o_b, lse_b = _attend(q, kb, vb, step, score_mod, call)
-            merge_partial_(out, lse, o_b, lse_b.to(acc))
+            o_b, lse_b = _attend(_rows_of(q, step), kb, vb, step, score_mod, call)
+            merge_partial_(out, lse, o_b, lse_b.to(acc), step.q_rows[0])
             o_b = lse_b = None  # released before the next exchange
     return out, ring_end(lse, token)
 
@@ -141,8 +149,10 @@ def _block_grads(q, kb, vb, lse, d_out, delta, step, score_mod, call, need_q, ne
     block's forward recomputed once, backpropagated with the weights that
     the merge gave it (see the module docstring): ``delta`` is
     ``rowsum(dO * O) - dLSE``; ``anchor_src`` a saved input that requires
-    grad (see _leaf)."""
+    grad (see _leaf). dq covers the step's query rows only."""
+    lse, d_out, delta = (_rows_of(t, step) for t in (lse, d_out, delta))
     with torch.enable_grad(), _TRACE_AUTOGRAD:
+        q = _rows_of(q, step)  # a view taken with grad on: its gradient is asked for
         kv = (_leaf(kb, anchor_src), _leaf(vb, anchor_src)) if need_kv else (kb, vb)
         inputs = ((q,) if need_q else ()) + (kv if need_kv else ())
         o_b, lse_b = _attend(q, *kv, step, score_mod, call)
@@ -190,7 +200,7 @@ def _backward(q, k, v, out, lse, d_out, d_lse, call: RingCall, group_name: str,
             gq, gk, gv = _block_grads(q, kb, vb, lse, d_out, delta, step, score_mod, call,
                                       need_q, need_kv, anchor_src)
             if need_q:
-                dq += gq
+                _rows_of(dq, step).add_(gq)
             gq = None
         if not need_kv:
             continue

@@ -55,13 +55,16 @@ class FlexStats:
     K/V rows rank r receives from rank j (0 for j == r); ``partial[r][j]`` /
     ``full[r][j]`` the cells (query rows x key rows, summed over batch and
     query heads) of rank r's partial / full mask blocks on rank j's keys;
-    ``q_len`` each rank's rows; ``eager``: calls run eagerly (flex computes
-    each call's whole area)."""
+    ``q_rows[r][j]`` the query rows of rank r's ring call on rank j's keys
+    (the span that sees them; 0 when not visited); ``q_len`` each rank's
+    rows; ``eager``: calls run eagerly (flex computes each call's whole
+    area)."""
 
     q_len: int
     recv: tuple[tuple[int, ...], ...]
     partial: tuple[tuple[int, ...], ...]
     full: tuple[tuple[int, ...], ...]
+    q_rows: tuple[tuple[int, ...], ...]
     eager: bool = True
 
     @property
@@ -118,17 +121,17 @@ def sent_per_rank(w: Workload, rotate: str) -> list[float]:
 
 
 def _call_seconds(w: Workload, cal: Calibration, partial: float, full: float,
-                  k_rows: int, merge: bool) -> float:
-    """One flex call of this rank's queries against ``k_rows`` keys whose
-    mask blocks cover ``partial`` / ``full`` cells (see the module docstring)."""
-    s = _stats(w)
+                  q_rows: int, k_rows: int, merge: bool) -> float:
+    """One flex call of ``q_rows`` of this rank's queries against ``k_rows``
+    keys whose mask blocks cover ``partial`` / ``full`` cells (see the
+    module docstring)."""
     d = w.head_dim + w.v_head_dim
     scale = 1.0 if w.backward else cal.fwd_fraction
-    if s.eager:
-        kernel = cal.masked_unit_s * w.batch * w.q_heads * s.q_len * k_rows * d
+    if _stats(w).eager:
+        kernel = cal.masked_unit_s * w.batch * w.q_heads * q_rows * k_rows * d
     else:
         kernel = cal.masked_unit_s * partial * d + cal.unit_s * full * d
-    passes = pass_seconds(s.q_len, k_rows, w, cal, w.q_heads, w.kv_heads) if merge else 0.0
+    passes = pass_seconds(q_rows, k_rows, w, cal, w.q_heads, w.kv_heads) if merge else 0.0
     return scale * (kernel + cal.call_s) + passes
 
 
@@ -142,7 +145,8 @@ def _ring_time(w: Workload, cal: Calibration) -> tuple[float, float, float]:
             src = (r - d) % n
             rows = s.q_len if d == 0 else s.recv[r][src]
             sees = s.needs(r, src) if d == 0 else rows > 0
-            loads.append(_call_seconds(w, cal, s.partial[r][src], s.full[r][src], rows, True)
+            loads.append(_call_seconds(w, cal, s.partial[r][src], s.full[r][src],
+                                       s.q_rows[r][src], rows, True)
                          if sees else 0.0)
         step = parallel_wall(loads, w, cal)
         compute += step
@@ -162,7 +166,8 @@ def _ring_time(w: Workload, cal: Calibration) -> tuple[float, float, float]:
 
 def _allgather_time(w: Workload, cal: Calibration) -> tuple[float, float, float]:
     s, row, n = _stats(w), _row_bytes(w), _stats(w).world
-    loads = [_call_seconds(w, cal, sum(s.partial[r]), sum(s.full[r]), n * s.q_len, False)
+    loads = [_call_seconds(w, cal, sum(s.partial[r]), sum(s.full[r]), s.q_len, n * s.q_len,
+                           False)
              for r in range(n)]
     compute = parallel_wall(loads, w, cal)
     if n == 1:

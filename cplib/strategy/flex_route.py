@@ -33,18 +33,21 @@ _stats: "weakref.WeakKeyDictionary[Any, FlexStats]" = weakref.WeakKeyDictionary(
 
 
 def _local_row(shard: Any, block_mask: Any, q: torch.Tensor) -> list[int]:
-    """This rank's row of the plan: rows received from each rank, then the
-    cells of its partial and full mask blocks on each rank's keys (summed
-    over batch and query heads)."""
+    """This rank's row of the plan: rows received from each rank, the cells
+    of its partial and full mask blocks on each rank's keys (summed over
+    batch and query heads), then the query rows of its call on each rank's
+    keys."""
     from ..flex.plan import _dense
 
     n, L = shard.world, shard.q_len
-    recv = [0] * n
+    recv, q_rows = [0] * n, [0] * n
     for step in shard.steps:
         recv[step.src] += step.recv_rows
+        if step.compute:
+            q_rows[step.src] = step.q_rows[1] - step.q_rows[0]
     if block_mask is None:  # every key (dense_shard)
         cells = q.shape[0] * q.shape[1] * L * L
-        return recv + [0] * n + [cells] * n
+        return recv + [0] * n + [cells] * n + q_rows
     qb, kb = shard.block_size
     per_rank, total = L // kb, shard.kv_len // kb
     bm, hm, q_blocks = block_mask.kv_num_blocks.shape
@@ -59,7 +62,7 @@ def _local_row(shard: Any, block_mask: Any, q: torch.Tensor) -> list[int]:
         return [int(x) * kb * spread for x in per_owner.tolist()]
 
     return (recv + cells(block_mask.kv_num_blocks, block_mask.kv_indices)
-            + cells(block_mask.full_kv_num_blocks, block_mask.full_kv_indices))
+            + cells(block_mask.full_kv_num_blocks, block_mask.full_kv_indices) + q_rows)
 
 
 def flex_stats(shard: Any, block_mask: Any, q: torch.Tensor, group_name: str) -> FlexStats:
@@ -77,7 +80,7 @@ def flex_stats(shard: Any, block_mask: Any, q: torch.Tensor, group_name: str) ->
             _exchange_unchecked(group_name, mine)
     n = shard.world
     stats = FlexStats(shard.q_len, *(tuple(tuple(row[i * n:(i + 1) * n]) for row in every)
-                                      for i in range(3)))
+                                      for i in range(4)))
     _stats[shard] = stats
     return stats
 

@@ -38,20 +38,34 @@ def _shard(S: int, mask_mod, block: int, lb_kind: str = "none", lengths=None, he
         return lb, _context_parallel_shard(mesh(), [*tensors, full], [2, 2, 2, 0], lb)
 
 
-def _expected_rows(mask_mod, S: int, block: int, lb) -> tuple[int, int]:
-    """(key rows this rank receives, flex calls it makes), from the dense
-    mask: the blocks of other ranks' keys that some of our queries see."""
+def _dense_rows(mask_mod, S: int, lb) -> torch.Tensor:
+    """This rank's rows of the dense mask, keys in the sharded order."""
     rank, n = dist.get_rank(), dist.get_world_size()
     dense = create_mask(mask_mod, 1, 1, S, S, device="cpu")[0, 0]
     if lb is not None:
         idx = lb._generate_indices()[0]
         dense = dense[idx][:, idx]
     L = S // n
-    mine = dense[rank * L:(rank + 1) * L].view(L, S // block, block).any(-1).any(0)
+    return dense[rank * L:(rank + 1) * L]
+
+
+def _expected_rows(dense: torch.Tensor, block: int) -> tuple[int, int]:
+    """(key rows this rank receives, flex calls it makes), from its dense
+    mask rows: the blocks of other ranks' keys that some of our queries see."""
+    rank, (L, S) = dist.get_rank(), dense.shape
+    mine = dense.view(L, S // block, block).any(-1).any(0)
     owners = torch.arange(S // block) // (L // block)
     rows = int((mine & (owners != rank)).sum()) * block
     calls = len(set(owners[mine].tolist()))
     return rows, calls
+
+
+def _expected_query_span(dense: torch.Tensor, src: int, block: int) -> tuple[int, int]:
+    """The span of our query rows, in whole query blocks, that see any key
+    of rank ``src``: the rows a step's call takes."""
+    L = dense.shape[0]
+    seen = dense[:, src * L:(src + 1) * L].reshape(L // block, -1).any(-1).nonzero().flatten()
+    return int(seen[0]) * block, (int(seen[-1]) + 1) * block
 
 
 def _check_traffic(cases) -> list[tuple[int, int]]:
@@ -63,29 +77,41 @@ def _check_traffic(cases) -> list[tuple[int, int]]:
                     "documents": document_causal(lengths) if lengths else None}[kind]
         lb, (q, k, v, mask) = _shard(S, mask_mod, block, lb_kind, lengths)
         shard = getattr(mask, flex_plan.SHARD_ATTR)
-        rows, calls = _expected_rows(mask_mod, S, block, lb)
+        dense = _dense_rows(mask_mod, S, lb)
+        rows, calls = _expected_rows(dense, block)
         assert (shard.recv_rows, shard.calls) == (rows, calls), (kind, lb_kind, rows, calls)
+        spans = [s.q_rows for s in shard.steps if s.compute]
+        assert spans == [_expected_query_span(dense, s.src, block)
+                         for s in shard.steps if s.compute], (kind, lb_kind, spans)
         with rotate("p2p"):
             ring_bytes_received(reset=True)
             model(q, k, v, block_mask=mask)
         row_bytes = 2 * k.shape[1] * DIM * k.element_size()
         assert ring_bytes_received() == rows * row_bytes, (kind, lb_kind)
-        got.append((rows, calls))
+        areas = [(s.q_rows[1] - s.q_rows[0]) * (s.recv_rows or shard.q_len)
+                 for s in shard.steps if s.compute]
+        got.append((rows, calls, areas))
     return got
 
 
 def test_ring_receives_only_the_blocks_the_mask_needs(ranks):
     """World size 4: a sliding window (no balancer) gets about one window of
     the previous rank's keys and makes at most 2 calls; documents and
-    causal layouts receive exactly what the dense mask says."""
+    causal layouts receive exactly what the dense mask says, and each call
+    takes only the span of query rows that see the attended keys: under
+    head-tail causal, every step but the first computes half a block's area
+    (the earlier rank's front chunk for all our rows, or all of a later
+    rank's keys for our back chunk)."""
     cases = [("window", 1024, 32, "none"), ("documents", 512, 32, "head_tail"),
-             ("causal", 512, 32, "none")]
+             ("causal", 512, 32, "none"), ("causal", 512, 32, "head_tail")]
     got = ranks(4).run(_check_traffic, cases)
-    window = [g[0] for g in got]
+    window = [g[0][:2] for g in got]
     assert all(rows <= 256 // 2 and calls <= 2 for rows, calls in window), window
     assert window[0] == (0, 1)  # rank 0 has no earlier keys
     causal_none = [g[2] for g in got]
-    assert [c for _, c in causal_none] == [1, 2, 3, 4]  # a causal rank skips later ones
+    assert [c for _, c, _ in causal_none] == [1, 2, 3, 4]  # a causal rank skips later ones
+    for rank, (_, calls, areas) in enumerate(g[3] for g in got):
+        assert calls == 4 and areas == [128 * 128] + [128 * 64] * 3, (rank, areas)
 
 
 def _check_plan_reused() -> int:
