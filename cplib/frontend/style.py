@@ -208,14 +208,14 @@ def _sdpa_forward(forward: Any, group: dist.ProcessGroup, groups: UspGroups, win
                 "cplib: this module was parallelized with _ContextParallel but the context "
                 "parallel dispatcher is off; call cplib._enable_context_parallel_dispatcher() "
                 "first")
-        check_layout_read(_cp_options.shard_layout, load_balanced=_cp_options.enable_load_balance,
-                          per_document=per_document, placement=placement, cu_seqlens=cu_seqlens,
-                          world_size=dist.get_world_size(group),
-                          ulysses_degree=groups.ulysses_degree)
         if placement and groups.ulysses_degree > 1:
             raise NotImplementedError(
                 f"cplib: attention_documents(placement=True) with ulysses_degree="
                 f"{groups.ulysses_degree}: the placement is a ring layout")
+        check_layout_read(_cp_options.shard_layout, load_balanced=_cp_options.enable_load_balance,
+                          per_document=per_document, placement=placement, cu_seqlens=cu_seqlens,
+                          world_size=dist.get_world_size(group),
+                          ulysses_degree=groups.ulysses_degree)
         return RingConfig(groups.ring_group or group.group_name, dist.get_world_size(group),
                           _cp_options.enable_load_balance or per_document,
                           rotate_method_name(_cp_options.rotate_method), groups.ulysses_degree,
