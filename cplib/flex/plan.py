@@ -55,6 +55,14 @@ class RingStep:
     mask: BlockMask | None        # (our queries q_rows x the attended rows); None: no mask
     kv_positions: torch.Tensor    # (1|B, rows): original positions of the attended rows
     q_rows: tuple[int, int]       # [start, end) of our query rows that see the attended rows
+    q_positions: torch.Tensor     # (1|B, end - start): their original positions (own storage)
+    # q_rows as "start:end", what compiled code reads: dynamo makes an int
+    # attribute that differs between two masks' graphs symbolic (and then
+    # fails inside flex_attention's length checks), never a string.
+    q_span: str = ""
+
+    def __post_init__(self) -> None:
+        self.q_span = f"{self.q_rows[0]}:{self.q_rows[1]}"
 
 
 @dataclass(eq=False)
@@ -182,24 +190,26 @@ def plan_shard(block_mask: BlockMask, mask_mod, group_name: str, world: int, ran
         cols = (torch.arange(per_rank) if d == 0 else recv) + src * per_rank
         rows = _rows(cols.to(device), kb)
         kv_pos = positions[:, rows]
-        mask, q_rows = None, (0, q_len)
+        mask, q_rows, step_q_pos = None, (0, q_len), q_pos
         if recv.numel():
             pick = cols.to(device)
             p, f = partial[..., pick], full[..., pick]
             first, end = _seeing_blocks(p | f)
             q_rows = (first * qb, min(end * qb, q_len))
+            if q_rows != (0, q_len):
+                # Their own storage (the step's mask_mod and score_mod hold it).
+                step_q_pos = q_pos[:, q_rows[0]:q_rows[1]].clone()
             p, f = p[..., first:end, :], f[..., first:end, :]
             mask = BlockMask.from_kv_blocks(
                 *_ordered(p), *_ordered(f), BLOCK_SIZE=(qb, kb),
-                mask_mod=positions_mod(mask_mod, q_pos[:, q_rows[0]:q_rows[1]], kv_pos,
-                                       score=False),
+                mask_mod=positions_mod(mask_mod, step_q_pos, kv_pos, score=False),
                 seq_lengths=(q_rows[1] - q_rows[0], rows.numel()))
         send_index = None
         if d and 0 < send.numel() < per_rank:
             send_index = _rows(send.to(device), kb)
         steps.append(RingStep(d, src, dst, 0 if d == 0 else rows.numel(),
                               0 if d == 0 else send.numel() * kb, send_index,
-                              bool(recv.numel()), mask, kv_pos, q_rows))
+                              bool(recv.numel()), mask, kv_pos, q_rows, step_q_pos))
     digest = zlib.crc32(need.numpy().tobytes(), zlib.crc32(repr((world, q_len, kv_len, qb, kb))
                                                            .encode()))
     return FlexShard(group_name, world, rank, q_len, kv_len, (qb, kb), q_pos, positions,
@@ -215,7 +225,7 @@ def dense_shard(group_name: str, world: int, rank: int, q_len: int,
         RingStep(d, (rank - d) % world, (rank + d) % world, q_len if d else 0,
                  q_len if d else 0, None, True, None,
                  positions[:, ((rank - d) % world) * q_len:((rank - d) % world + 1) * q_len],
-                 (0, q_len))
+                 (0, q_len), positions[:, rank * q_len:(rank + 1) * q_len])
         for d in range(world))
     return FlexShard(group_name, world, rank, q_len, world * q_len, (q_len, q_len),
                      positions[:, rank * q_len:(rank + 1) * q_len], positions, steps, world)

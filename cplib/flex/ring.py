@@ -53,8 +53,7 @@ class RingCall:
         # One score_mod per step, on global positions (shared by fwd and bwd).
         self.score_mods = tuple(
             None if score_mod is None else
-            positions_mod(score_mod, shard.q_positions[:, s.q_rows[0]:s.q_rows[1]],
-                          s.kv_positions, score=True)
+            positions_mod(score_mod, s.q_positions, s.kv_positions, score=True)
             for s in shard.steps)
 
 
@@ -103,7 +102,7 @@ def _fetch(k, v, step: RingStep, after: torch.Tensor, whole: list,
 
 def _rows_of(t: torch.Tensor, step: RingStep) -> torch.Tensor:
     """The query rows of ``t`` (dim 2) that ``step`` attends with (a view)."""
-    start, end = step.q_rows
+    start, end = (int(x) for x in step.q_span.split(":"))
     return t if (start, end) == (0, t.shape[2]) else t[:, :, start:end]
 
 
@@ -128,7 +127,7 @@ def _forward(q, k, v, token, call: RingCall, group_name: str):
             token, kb, vb = _fetch(k, v, step, token, whole, group_name)
         if step.compute:
             o_b, lse_b = _attend(_rows_of(q, step), kb, vb, step, score_mod, call)
-            merge_partial_(out, lse, o_b, lse_b.to(acc), step.q_rows[0])
+            merge_partial_(out, lse, o_b, lse_b.to(acc), int(step.q_span.split(":")[0]))
             o_b = lse_b = None  # released before the next exchange
     return out, ring_end(lse, token)
 
