@@ -217,18 +217,27 @@ class _Attn(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-def _check_module_auto() -> str:
+def _auto_module(seed: int):
+    """A causal SDPA module parallelized with strategy="auto", its inputs
+    sharded head-tail, and a check of its output against one process."""
     mesh, n = _mesh(), dist.get_world_size()
-    q, k, v = (global_tensor((1, 4, 8 * n, 8), torch.float64, 60 + i) for i in range(3))
+    q, k, v = (global_tensor((1, 4, 8 * n, 8), torch.float64, seed + i) for i in range(3))
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     style = cplib._ContextParallel(seq_dim=2, attention_type=cplib._ContextParallel.AttentionType
                                    .SDPA, strategy=CPU)
     attn = parallelize_module(_Attn(), mesh, style)
     lb = cplib.HeadTailLoadBalancer(8 * n, n, "cpu")
-    ql, kl, vl = cplib._context_parallel_shard(mesh, [q, k, v], [2, 2, 2], lb)
-    out = dispatched(attn, ql, kl, vl)
-    (full,) = cplib.context_parallel_unshard(mesh, [out], [2], lb)
-    assert_close(full, want, what="_ContextParallel strategy=auto", **TOL)
+    shards = cplib._context_parallel_shard(mesh, [q, k, v], [2, 2, 2], lb)
+
+    def check(out, what):
+        (full,) = cplib.context_parallel_unshard(mesh, [out], [2], lb)
+        assert_close(full, want, what=what, **TOL)
+    return style, attn, shards, check
+
+
+def _check_module_auto() -> str:
+    style, attn, shards, check = _auto_module(60)
+    check(dispatched(attn, *shards), "_ContextParallel strategy=auto")
     assert [c.chosen.family for c in cplib.explain(style)] == ["ring"]
     choice_mod.clear_caches()
     return "ok"
@@ -244,21 +253,12 @@ def _check_rotation_set_after_parallelizing() -> list[int]:
     the default rotation, auto chooses again."""
     from flex_cases import rotate
 
-    mesh, n = _mesh(), dist.get_world_size()
-    q, k, v = (global_tensor((1, 4, 8 * n, 8), torch.float64, 80 + i) for i in range(3))
-    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    style = cplib._ContextParallel(seq_dim=2, attention_type=cplib._ContextParallel.AttentionType
-                                   .SDPA, strategy=CPU)
-    attn = parallelize_module(_Attn(), mesh, style)
-    lb = cplib.HeadTailLoadBalancer(8 * n, n, "cpu")
-    ql, kl, vl = cplib._context_parallel_shard(mesh, [q, k, v], [2, 2, 2], lb)
+    style, attn, shards, check = _auto_module(80)
     try:
         with rotate("allgather"):
-            out = dispatched(attn, ql, kl, vl)
-        (full,) = cplib.context_parallel_unshard(mesh, [out], [2], lb)
-        assert_close(full, want, what="set_rotate_method after parallelize_module", **TOL)
+            check(dispatched(attn, *shards), "set_rotate_method after parallelize_module")
         assert cplib.explain(style) == []
-        dispatched(attn, ql, kl, vl)  # the default rotation again: auto chooses
+        dispatched(attn, *shards)  # the default rotation again: auto chooses
         return [len(cplib.explain(style))]
     finally:
         choice_mod.clear_caches()
