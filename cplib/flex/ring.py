@@ -100,9 +100,15 @@ def _fetch(k, v, step: RingStep, after: torch.Tensor, whole: list,
     return token, kb, vb
 
 
+def _span(step: RingStep) -> tuple[int, int]:
+    """The step's query rows [start, end), read from its string (see RingStep.q_span)."""
+    start, end = step.q_span.split(":")
+    return int(start), int(end)
+
+
 def _rows_of(t: torch.Tensor, step: RingStep) -> torch.Tensor:
     """The query rows of ``t`` (dim 2) that ``step`` attends with (a view)."""
-    start, end = (int(x) for x in step.q_span.split(":"))
+    start, end = _span(step)
     return t if (start, end) == (0, t.shape[2]) else t[:, :, start:end]
 
 
@@ -127,7 +133,7 @@ def _forward(q, k, v, token, call: RingCall, group_name: str):
             token, kb, vb = _fetch(k, v, step, token, whole, group_name)
         if step.compute:
             o_b, lse_b = _attend(_rows_of(q, step), kb, vb, step, score_mod, call)
-            merge_partial_(out, lse, o_b, lse_b.to(acc), int(step.q_span.split(":")[0]))
+            merge_partial_(out, lse, o_b, lse_b.to(acc), _span(step)[0])
             o_b = lse_b = None  # released before the next exchange
     return out, ring_end(lse, token)
 
