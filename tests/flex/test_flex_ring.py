@@ -159,10 +159,10 @@ def _check_two_masks_compiled() -> list[str]:
     sees each step's query span change (head-tail causal, then documents),
     which dynamo must not turn into symbolic lengths inside flex_attention."""
     return [what for kind in ("causal", "documents")
-            for what in _check(kind, 1, 1024, ("head_tail",), compiled=True, block=64)]
+            for what in _check(kind, 1, 512, ("head_tail",), compiled=True, block=64)]
 
 
 def test_flex_ring_compiled_recompiles_for_another_mask(ranks):
-    done = ranks(4).run(_check_two_masks_compiled)
+    done = ranks(2).run(_check_two_masks_compiled)
     assert len(done[0]) == 2 and all(d == done[0] for d in done), done
 
