@@ -28,7 +28,7 @@ mask, whatever the number of layers) and attached to it.
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask
@@ -59,7 +59,7 @@ class RingStep:
     # q_rows as "start:end", what compiled code reads: dynamo makes an int
     # attribute that differs between two masks' graphs symbolic (and then
     # fails inside flex_attention's length checks), never a string.
-    q_span: str = ""
+    q_span: str = field(init=False)
 
     def __post_init__(self) -> None:
         self.q_span = f"{self.q_rows[0]}:{self.q_rows[1]}"
