@@ -24,6 +24,7 @@ from ..ring.load_balancer import (
 from ..ring.placement import DocumentPlacementLoadBalancer
 from .options import (RingConfig, _cp_options, _RotateMethod, explicit_rotation,
                       parse_rotate_method, rotate_method_name)
+from ..ring.names import Layout, layout_of
 from .sdpa_dispatch import CPDispatchMode
 from ..comm.native import check_mesh
 from .sharding import check_shardable, keep_shards_for_backward, shard_tensor
@@ -123,14 +124,32 @@ def _agree_on_call(group_name: str, buffers: list, seq_dims: list, no_restore: l
               fields)
 
 
+@dataclass(frozen=True)
+class ContextPlan:
+    """What step 1 of ``context_parallel`` decided, before any collective."""
+
+    seq_dims: list[int]
+    no_restore: list[torch.Tensor]
+    rotate: _RotateMethod
+    ring_degree: int
+    layout: Layout         # of the ring's shards
+    balanced: bool         # load balancing in effect
+    seq_len: int | None    # the buffers' one length (None: no buffers)
+    one_length: bool       # every buffer has it (else joint streams, each cut on its own)
+    documents: torch.Tensor | None  # cu_seqlens, global
+    window: list[int] | None
+    balancer: _LoadBalancer | None
+    indices: torch.Tensor | None    # the balancer's permutation
+
+
 def _plan(buffers: list[torch.Tensor], world_size: int, buffer_seq_dims, no_restore_buffers,
           rotate_method, load_balance, ulysses_degree: int, cu_seqlens, position_ids, window,
-          modules) -> tuple:
+          modules) -> ContextPlan:
     """Step 1 of ``context_parallel``, on every rank before any collective:
     every argument checked (ValueError naming it), and the layout chosen: the
     sequence dims, the buffers not to restore, the rotation, the ring degree,
-    whether shards are balanced (and per document), the global length, the
-    documents, the window and the load balancer with its indices."""
+    the layout of the shards, the global length, the documents, the window
+    and the load balancer with its indices."""
     seq_dims = [] if buffer_seq_dims is None else list(buffer_seq_dims)
     no_restore = [] if no_restore_buffers is None else list(no_restore_buffers)
     rotate = parse_rotate_method(_cp_options.rotate_method if rotate_method is None
@@ -185,27 +204,27 @@ def _plan(buffers: list[torch.Tensor], world_size: int, buffer_seq_dims, no_rest
     elif balanced and buffers:
         balancer = AnyLengthHeadTailLoadBalancer(seq_len, world_size, buffers[0].device)
     indices = balancer._generate_indices() if balancer is not None else None
-    return (seq_dims, no_restore, rotate, ring_degree, per_document, balanced, seq_len,
-            one_length, documents, sides, balancer, indices)
+    layout = layout_of("context_parallel", balanced, per_document,
+                       isinstance(balancer, DocumentPlacementLoadBalancer))
+    return ContextPlan(seq_dims, no_restore, rotate, ring_degree, layout, balanced, seq_len,
+                       one_length, documents, sides, balancer, indices)
 
 
-def _ring_config(groups, group_name: str, world_size: int, balanced: bool, rotate: Any,
-                 ulysses_degree: int, ring_degree: int, seq_len: int | None, one_length: bool,
-                 balancer: Any, documents: Any, window: Any, per_document: bool,
+def _ring_config(groups, group_name: str, world_size: int, plan: ContextPlan, window: Any,
                  strategy: Any) -> RingConfig:
     """The configuration of the attention calls inside a context."""
+    seq_len, balancer = plan.seq_len, plan.balancer
     # The ring infers S from equal shards; uneven ones (or documents) need it.
     uneven = seq_len is not None and shard_lengths(seq_len, world_size, balancer) is not None
     # USP: odd ring shards cut in equal pieces are uneven for the ring's head-tail.
-    uneven = uneven or (isinstance(balancer, UspLoadBalancer) and balanced
-                        and seq_len % (2 * ring_degree) != 0)
-    return RingConfig(groups.ring_group or group_name, world_size, balanced,
-                      rotate_method_name(rotate), ulysses_degree, groups.ulysses_group,
-                      seq_len=seq_len if one_length and (uneven or documents is not None)
+    uneven = uneven or (isinstance(balancer, UspLoadBalancer) and plan.balanced
+                        and seq_len % (2 * plan.ring_degree) != 0)
+    return RingConfig(groups.ring_group or group_name, world_size, plan.layout,
+                      rotate_method_name(plan.rotate), world_size // plan.ring_degree,
+                      groups.ulysses_group,
+                      seq_len=seq_len if plan.one_length and (uneven or plan.documents is not None)
                       else None,
-                      cu_seqlens=documents, window=window, per_document=per_document,
-                      placement=isinstance(balancer, DocumentPlacementLoadBalancer),
-                      strategy=strategy)
+                      cu_seqlens=plan.documents, window=window, strategy=strategy)
 
 
 @contextlib.contextmanager
@@ -293,7 +312,7 @@ def context_parallel(
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     # 1. Every check before the handshake, whose all-gather comes before any
     # other collective (usp_groups); an error on one rank raises on all.
-    def plan(u: int = ulysses_degree, rotate=rotate_method, balance=load_balance) -> tuple:
+    def plan(u: int = ulysses_degree, rotate=rotate_method, balance=load_balance) -> ContextPlan:
         return _plan(buffers, world_size, buffer_seq_dims, no_restore_buffers, rotate,
                      balance, u, cu_seqlens, position_ids, window, modules)
 
@@ -304,28 +323,26 @@ def context_parallel(
     auto, per_call, planned = strategy_entry(auto, planned, plan, group.group_name,
                                              mesh.device_type, explicit_rotation(rotate_method),
                                              ulysses_degree)
-    (seq_dims, no_restore, rotate, ring_degree, per_document, balanced, seq_len, one_length,
-     documents, sides, balancer, indices) = planned
-    ulysses_degree = world_size // ring_degree
-    _agree_on_call(group.group_name, buffers, seq_dims, no_restore, len(modules), rotate,
-                   ulysses_degree, load_balance, balanced, documents, sides)
+    ulysses_degree = world_size // planned.ring_degree
+    _agree_on_call(group.group_name, buffers, planned.seq_dims, planned.no_restore, len(modules),
+                   planned.rotate, ulysses_degree, load_balance, planned.balanced,
+                   planned.documents, planned.window)
 
     # 3. The shards, and the configuration of the attention calls inside.
     groups = usp_groups(group, ulysses_degree)  # collective the first time only
     # Their side groups too (collective the first time only).
     register_groups(groups.ulysses_group, groups.ring_group)
+    balancer = planned.balancer
     with torch.no_grad():
-        shards = [shard_tensor(b, d, rank, world_size, indices,
+        shards = [shard_tensor(b, d, rank, world_size, planned.indices,
                                shard_lengths(b.shape[d], world_size, balancer))
-                  for b, d in zip(buffers, seq_dims)]
+                  for b, d in zip(buffers, planned.seq_dims)]
     # Keep the original storage and geometry: restoring points each buffer
     # back at them, so the bytes, shape and strides are exactly the old ones.
-    saved = [None if any(b is t for t in no_restore)
+    saved = [None if any(b is t for t in planned.no_restore)
              else (b.untyped_storage(), b.storage_offset(), b.size(), b.stride())
              for b in buffers]
-    config = _ring_config(groups, group.group_name, world_size, balanced, rotate, ulysses_degree,
-                          ring_degree, seq_len, one_length, balancer, documents, window,
-                          per_document, per_call)
+    config = _ring_config(groups, group.group_name, world_size, planned, window, per_call)
     # 4. Shards in, attention dispatched inside the block; buffers restored on exit.
     old_balance = _cp_options.enable_load_balance
     swapped = 0
@@ -334,7 +351,7 @@ def context_parallel(
             for b, s in zip(buffers, shards):
                 b.set_(s)
                 swapped += 1
-        _cp_options.enable_load_balance = balanced  # as torch does, for code that reads it
+        _cp_options.enable_load_balance = planned.balanced  # as torch does, for code that reads it
         handle = ContextParallelHandle(mesh, config, balancer, auto)
         with CPDispatchMode(config, handle), ulysses_layout(ulysses_degree), \
                 keep_shards_for_backward(shards), applied_cp_plans(mesh, modules):
