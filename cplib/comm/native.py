@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .. import _C  # noqa: F401  (importing it runs the op registrations)
 from . import cuda_attention  # noqa: F401  (the cuDNN forward the native layer calls)
+from .collectives import IMPLEMENTATIONS, _resolve, _runs_on_gloo  # noqa: F401  (tests read it)
 
 _PYTHON_CLASSES = {cls.__name__: cls for cls in
                    (ValueError, NotImplementedError, TypeError, IndexError, RuntimeError)}
@@ -65,12 +66,10 @@ class _NativeOps:
 
 ops = _NativeOps()
 
-# The stable ABI has no process-group API, and torch's functional collectives
-# take their group as `Any` from torch 2.13 on, which the stable dispatcher
-# call cannot pass: the native layer reaches groups through these ops
-# (schemas in csrc/torch/comm/collectives.cpp).
+# The stable ABI has no process-group API: the native layer reaches groups
+# through Python-implemented ops (schemas in csrc/torch/comm/collectives.cpp):
+# group_info here, the collectives of collectives.py.
 _comm_lib = torch.library.Library("cplib_c", "IMPL")
-_functional = torch.ops._c10d_functional
 
 
 # Group tokens: one number per process-group object this process has seen
@@ -92,13 +91,10 @@ def group_token(pg: dist.ProcessGroup) -> int:
         if _tokens.get(key, (None, None))[1] == token:
             del _tokens[key]
         _routes.pop(token, None)
-        _exchanged.discard(token)
         _infos.pop(token, None)
     _tokens[key] = (weakref.ref(pg, gone), token)
     return token
 
-
-_resolve = dist.distributed_c10d._resolve_process_group
 
 # What _group_info answers for a group object (fixed for its life), by token.
 _infos: dict[int, list[int]] = {}
@@ -119,106 +115,7 @@ def _group_info(group_name: str) -> list[int]:
         return []
 
 
-def _runs_on_gloo(pg: dist.ProcessGroup, device: torch.device) -> bool:
-    try:
-        backend = pg._get_backend(device)
-    except Exception:  # no backend for this device: not gloo
-        return False
-    return isinstance(backend, getattr(dist, "ProcessGroupGloo", ()))
-
-
-_register_work = torch._C._distributed_c10d._register_work
-
-
-def _all_gather(input: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
-    pg = _resolve(group_name)
-    if _runs_on_gloo(pg, input.device):
-        # gloo's all-gather (allgather_coalesced, behind the functional op)
-        # corrupts the heap when two are in flight at once (two K/V gathers:
-        # "malloc(): unaligned tcache chunk detected" within a few hundred
-        # calls on torch 2.13, reproduced without cplib); its all-to-all does
-        # not. The same exchange as an all-to-all: every rank sends its whole
-        # input to every rank, received rank-major as all_gather would.
-        rows = input.shape[0]
-        splits = [rows] * group_size
-        # One cat: repeat() costs a dozen ATen calls on the host.
-        repeated = torch.cat([input] * group_size)
-        return _all_to_all_on(pg, repeated, splits, splits, group_name)
-    return _functional.all_gather_into_tensor(input, group_size, group_name)
-
-
-def _reduce_scatter_sum(input: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
-    return _functional.reduce_scatter_tensor(input, "sum", group_size, group_name)
-
-
-def _all_to_all_on(pg: dist.ProcessGroup, input: torch.Tensor, output_split_sizes: list[int],
-                   input_split_sizes: list[int], group_name: str) -> torch.Tensor:
-    if type(pg) is not dist.ProcessGroup:  # torch's threaded group: its own Python collectives
-        return _functional.all_to_all_single(input, output_split_sizes, input_split_sizes,
-                                             group_name)
-    # What the functional op does, without its Python autograd wrapper
-    # (about 35 us of host time per call): the group's own call, its work
-    # registered for wait_tensor.
-    out = input.new_empty((sum(output_split_sizes), *input.shape[1:]))
-    _register_work(out, pg.alltoall_base(out, input, output_split_sizes, input_split_sizes,
-                                         _ALL_TO_ALL_OPTIONS))
-    return out
-
-
-_ALL_TO_ALL_OPTIONS = dist.AllToAllOptions()
-
-
-def _all_to_all(input: torch.Tensor, output_split_sizes: list[int],
-                input_split_sizes: list[int], group_name: str) -> torch.Tensor:
-    return _all_to_all_on(_resolve(group_name), input, output_split_sizes, input_split_sizes,
-                          group_name)
-
-
-def _sends_point_to_point(pg: dist.ProcessGroup, device: torch.device) -> bool:
-    """Whether neighbour exchanges on ``pg`` are point-to-point calls: where
-    its backend batches them into one launch (NCCL), so that an exchange
-    involves its two peers only; a split all-to-all there posts a send and a
-    receive to every peer, empty ones included. On gloo a send/recv ring
-    costs about twice the host CPU of the same exchanges as all-to-alls
-    (gloo's transport thread; docs/comm.md), and torch's threaded group has
-    no send/recv: both take the all-to-all."""
-    try:
-        return type(pg) is dist.ProcessGroup and pg._get_backend(device).supports_coalescing
-    except Exception:  # no backend for this device
-        return False
-
-
-# Tokens of the groups whose first neighbour exchange this process made.
-_exchanged: set[int] = set()
-
-
-def _send_recv(input: torch.Tensor, dst: int, recv_numel: int, src: int,
-               group_name: str) -> torch.Tensor:
-    """``input`` to rank ``dst`` and ``recv_numel`` elements from rank
-    ``src`` (csrc/torch/comm/collectives.h: send_recv): one send and one
-    receive, batched, where the group sends point to point."""
-    pg = _resolve(group_name)
-    token = group_token(pg)
-    if not _sends_point_to_point(pg, input.device) or token not in _exchanged:
-        # NCCL creates a group's communicator with every rank: a group's first
-        # exchange is a collective (every rank calls this at the same point,
-        # with nothing to exchange too).
-        _exchanged.add(token)
-        ins, outs = [0] * pg.size(), [0] * pg.size()
-        ins[dst], outs[src] = input.numel(), recv_numel
-        return _all_to_all_on(pg, input, outs, ins, group_name)
-    out = input.new_empty((recv_numel,))
-    ops = [dist.P2POp(dist.isend, input, group=pg, group_peer=dst)] if input.numel() else []
-    if recv_numel:
-        ops.append(dist.P2POp(dist.irecv, out, group=pg, group_peer=src))
-    for work in dist.batch_isend_irecv(ops) if ops else []:
-        _register_work(out, work)  # wait_tensor(out) waits for the send too
-    return out
-
-
-for _name, _fn in (("group_info", _group_info), ("c10d_all_gather", _all_gather),
-                   ("c10d_reduce_scatter_sum", _reduce_scatter_sum),
-                   ("c10d_all_to_all", _all_to_all), ("c10d_send_recv", _send_recv)):
+for _name, _fn in (("group_info", _group_info), *IMPLEMENTATIONS.items()):
     _comm_lib.impl(_name, _fn, "CompositeExplicitAutograd")
 
 GroupLike = str | dist.ProcessGroup

@@ -300,7 +300,7 @@ def _check_steps(device: str, dtype: torch.dtype, backend: str | None) -> list[s
             got = ops.ring_sdpa_backward(
                 rows(to_dev(dout)), rows(to_dev(q)), kv(k).to(dev), kv(v).to(dev),
                 rows(to_dev(out)), rows(to_dev(lse, acc)), group.group_name, st.causal,
-                backend=backend)
+                backend=backend or "auto")
             where = (f"{dtype} {backend} n={n} causal={causal} lb={lb} rank {st.rank} step "
                      f"{st.i}: q rows {st.q_start}:{st.q_start + st.q_len} x kv rows "
                      f"{st.kv_start}:{st.kv_start + st.kv_len} of rank {st.src}"

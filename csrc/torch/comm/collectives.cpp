@@ -50,7 +50,8 @@ void wait(const Tensor& t) {
 // The stable ABI has no process-group API, and torch's functional
 // collectives take the group as `Any` from torch 2.13 on, a type the stable
 // dispatcher call cannot pass; these ops take it as `str` and are
-// implemented in Python (cplib/comm/native.py), on the group's own calls.
+// implemented in Python (cplib/comm/native.py: group_info; the others in
+// cplib/comm/collectives.py), on the group's own calls.
 STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
   // [rank, size, NCCL?, token] of a group, or [] for an unknown name.
   m.def("group_info(str group_name) -> int[]");
