@@ -306,9 +306,10 @@ def time_torch_cp(cfg: Config, st: Setup, full: list[torch.Tensor], op: str,
 # ---------------------------------------------------------------- merge kernel
 
 
-def merge_bandwidth(st: Setup, shapes: list[tuple[int, int, int, int]]) -> list[dict]:
+def merge_bandwidth(st: Setup, shapes: list[tuple[int, int, int, int]]) -> list[dict | str]:
     """GB/s of cplib.merge_partial_ (fp32 accumulators, block in st.dtype)
-    against a device-to-device copy of the same bytes (read + written)."""
+    against a device-to-device copy of the same bytes (read + written); an
+    error string for a shape whose merged output is not finite."""
     rows = []
     reps = 20 if st.device.type == "cuda" else 2
     for b, h, l, d in shapes:
@@ -328,6 +329,10 @@ def merge_bandwidth(st: Setup, shapes: list[tuple[int, int, int, int]]) -> list[
         t_merge = _median_time(repeat(lambda: cplib.merge_partial_(out, lse, blk_out, blk_lse)),
                                2, max(st.iters, 5), sync) / reps
         t_copy = _median_time(repeat(lambda: dst.copy_(src)), 2, max(st.iters, 5), sync) / reps
+        if not (torch.isfinite(out).all() and torch.isfinite(lse).all()):
+            # Merges of finite blocks stay finite: anything else is the kernel's fault.
+            rows.append(f"error: NaN/inf in the merged output after {t_merge * 1e3:.3f} ms")
+            continue
         rows.append(dict(shape=f"{b}x{h}x{l}x{d}", block_dtype=str(st.dtype).split(".")[-1],
                          bytes=traffic, merge_gbps=traffic / t_merge / 1e9,
                          copy_gbps=traffic / t_copy / 1e9, ratio=t_copy / t_merge))
