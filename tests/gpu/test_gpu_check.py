@@ -162,10 +162,12 @@ def test_no_wheel_records_an_unknown_commit_and_a_stale_wheel_fails(tmp_path):
 
 
 def test_bench_cells_time_out_alone_and_the_json_grows_row_by_row(tmp_path):
-    """A cell that hangs costs that cell only; the JSON names it; the
-    verdict the GPU check reads is FAIL."""
+    """A cell that hangs costs that cell only (its worker is ended, none is
+    left running); the JSON names it; the verdict the GPU check reads is
+    FAIL."""
     hung = "S=128 N=2 causal cplib flash/alltoall"
-    env = dict(os.environ, CPLIB_BENCH_HANG_CELL=hung)
+    token = f"bench-cells-{os.getpid()}-{id(tmp_path)}"
+    env = dict(os.environ, CPLIB_BENCH_HANG_CELL=hung, GPU_CHECK_STAGE=token)
     env.pop("PYTHONPATH", None)
     run = subprocess.run([sys.executable, "-P", os.path.join(REPO, "benchmarks",
                                                              "bench_ring_gpu.py"),
@@ -183,9 +185,11 @@ def test_bench_cells_time_out_alone_and_the_json_grows_row_by_row(tmp_path):
         f"S=128 N=2 causal 2/2 cplib flash/alltoall: {payload['rows'][0]['cplib_ms']['flash/alltoall']}"]
     sys.path.insert(0, os.path.join(REPO, "benchmarks", "gpu"))
     try:
+        import reap
         import ring_report
     finally:
         sys.path.pop(0)
+    assert reap.carrying(token) == [], "a cell worker outlived the benchmark"
     verdict = "\n".join(ring_report.verdict(str(tmp_path / "bench_ring_gpu.json")))
     assert verdict.startswith("FAIL: 9 of 9 cells; 1 cplib cells"), verdict
     assert "timed out" in verdict
