@@ -29,7 +29,7 @@ row per ring variant (S, N, causal, backend, rotate, full_ms, cplib_ms,
 torch_ms, ratio_full, ratio_torch); the commit is $CPLIB_COMMIT (set by the
 GPU check from the prepared wheel), else git's HEAD.
 
-    python benchmarks/bench_ring_gpu.py                 # default rows, about 3 min on an H100
+    python benchmarks/bench_ring_gpu.py                 # default rows (72-117 s on an H100, 2026-11-25, older builds)
     python benchmarks/bench_ring_gpu.py --all           # S 8k..64k x N 2,4 x causal or not
     python benchmarks/bench_ring_gpu.py --device cpu --smoke   # the code path, tiny, no GPU
 
@@ -357,8 +357,8 @@ def _configs(args) -> list[Config]:
         base = [Config(s, n, c, h, h) for s, n, c in
                 itertools.product([8192, 16384, 32768, 65536], [2, 4], (True, False))]
         return base + [Config(32768, 4, True, h, h // 4)]
-    # The rows that carry the speed goals, in about 3 minutes; the most
-    # telling first, so that a --budget cut drops the least.
+    # The rows that carry the speed goals (72-117 s on the H100 runs of
+    # 2026-11-25); the most telling first, so that a --budget cut drops the least.
     return [Config(32768, 4, True, h, h), Config(65536, 4, True, h, h),
             Config(32768, 4, True, h, h // 4), Config(32768, 2, True, h, h),
             Config(8192, 4, True, h, h), Config(32768, 4, False, h, h)]
