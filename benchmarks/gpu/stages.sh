@@ -76,14 +76,12 @@ stage_tests() {
     echo "CUDA tests (pytest -m cuda, $how); commit: $COMMIT"
     "$PY" benchmarks/gpu/budget_plugin.py "$progress"
   } >"$LOGS/tests_summary.txt" 2>&1
-  local counts verdict
+  local counts verdict why_not=""
   counts=$(sed -n 2p "$LOGS/tests_summary.txt")
   verdict=$(settle "$("$PY" benchmarks/gpu/budget_plugin.py --verdict "$progress")")
-  case $verdict in
-    PASS) record tests PASS "$SECS" "$counts" ;;
-    *) record tests "$verdict" "$SECS" "$counts$([[ $OUTCOME == ok ]] || echo "; $(why "$log")")" ;;
-  esac
-  [[ $verdict == PASS ]] || detail tests "$(why "$log"); $(tail -n +3 "$LOGS/tests_summary.txt" | cut -c1-300 | head -n 12 | sed '2,$s/^/    /')"
+  [[ $OUTCOME == ok ]] || why_not="pytest: $(why "$log"); "
+  record tests "$verdict" "$SECS" "$why_not$counts"
+  [[ $verdict == PASS ]] || detail tests "$why_not$(tail -n +3 "$LOGS/tests_summary.txt" | cut -c1-300 | head -n 12 | sed '2,$s/^/    /')"
 }
 
 gpu_only() {  # gpu_only STAGE: records SKIP and returns 1 without a GPU
