@@ -156,9 +156,10 @@ clean:
 
 # The GPU check (docs/gpu-check.md). Here: `make gpu-prep` builds the CUDA
 # wheel and writes it with its commit into .gpu-prep/ (ignored; carried to the
-# GPU machine). There: `make gpu-check` installs that wheel beside the
+# GPU machine). There: `bash benchmarks/gpu/run.sh` (what `make gpu-check`
+# runs; a bare GPU image may have no make) installs that wheel beside the
 # machine's torch (or builds in place when none is carried) and runs the CUDA
-# tests, the GPU benchmark, compute-sanitizer and the CUDA demo, under 540 s,
+# tests, the GPU benchmark, compute-sanitizer and the CUDA demo, under 530 s,
 # into $OUT (else benchmarks/out/gpu-check/). Uses the installed python3 and
 # torch there (no venv, no network).
 GPU_PREP := .gpu-prep
@@ -166,4 +167,4 @@ GPU_PREP := .gpu-prep
 gpu-prep: cuda-wheel
 	@$(PYTHON) build_support/gpu_prep.py write $(firstword $(wildcard dist/cuda/cplib-*-abi3-*.whl)) $(GPU_PREP)
 gpu-check:
-	benchmarks/gpu/run.sh
+	bash benchmarks/gpu/run.sh
