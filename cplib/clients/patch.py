@@ -14,7 +14,9 @@ torchtitan). ``unpatch_torch()`` puts back exactly what was there.
 from __future__ import annotations
 
 import importlib
+import sys
 import types
+import warnings
 
 __all__ = ["patch_torch", "unpatch_torch", "torch_is_patched", "PATCHED_MODULES"]
 
@@ -59,8 +61,10 @@ def _modules() -> list[tuple[types.ModuleType, tuple[str, ...]]]:
 
 def patch_torch() -> None:
     """Makes every name in :data:`PATCHED_MODULES` (torch's context-parallel
-    API where accelerate, Trainer and torchtitan import it) cplib's
-    (docs/clients.md). Idempotent; undone by :func:`unpatch_torch`."""
+    API where accelerate, Trainer and torchtitan import it) cplib's, and
+    installs cplib's causal-LM and router losses into transformers where it is
+    installed (cplib/clients/hf_loss.py; docs/clients.md). Idempotent; undone
+    by :func:`unpatch_torch`."""
     import cplib
 
     if _saved:
@@ -69,11 +73,32 @@ def patch_torch() -> None:
         for attr in attrs:
             _saved[(module, attr)] = module.__dict__.get(attr, _MISSING)
             setattr(module, attr, getattr(cplib, attr))
+    late = _holders_of_torch_names()
+    if late:
+        warnings.warn(f"cplib.patch_torch(): {', '.join(late[:6])} took torch's context-parallel "
+                      "names before the switch and keep them; call cplib.patch_torch() before "
+                      "importing them", stacklevel=2)
+    from .hf_loss import install_hf_losses
+
+    install_hf_losses("patch_torch")
+
+
+def _holders_of_torch_names() -> list[str]:
+    """``module.name`` of every module outside torch and cplib whose globals
+    hold one of the torch objects the switch replaced (imported before it)."""
+    replaced = {id(old) for old in _saved.values() if old is not _MISSING}
+    found = []
+    for name, module in list(sys.modules.items()):
+        if module is None or name.split(".")[0] in ("torch", "cplib"):
+            continue
+        found += [f"{name}.{attr}" for attr, value in list(getattr(module, "__dict__", {}).items())
+                  if id(value) in replaced]
+    return found
 
 
 def unpatch_torch() -> None:
     """Puts back what :func:`patch_torch` replaced (a no-op when torch is not
-    patched)."""
+    patched); the losses stay where ``import cplib.hf`` installed them too."""
     if not _saved:
         return
     for (module, attr), old in _saved.items():
@@ -82,6 +107,9 @@ def unpatch_torch() -> None:
         else:
             setattr(module, attr, old)
     _saved.clear()
+    from .hf_loss import uninstall_hf_losses
+
+    uninstall_hf_losses("patch_torch")
 
 
 def torch_is_patched() -> bool:

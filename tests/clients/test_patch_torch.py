@@ -128,3 +128,66 @@ def test_patch_torch_is_idempotent_and_unpatch_restores_exactly():
         assert after[module].keys() == attrs.keys(), module
         changed = [n for n, obj in attrs.items() if after[module][n] is not obj]
         assert not changed, (module, changed)
+
+
+def test_a_module_that_imported_torchs_names_first_is_named():
+    import sys
+    import types
+    import warnings
+
+    import cplib
+    from torch.distributed.tensor.experimental._attention import set_rotate_method
+
+    early = types.ModuleType("early_client")
+    early.set_rotate_method = set_rotate_method  # `from ... import` before the switch
+    sys.modules["early_client"] = early
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cplib.patch_torch()
+        assert any("early_client.set_rotate_method" in str(w.message) for w in caught), \
+            [str(w.message) for w in caught]
+    finally:
+        cplib.unpatch_torch()
+        del sys.modules["early_client"]
+
+
+def test_hf_losses_follow_the_switch_and_cplib_hf():
+    """patch_torch() installs cplib's HF losses and unpatch_torch() removes
+    them, unless `import cplib.hf` installed them too (either order);
+    transformers' LOSS_MAPPING is never touched (Trainer reads it)."""
+    pytest.importorskip("transformers")
+    import cplib
+    from cplib.clients import hf_loss
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+    from transformers.modeling_utils import PreTrainedModel
+
+    owners = set(hf_loss._owners)  # this process's state, put back at the end
+    for owner in owners:
+        hf_loss.uninstall_hf_losses(owner)
+    original = PreTrainedModel.__dict__["loss_function"]
+    mapping = dict(LOSS_MAPPING)
+
+    def installed() -> bool:
+        return PreTrainedModel.__dict__["loss_function"] is not original
+
+    try:
+        cplib.patch_torch()
+        assert installed()
+        cplib.unpatch_torch()
+        assert not installed()
+        for first_hf in (True, False):  # `import cplib.hf` before, then after, the switch
+            if first_hf:
+                hf_loss.install_hf_losses("cplib.hf")
+            cplib.patch_torch()
+            if not first_hf:
+                hf_loss.install_hf_losses("cplib.hf")
+            cplib.unpatch_torch()
+            assert installed(), first_hf
+            hf_loss.uninstall_hf_losses("cplib.hf")
+            assert not installed()
+        assert dict(LOSS_MAPPING) == mapping and LOSS_MAPPING["ForCausalLM"] is ForCausalLMLoss
+    finally:
+        cplib.unpatch_torch()
+        for owner in owners:
+            hf_loss.install_hf_losses(owner)
