@@ -30,7 +30,7 @@ _API = ("_CausalBehavior", "_context_parallel_shard", "_ContextParallel", "_cp_o
         "set_rotate_method") + _LOAD_BALANCERS
 
 # Each module of torch's that holds context-parallel names, and the names the
-# switch sets there (those torch 2.11 to 2.15 define there, and every name the
+# switch sets there (those torch 2.13 defines there, and every name the
 # pinned clients import from it: tests/clients/test_patch_torch.py reads their
 # source). A module this torch lacks is skipped.
 PATCHED_MODULES: dict[str, tuple[str, ...]] = {
@@ -41,6 +41,9 @@ PATCHED_MODULES: dict[str, tuple[str, ...]] = {
         _API + ("flex_cp_allgather", "_create_cp_block_mask"),
     f"{_EXPERIMENTAL}._context_parallel._load_balancer": _LOAD_BALANCERS,
     f"{_EXPERIMENTAL}._context_parallel._cp_custom_ops": ("flex_cp_allgather",),
+    # Where torch releases before the _context_parallel package kept them.
+    f"{_EXPERIMENTAL}._load_balancer": _LOAD_BALANCERS,
+    f"{_EXPERIMENTAL}._cp_custom_ops": ("flex_cp_allgather",),
 }
 
 _MISSING = object()

@@ -112,7 +112,7 @@ def _ring(named: dict[str, Any], mesh: Any, backend: str | None,
           backward: tuple | None = None) -> tuple:
     """The ring's (out, lse) of the local shards, or with ``backward`` =
     (grad_out, out, lse) its (dq, dk, dv)."""
-    from ..ring.op import ring_sdpa  # the feature beside the front end
+    from ..ring.op import ring_sdpa  # imported when first needed, as sdpa_dispatch does
 
     q, k, v = (named[n].to_local() for n in ("query", "key", "value"))
     if q.device.type != "cuda":  # a CUDA kernel's op on CPU tensors: only the tests do that

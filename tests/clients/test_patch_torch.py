@@ -108,7 +108,7 @@ def test_patch_torch_is_idempotent_and_unpatch_restores_exactly():
     from cplib.clients.patch import PATCHED_MODULES
 
     before = _snapshot()
-    assert f"torch.distributed.tensor.experimental._context_parallel._attention" in before
+    assert "torch.distributed.tensor.experimental._attention" in before
     try:
         cplib.patch_torch()
         cplib.patch_torch()  # idempotent: the second call changes nothing
