@@ -43,9 +43,15 @@ $(VPY):
 	@echo "creating $(VENV)"
 	@$(PYTHON) -m venv $(VENV)
 
-$(DEPS): requirements-dev.txt requirements/torch-default.txt | $(VPY)
+# The clients (accelerate, torchtitan: tests/clients/) come last: torchtitan
+# without its declared dependencies (requirements/clients.txt says why).
+$(DEPS): requirements-dev.txt requirements/torch-default.txt requirements/clients.txt \
+         requirements/clients-nodeps.txt | $(VPY)
 	@$(QUIET) $(LOGS)/install.log "installing the pinned dependencies into $(VENV)" -- \
 	  $(VPY) -m pip install -r requirements/torch-default.txt -r requirements-dev.txt
+	@$(QUIET) $(LOGS)/install-clients.log "installing the pinned clients into $(VENV)" -- \
+	  sh -c '$(VPY) -m pip install -r requirements/clients.txt && \
+	         $(VPY) -m pip install --no-deps -r requirements/clients-nodeps.txt'
 	@touch $@
 
 # The wheel: one file (abi3, LibTorch's stable ABI) for every torch from 2.11

@@ -60,6 +60,11 @@ from .decode.op import decode_sdpa
 # merge: partial attention results merged in place.
 from .merge.op import merge_partial_
 
+# clients: torch's context-parallel names replaced by cplib's where accelerate,
+# HF Trainer and torchtitan import them.
+from .clients.patch import patch_torch, unpatch_torch
+from . import loss  # cplib.loss.cross_entropy: a loss of your own under CP
+
 # conv: halo-exchange convolution and its DTensor handlers.
 from .conv.dtensor import disable_dtensor_conv, enable_dtensor_conv
 from .conv.tp_conv import tp_conv
@@ -107,6 +112,8 @@ __all__ = [
     "disable_context_parallel_dispatcher",
     "enable_context_parallel_dispatcher",
     "merge_partial_",
+    "patch_torch",
+    "unpatch_torch",
     "consistency_checks",
     "consistency_checks_enabled",
     "set_consistency_checks",
