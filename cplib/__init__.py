@@ -62,7 +62,11 @@ from .merge.op import merge_partial_
 
 # conv: halo-exchange convolution and its DTensor handlers.
 from .conv.dtensor import disable_dtensor_conv, enable_dtensor_conv
+from .conv.seq_halo import seq_halo
 from .conv.tp_conv import tp_conv
+
+# hybrid: recurrent and conv layers of hybrid models (cplib.hf reaches them).
+from .hybrid import recurrence_exchange
 
 # Public names for what torch keeps private (same objects).
 LoadBalancer = _LoadBalancer
@@ -120,6 +124,8 @@ __all__ = [
     "usp_sdpa",
     "usp_load_balancer",
     "tp_conv",
+    "seq_halo",
+    "recurrence_exchange",
     "enable_dtensor_conv",
     "disable_dtensor_conv",
     "_create_cp_block_mask",

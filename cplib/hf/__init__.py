@@ -29,6 +29,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from ._attention import cplib_attention_forward, cplib_mask
+from .hybrid import install_hybrid_layers
 from .loss import install_causal_lm_loss
 
 __all__ = ["cplib_attention_forward", "cplib_mask", "ATTN_IMPLEMENTATION"]
@@ -40,3 +41,5 @@ AttentionMaskInterface.register(ATTN_IMPLEMENTATION, cplib_mask)
 # model(..., labels=labels).loss under cplib.context_parallel: labels shifted
 # over the whole sequence, the loss normalised by the global count (loss.py).
 install_causal_lm_loss()
+# Hybrid models: their recurrent and conv layers exact or refused under CP (hybrid.py).
+install_hybrid_layers()
