@@ -44,7 +44,10 @@ def incoming_states(layout: SequenceLayout, finals: list[torch.Tensor],
     per_rank = layout.pieces_per_rank
     mine = {(layout.rank, i) for i in range(len(finals))}
     entering: dict[tuple[int, int], torch.Tensor] = {}
-    state = torch.zeros_like(finals[0])
+    # A rank whose pieces come first reads nothing it gathered; an exact zero
+    # (empty slices) still links the gather to its outputs, so that every rank
+    # runs the gather's backward (a collective) and none waits alone.
+    state = torch.zeros_like(finals[0]) + (z_all[:, :, :0].sum() + m_all[:, :, :0].sum())
     for owner in layout.chunk_order():
         if owner in mine:
             entering[owner] = state
