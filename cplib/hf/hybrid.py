@@ -82,11 +82,14 @@ def _refuse(what: str, reason: str) -> NotImplementedError:
 def _check_cache(cache: Any, layer: Any, what: str) -> None:
     """A cache that already holds this layer's state (a continuation) cannot be
     carried across ranks; an empty one (a prefill) is left unfilled."""
-    index = getattr(layer, "layer_idx", None)
+    index, state = getattr(layer, "layer_idx", None), getattr(layer, "conv_idx", 0)
     layers = getattr(cache, "layers", None)
-    state = getattr(layers[index], "has_previous_state", ()) \
-        if isinstance(layers, list) and isinstance(index, int) and index < len(layers) else ()
-    if any(state):
+    if not (isinstance(layers, list) and isinstance(index, int) and 0 <= index < len(layers)):
+        return
+    flags = getattr(layers[index], "has_previous_state", None)  # per state index
+    held = flags.get(state) if isinstance(flags, dict) else \
+        flags[state] if isinstance(flags, (list, tuple)) and state < len(flags) else False
+    if held:
         raise NotImplementedError(
             f"cplib: {what} under cplib.context_parallel with a cache that already holds its "
             "state (a continuation): not supported; start from an empty cache or pass "

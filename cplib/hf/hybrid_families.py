@@ -45,7 +45,9 @@ FAMILIES: dict[str, tuple[Mixer, ...]] = {
     "qwen3_next": (Mixer("Qwen3NextGatedDeltaNet", DELTA),),
     "qwen3_5": (Mixer("Qwen3_5GatedDeltaNet", DELTA),),
     "qwen3_5_moe": (Mixer("Qwen3_5MoeGatedDeltaNet", DELTA),),
-    "qwen4_exp": (Mixer("Qwen4ExpTextGatedDeltaNet", DELTA),),
+    "qwen4_exp": (Mixer("Qwen4ExpTextGatedDeltaNet", DELTA),
+                  _refused("Qwen4ExpTextPLELayer", "its n-gram embedding of the previous tokens "
+                           "and its dilated conv are computed inline")),
     "olmo_hybrid": (Mixer("OlmoHybridGatedDeltaNet", DELTA),),
     "kimi_linear": (Mixer("KimiLinearDeltaAttention", DELTA),),
     "bailing_hybrid": (Mixer("BailingHybridDeltaAttention", DELTA),),

@@ -34,15 +34,16 @@ FAMILY_CONFIGS: dict[str, tuple[dict, str | None]] = {
     "qwen3_next": (dict(layer_types=_TWO, **_LINEAR), None),
     "qwen3_5": (dict(layer_types=_TWO, **_LINEAR), "Qwen3_5TextConfig"),
     "qwen3_5_moe": (dict(layer_types=_TWO, **_LINEAR), "Qwen3_5MoeTextConfig"),
-    "qwen4_exp": (dict(layer_types=_TWO, indexer_n_heads=2, indexer_kv_heads=1,
-                       indexer_head_dim=8, indexer_budget=16, indexer_compress_ratio=4,
-                       **_LINEAR), "Qwen4ExpTextConfig"),
+    # Qwen4-Exp's and GLM-5-Next's full-attention layers are indexed (sparse)
+    # attention, which needs an S x S mask and runs on eager or SDPA only:
+    # their tiny models keep the linear layers.
+    "qwen4_exp": (dict(layer_types=["linear_attention"] * 2, **_LINEAR), "Qwen4ExpTextConfig"),
     "olmo_hybrid": (dict(layer_types=_TWO, **_LINEAR), None),
     "kimi_linear": (dict(layer_types=_TWO, linear_head_dim=8, linear_num_heads=4, **_MLA), None),
     "bailing_hybrid": (dict(layer_types=_TWO, **_MLA), None),
-    "glm5_next": (dict(layer_types=_TWO, linear_head_dim=8, linear_num_heads=4, q_lora_rank=8,
-                       index_head_dim=8, index_n_heads=2, **{**_MLA, "qk_rope_head_dim": 0,
-                                                           "qk_nope_head_dim": 8}),
+    "glm5_next": (dict(layer_types=["linear_attention"] * 2, linear_head_dim=8,
+                       linear_num_heads=4, q_lora_rank=8, **{**_MLA, "qk_rope_head_dim": 0,
+                                                             "qk_nope_head_dim": 8}),
                   "Glm5NextTextConfig"),
     "falcon_h1": (dict(mamba_d_ssm=32, **_MAMBA2), None),
     "granitemoehybrid": (dict(layer_types=["mamba", "attention"], **_MAMBA2), None),
