@@ -33,14 +33,12 @@ def _ssd_args(hidden_states, dt, A, B, C, chunk_size, **kwargs):
     pass
 
 
-def _bind(form: Callable, args: tuple, kwargs: dict) -> tuple[dict, dict]:
-    """(named arguments of ``form``, the rest as keywords): only what was given."""
+def _arguments(form: Callable, name: str, what: str, args: tuple, kwargs: dict,
+               carried: str | None = None) -> tuple[dict, dict]:
+    """(named arguments of ``form``, the rest as keywords): only what was given,
+    checked: no packed sequences, no state carried in under ``carried``."""
     bound = inspect.signature(form).bind(*args, **kwargs).arguments
     rest = dict(bound.pop("kwargs", {}))
-    return bound, rest
-
-
-def _no_packing(name: str, what: str, rest: dict) -> None:
     packed = [k for k in _PACKED if rest.get(k) is not None]
     if packed:
         raise NotImplementedError(
@@ -50,11 +48,14 @@ def _no_packing(name: str, what: str, rest: dict) -> None:
             "in one process)")
     for k in _PACKED:
         rest.pop(k, None)
+    if carried is not None and rest.pop(carried, None) is not None:
+        raise NotImplementedError(f"cplib: {what} under cplib.context_parallel: {name} with "
+                                  f"{carried}= (a cache continuation) is not supported")
+    return bound, rest
 
 
 def _conv(original, name: str, layout: SequenceLayout, what: str, args, kwargs):
-    a, rest = _bind(_conv_args, args, kwargs)
-    _no_packing(name, what, rest)
+    a, rest = _arguments(_conv_args, name, what, args, kwargs)
     if a.get("activation") is not None:
         rest["activation"] = a["activation"]
     return causal_conv_by_halo(original, layout, a["hidden_states"], a["weight"], a.get("bias"),
@@ -62,11 +63,7 @@ def _conv(original, name: str, layout: SequenceLayout, what: str, args, kwargs):
 
 
 def _delta(original, name: str, layout: SequenceLayout, what: str, args, kwargs):
-    a, rest = _bind(_delta_args, args, kwargs)
-    _no_packing(name, what, rest)
-    if rest.pop("initial_state", None) is not None:
-        raise NotImplementedError(f"cplib: {what} under cplib.context_parallel: {name} with an "
-                                  "initial_state (a cache continuation) is not supported")
+    a, rest = _arguments(_delta_args, name, what, args, kwargs, "initial_state")
     want_final = bool(rest.pop("output_final_state", False))
     q, k, v, g, beta = (a[n] for n in ("query", "key", "value", "g", "beta"))
     shape = DeltaShape(q.shape[0], k.shape[2], v.shape[2], k.shape[3], v.shape[3],
@@ -78,11 +75,7 @@ def _delta(original, name: str, layout: SequenceLayout, what: str, args, kwargs)
 
 
 def _ssd(original, name: str, layout: SequenceLayout, what: str, args, kwargs):
-    a, rest = _bind(_ssd_args, args, kwargs)
-    _no_packing(name, what, rest)
-    if rest.pop("initial_states", None) is not None:
-        raise NotImplementedError(f"cplib: {what} under cplib.context_parallel: {name} with "
-                                  "initial_states (a cache continuation) is not supported")
+    a, rest = _arguments(_ssd_args, name, what, args, kwargs, "initial_states")
     want_final = bool(rest.get("return_final_states", False))
     y, final = ssd_by_state(original, layout, a["hidden_states"], a["dt"], a["A"], a["B"],
                             a["C"], a["chunk_size"], rest)

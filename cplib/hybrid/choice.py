@@ -2,9 +2,11 @@
 ("heads": head re-sharding; "state": state passing), and what each moves.
 
 The choice follows the strategy's cost model (DESIGN.md section 13) with its
-calibrated rates for the device (``cplib.strategy.calibration``): bytes over
-the link plus a fixed cost per collective, and for state passing the extra
-kernel work of the ``d_k`` widened value columns. It depends on shapes and
+default rates for the device (``cplib.strategy.calibration``): bytes over the
+link plus a fixed cost per collective, and for state passing the extra
+kernel work of the ``d_k`` widened value columns (``WIDENED_UNIT_S``). Both
+ways' bytes and work grow with the local length, so the choice mostly
+follows the link's speed against the kernel's. It depends on shapes and
 the layout alone, so every rank makes the same choice. ``recurrence_exchange``
 forces one way for the code inside it (per thread, like a context variable).
 """
@@ -57,23 +59,34 @@ class DeltaShape:
     gate_itemsize: int = 4
 
 
-def exchange_costs(layout: SequenceLayout, s: DeltaShape,
-                   cal: Calibration) -> dict[str, dict[str, float]]:
-    """Per way: bytes a rank sends in one forward, and the predicted seconds
-    of a forward + backward beyond the local kernel."""
+# Seconds of extra kernel work per (token x value head x d_k x (64 + d_k)), the
+# d_k value columns state passing adds to a chunked delta-rule kernel's
+# forward + backward: on CPU measured with transformers' torch kernel (2
+# cores, one thread per rank: 2e-10 to 6e-10 s); on CUDA an estimate for fla's
+# kernels (about 6 FLOPs per unit at 60 TFLOP/s), not yet measured.
+WIDENED_UNIT_S = {"cpu": 3e-10, "cuda": 1e-13}
+
+
+def exchange_costs(layout: SequenceLayout, s: DeltaShape, cal: Calibration,
+                   widened_unit_s: float) -> dict[str, dict[str, float]]:
+    """Per way: bytes a rank receives in one forward + backward, and the
+    predicted seconds that way adds to a forward + backward."""
     n, local = layout.world_size, max(layout.lengths())
     away = (n - 1) / n
     per_token = (2 * s.key_heads * s.dk + s.value_heads * s.dv + s.value_heads) * s.itemsize \
         + s.value_heads * s.gate_width * s.gate_itemsize
-    heads_bytes = away * s.batch * local * (per_token + s.value_heads * s.dv * s.itemsize)
-    state_bytes = layout.pieces_per_rank * s.batch * s.value_heads * s.dk * (s.dk + s.dv) * 4
-    # Widened columns: the chunked kernel's work per token and head grows by
-    # about (chunk + d_k) * d_k; priced like attention work (unit_s, fwd+bwd).
-    widened = s.batch * local * s.value_heads * (64 + s.dk) * s.dk * cal.unit_s
-    heads_s = 2 * (2 * cal.latency_s + heads_bytes / cal.link_bps)
-    state_s = 2 * (cal.latency_s + (n - 1) * state_bytes / cal.link_bps) + widened
-    return {"heads": {"bytes_sent": heads_bytes, "time_s": heads_s},
-            "state": {"bytes_sent": state_bytes, "time_s": state_s}}
+    # There and back, forward and backward; one all-to-all per dtype each way,
+    # each with a handshake in the forward.
+    heads_bytes = 2 * away * s.batch * local * (per_token + s.value_heads * s.dv * s.itemsize)
+    groups = 1 if s.itemsize == s.gate_itemsize else 2
+    heads_s = 6 * groups * cal.latency_s + heads_bytes / cal.link_bps
+    # One handshake and one all-gather forward, one reduce-scatter backward.
+    sent = layout.pieces_per_rank * s.batch * s.value_heads * s.dk * (s.dk + s.dv) * 4
+    widened = s.batch * local * s.value_heads * (64 + s.dk) * s.dk
+    state_s = 2 * cal.latency_s + (n - 1) * sent / cal.link_bps + cal.reduce_scatter_s \
+        + (n - 1) * sent / cal.reduce_scatter_bps + widened * widened_unit_s
+    return {"heads": {"bytes": heads_bytes, "time_s": heads_s},
+            "state": {"bytes": 2 * (n - 1) * sent, "time_s": state_s}}
 
 
 def choose_exchange(layout: SequenceLayout, s: DeltaShape, device_type: str,
@@ -93,5 +106,6 @@ def choose_exchange(layout: SequenceLayout, s: DeltaShape, device_type: str,
         return way
     if way == "state" or not divides or need_state or layout.world_size == 1:
         return "state"
-    costs = exchange_costs(layout, s, default_for(device_type))
+    unit = WIDENED_UNIT_S["cuda" if device_type == "cuda" else "cpu"]
+    costs = exchange_costs(layout, s, default_for(device_type), unit)
     return "heads" if costs["heads"]["time_s"] < costs["state"]["time_s"] else "state"

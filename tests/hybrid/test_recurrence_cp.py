@@ -160,3 +160,59 @@ def test_state_passing_bytes_do_not_grow_with_the_sequence(ranks, world_size):
     # x d_k=8 x (d_k + d_v = 16) float32 values (the final state and the transition).
     want = 2 * 2 * 4 * 8 * 16 * 4
     assert ranks(world_size).run(_check_bytes) == [[[want], [want]]] * world_size
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _low_precision_errors(layout, run, full, low, cot) -> dict[str, tuple[float, float]]:
+    """Per output and input gradient: (error under CP, error of one process in
+    ``low`` precision), both against the float64 run of the same kernel."""
+    def one(inputs, sharded: bool):
+        leaves = [(_local(layout, t) if sharded and t.dim() > 1 else t).requires_grad_()
+                  for t in inputs]
+        out = run(leaves, sharded)
+        (out.double() * (_local(layout, cot) if sharded else cot)).sum().backward()
+        return [out] + [x.grad for x in leaves]
+
+    truth = one([t.double() for t in full], False)
+    single, cp = one([t.clone() for t in low], False), one([t.clone() for t in low], True)
+    errors = {}
+    for i, (t, s, c) in enumerate(zip(truth, single, cp)):
+        if t.dim() > 1:  # the output and the per-token inputs' gradients
+            errors[f"#{i}"] = (_rel(c, _local(layout, t)), _rel(_local(layout, s), _local(layout, t)))
+    return errors
+
+
+def _check_low_precision(dtype_name: str) -> int:
+    dtype = getattr(torch, dtype_name)
+    n = dist.get_world_size()
+    count = 0
+    for head_tail in (False, True):
+        layout = _layout(32 * n, head_tail)
+        for kda in (False, True):
+            kernel, kw = _kernel(kda), {"use_qk_l2norm_in_kernel": True, "chunk_size": 16}
+            full = _delta_inputs(layout.seq_len, kda)
+            for way in ("state", "heads") if n == 2 else ("state",):
+                def run(x, sharded, way=way):
+                    if not sharded:
+                        return kernel(*x[:3], g=x[3], beta=x[4], **kw)[0]
+                    if way == "heads":
+                        return delta_rule_by_heads(kernel, layout, *x, kw)
+                    return delta_rule_by_state(kernel, layout, *x, False, kw)[0]
+                cot = torch.randn(2, layout.seq_len, 4, 8, dtype=torch.float64,
+                                  generator=torch.Generator().manual_seed(3))
+                errors = _low_precision_errors(layout, run, full, [t.to(dtype) for t in full],
+                                               cot)
+                for what, (cp, single) in errors.items():
+                    assert cp <= 1.5 * single, (kda, head_tail, way, dtype_name, what, cp, single)
+                count += 1
+    return count
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_within_one_and_a_half_single_device_error(ranks, world_size, dtype):
+    assert ranks(world_size).run(_check_low_precision, dtype) == \
+        [8 if world_size == 2 else 4] * world_size
