@@ -21,23 +21,17 @@ __all__ = ["HANDLERS"]
 _PACKED = ("cu_seqlens", "seq_idx", "cu_seq_lens_q")
 
 
-def _conv_args(hidden_states, weight, bias=None, activation=None, **kwargs):
-    pass
+# The leading arguments of transformers' torch versions, as its layers pass them.
+_CONV = inspect.signature(lambda hidden_states, weight, bias=None, activation=None, **kwargs: 0)
+_DELTA = inspect.signature(lambda query, key, value, g, beta, **kwargs: 0)
+_SSD = inspect.signature(lambda hidden_states, dt, A, B, C, chunk_size, **kwargs: 0)
 
 
-def _delta_args(query, key, value, g, beta, **kwargs):
-    pass
-
-
-def _ssd_args(hidden_states, dt, A, B, C, chunk_size, **kwargs):
-    pass
-
-
-def _arguments(form: Callable, name: str, what: str, args: tuple, kwargs: dict,
+def _arguments(form: inspect.Signature, name: str, what: str, args: tuple, kwargs: dict,
                carried: str | None = None) -> tuple[dict, dict]:
     """(named arguments of ``form``, the rest as keywords): only what was given,
     checked: no packed sequences, no state carried in under ``carried``."""
-    bound = inspect.signature(form).bind(*args, **kwargs).arguments
+    bound = form.bind(*args, **kwargs).arguments
     rest = dict(bound.pop("kwargs", {}))
     packed = [k for k in _PACKED if rest.get(k) is not None]
     if packed:
@@ -55,7 +49,7 @@ def _arguments(form: Callable, name: str, what: str, args: tuple, kwargs: dict,
 
 
 def _conv(original, name: str, layout: SequenceLayout, what: str, args, kwargs):
-    a, rest = _arguments(_conv_args, name, what, args, kwargs)
+    a, rest = _arguments(_CONV, name, what, args, kwargs)
     if a.get("activation") is not None:
         rest["activation"] = a["activation"]
     return causal_conv_by_halo(original, layout, a["hidden_states"], a["weight"], a.get("bias"),
@@ -63,7 +57,7 @@ def _conv(original, name: str, layout: SequenceLayout, what: str, args, kwargs):
 
 
 def _delta(original, name: str, layout: SequenceLayout, what: str, args, kwargs):
-    a, rest = _arguments(_delta_args, name, what, args, kwargs, "initial_state")
+    a, rest = _arguments(_DELTA, name, what, args, kwargs, "initial_state")
     want_final = bool(rest.pop("output_final_state", False))
     q, k, v, g, beta = (a[n] for n in ("query", "key", "value", "g", "beta"))
     shape = DeltaShape(q.shape[0], k.shape[2], v.shape[2], k.shape[3], v.shape[3],
@@ -75,7 +69,7 @@ def _delta(original, name: str, layout: SequenceLayout, what: str, args, kwargs)
 
 
 def _ssd(original, name: str, layout: SequenceLayout, what: str, args, kwargs):
-    a, rest = _arguments(_ssd_args, name, what, args, kwargs, "initial_states")
+    a, rest = _arguments(_SSD, name, what, args, kwargs, "initial_states")
     want_final = bool(rest.get("return_final_states", False))
     y, final = ssd_by_state(original, layout, a["hidden_states"], a["dt"], a["A"], a["B"],
                             a["C"], a["chunk_size"], rest)

@@ -2,13 +2,15 @@
 each tiny model either gives one process's logits (its recurrent and conv
 layers carried across ranks) or raises NotImplementedError on every rank,
 naming the layer class that cplib cannot carry; never a silent per-shard
-result. And the list of families (cplib/hf/hybrid_families.py) is complete:
+result; outside a context, what transformers computes. And the list of families (cplib/hf/hybrid_families.py) is complete:
 transformers' source is scanned for sequence mixers, and each one found is
 either listed or named below as not a mixer of the text sequence."""
 
 from __future__ import annotations
 
 import ast
+import contextlib
+import importlib
 import os
 import re
 
@@ -161,3 +163,35 @@ def test_every_hybrid_family_is_exact_or_refused_by_name(ranks):
     exact = sorted(f for f, r in results[0].items() if r == "exact")
     assert {"qwen3_next", "qwen3_5", "kimi_linear", "falcon_h1", "granitemoehybrid",
             "lfm2"} <= set(exact), results[0]
+
+
+@contextlib.contextmanager
+def _transformers_own(family: str):
+    """The family's module as transformers wrote it, for the block (main thread)."""
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    saved = {}
+    for name, value in list(vars(module).items()):
+        original = getattr(value, "__cplib_original__", None)
+        if original is not None:
+            saved[(module, name)] = value
+            setattr(module, name, original)
+        elif isinstance(value, type) and hasattr(vars(value).get("forward"), "__cplib_original__"):
+            saved[(value, "forward")] = value.forward
+            value.forward = value.forward.__cplib_original__
+    assert saved, f"nothing of {family} is wrapped"
+    try:
+        yield
+    finally:
+        for (owner, name), value in saved.items():
+            setattr(owner, name, value)
+
+
+def test_outside_the_context_the_layers_compute_what_transformers_does():
+    for family in ("qwen3_next", "kimi_linear", "falcon_h1", "lfm2"):
+        model = tiny_model(family).train()  # training: Mamba2's fused path is tried first
+        ids = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(4))
+        with torch.no_grad():
+            wrapped = model(input_ids=ids, use_cache=False)[0]
+            with _transformers_own(family):
+                own = model(input_ids=ids, use_cache=False)[0]
+        assert torch.equal(wrapped, own), family
