@@ -20,6 +20,11 @@ over the whole sequence and normalises by the global count of valid labels
 (cplib/hf/loss.py): the mean over the CP ranks of the loss, and of the
 parameter gradients, is the single-process value.
 
+Hybrid models (Qwen3-Next, Qwen3.5, Kimi Linear, Falcon-H1, Granite 4,
+LFM2, ...): inside a context their recurrent and conv layers run exactly or
+raise NotImplementedError naming the layer (cplib/hf/hybrid.py, the list in
+hybrid_families.py); outside one they are transformers' own.
+
 Importing ``cplib`` alone does not import transformers; this module does.
 """
 
