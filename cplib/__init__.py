@@ -67,7 +67,11 @@ from . import loss  # cplib.loss.cross_entropy: a loss of your own under CP
 
 # conv: halo-exchange convolution and its DTensor handlers.
 from .conv.dtensor import disable_dtensor_conv, enable_dtensor_conv
+from .conv.seq_halo import seq_halo
 from .conv.tp_conv import tp_conv
+
+# hybrid: recurrent and conv layers of hybrid models (cplib.hf reaches them).
+from .hybrid import recurrence_exchange
 
 # Public names for what torch keeps private (same objects).
 LoadBalancer = _LoadBalancer
@@ -127,6 +131,8 @@ __all__ = [
     "usp_sdpa",
     "usp_load_balancer",
     "tp_conv",
+    "seq_halo",
+    "recurrence_exchange",
     "enable_dtensor_conv",
     "disable_dtensor_conv",
     "_create_cp_block_mask",

@@ -22,6 +22,11 @@ and MoE routers' load-balancing loss covers the whole sequence
 the mean over the CP ranks of the loss, and of the parameter gradients, is
 the single-process value.
 
+Hybrid models (Qwen3-Next, Qwen3.5, Kimi Linear, Falcon-H1, Granite 4,
+LFM2, ...): inside a context their recurrent and conv layers run exactly or
+raise NotImplementedError naming the layer (cplib/hf/hybrid.py, the list in
+hybrid_families.py); outside one they are transformers' own.
+
 Importing ``cplib`` alone does not import transformers; this module does.
 """
 
@@ -32,6 +37,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from ._attention import cplib_attention_forward, cplib_mask
 from ..clients.hf_loss import install_hf_losses
+from .hybrid import install_hybrid_layers
 
 __all__ = ["cplib_attention_forward", "cplib_mask", "ATTN_IMPLEMENTATION"]
 
@@ -43,3 +49,5 @@ AttentionMaskInterface.register(ATTN_IMPLEMENTATION, cplib_mask)
 # over the whole sequence, the loss normalised by the global count, the
 # router loss over every token (cplib/clients/hf_loss.py).
 install_hf_losses("cplib.hf")
+# Hybrid models: their recurrent and conv layers exact or refused under CP (hybrid.py).
+install_hybrid_layers()
