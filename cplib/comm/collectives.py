@@ -18,10 +18,22 @@ import torch.distributed as dist
 
 __all__ = ["IMPLEMENTATIONS"]
 
-_functional = torch.ops._c10d_functional
 _resolve = dist.distributed_c10d._resolve_process_group
 _register_work = torch._C._distributed_c10d._register_work
 _ALL_TO_ALL_OPTIONS = dist.AllToAllOptions()
+
+# The torch calls that move bytes, looked up at each call (the tests count
+# the bytes that cross the group by wrapping them: tests/support/wire_count.py).
+_functional = torch.ops._c10d_functional
+
+
+def _alltoall_base(pg: dist.ProcessGroup, out: torch.Tensor, input: torch.Tensor,
+                   output_split_sizes: list[int], input_split_sizes: list[int]):
+    return pg.alltoall_base(out, input, output_split_sizes, input_split_sizes,
+                            _ALL_TO_ALL_OPTIONS)
+
+
+_batch_isend_irecv = dist.batch_isend_irecv
 
 
 def _runs_on_gloo(group_name: str, device: torch.device) -> bool:
@@ -61,8 +73,7 @@ def _all_to_all(input: torch.Tensor, output_split_sizes: list[int],
     # The functional op's call, without its Python autograd wrapper (about 35
     # us of host time per call).
     out = input.new_empty((sum(output_split_sizes), *input.shape[1:]))
-    _register_work(out, pg.alltoall_base(out, input, output_split_sizes, input_split_sizes,
-                                         _ALL_TO_ALL_OPTIONS))
+    _register_work(out, _alltoall_base(pg, out, input, output_split_sizes, input_split_sizes))
     return out
 
 
@@ -102,7 +113,7 @@ def _send_recv(input: torch.Tensor, dst: int, recv_numel: int, src: int,
     ops = [dist.P2POp(dist.isend, input, group=pg, group_peer=dst)] if input.numel() else []
     if recv_numel:
         ops.append(dist.P2POp(dist.irecv, out, group=pg, group_peer=src))
-    for work in dist.batch_isend_irecv(ops) if ops else []:
+    for work in _batch_isend_irecv(ops) if ops else []:
         _register_work(out, work)  # wait_tensor(out) waits for the send too
     return out
 

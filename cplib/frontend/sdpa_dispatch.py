@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from .documents import current_window
+from .dtensor_sdpa import disable_dtensor_sdpa, enable_dtensor_sdpa
 from ..comm.handshake import agreed, forward_error
 from ..comm.native import group_name_of
 from .options import RingConfig
@@ -233,7 +234,7 @@ class CPDispatchMode(TorchFunctionMode):
         super().__init__()
         self.config = config
         # The ContextParallelHandle of a cplib.context_parallel region (its
-        # mesh and layout: cplib/hf/loss.py reads it), None for a module's.
+        # mesh and layout: cplib/clients/sequence.py reads it), None for a module's.
         self.handle = handle
 
     def __torch_function__(self, func: Callable, types_: tuple, args: tuple = (),
@@ -273,14 +274,18 @@ _enabled = [False]  # torch's API toggles the dispatcher process-wide
 
 def _enable_context_parallel_dispatcher() -> None:
     """Lets modules parallelized with ``_ContextParallel`` (SDPA) route their
-    attention to the ring op. This API is experimental, as in torch."""
+    attention to the ring op, and the fused SDPA ops of DTensors sharded along
+    the sequence (torchtitan's ``apply_cp_to_forward``) too
+    (cplib/frontend/dtensor_sdpa.py). This API is experimental, as in torch."""
     _enabled[0] = True
+    enable_dtensor_sdpa()
 
 
 def _disable_context_parallel_dispatcher() -> None:
-    """Turns the ``_ContextParallel`` routing off again; those modules then
-    raise instead of computing attention over the local shard only."""
+    """Turns both routings off again; those modules then raise instead of
+    computing attention over the local shard only."""
     _enabled[0] = False
+    disable_dtensor_sdpa()
 
 
 def dispatcher_enabled() -> bool:
