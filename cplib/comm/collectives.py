@@ -101,11 +101,13 @@ def _send_recv(input: torch.Tensor, dst: int, recv_numel: int, src: int,
     ``src`` (csrc/torch/comm/collectives.h: send_recv): one send and one
     receive, batched, where the group sends point to point."""
     pg = _resolve(group_name)
-    if not _sends_point_to_point(pg, input.device) or pg not in _exchanged:
-        # NCCL creates a group's communicator with every rank: a group's first
-        # exchange is a collective (every rank calls this at the same point,
-        # with nothing to exchange too).
-        _exchanged.add(pg)
+    point_to_point = _sends_point_to_point(pg, input.device)
+    if not point_to_point or pg not in _exchanged:
+        if point_to_point:
+            # NCCL creates a group's communicator with every rank: a group's
+            # first exchange is a collective (every rank calls this at the
+            # same point, with nothing to exchange too).
+            _exchanged.add(pg)
         ins, outs = [0] * pg.size(), [0] * pg.size()
         ins[dst], outs[src] = input.numel(), recv_numel
         return _all_to_all(input, outs, ins, group_name)

@@ -17,7 +17,7 @@ from . import fake  # noqa: F401  (registers the fake kernels)
 from .host_copy import host_copy
 from .args import (_is_fake, backend_arg, check_inputs, int_arg, rotate_arg, scale_arg,
                    window_arg)
-from .call import RingCall
+from .call import ARGS, RingCall
 from .names import RING_PASSES, layout_of
 
 __all__ = ["ring_sdpa", "ring_attention", "ring_pass_auto"]
@@ -34,6 +34,15 @@ def sinks_grad(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     delta = (grad_out.to(acc) * out.to(acc)).sum(-1)
     prob = torch.exp(sinks.to(acc).view(1, -1, 1) - lse)
     return -(delta * prob).sum((0, 2)).to(sinks.dtype)
+
+
+def _traced(q: torch.Tensor) -> bool:
+    """handshake.tracing((q,)), without its checks for a plain tensor outside
+    any dispatch mode and compile (what eager calls pass)."""
+    if type(q) is torch.Tensor and not torch._C._len_torch_dispatch_stack() \
+            and not torch.compiler.is_compiling():
+        return False
+    return tracing((q,))
 
 
 def attention_autograd(backward_op, forward_op, covered_backward_op=None, agreed_record=None):
@@ -69,7 +78,7 @@ def attention_autograd(backward_op, forward_op, covered_backward_op=None, agreed
             args = args[:sinks_at] + args[sinks_at + 1:]
         ctx.args = args
         ctx.agreed = None
-        if covered_backward_op is not None and not tracing((q,)):
+        if covered_backward_op is not None and not _traced(q):
             # Plain meta tensors: the forward's fake kernel handshook (if due).
             if q.device.type == "meta":
                 ctx.agreed = q.new_empty(0, dtype=torch.long)
@@ -128,10 +137,12 @@ class _RingSdpaFunction(torch.autograd.Function):
     """The registered formula above, applied directly by :func:`ring_attention`
     in eager mode: torch.library's wrapper refills the schema's defaults on
     every call (``fill_defaults``, about 150 us of host time for these 16
-    arguments, more than the ring's own host work at small sizes)."""
+    arguments, more than the ring's own host work at small sizes). The call
+    is one argument here (``apply`` processes each of its arguments)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, *args):
+    def forward(ctx, q, k, v, sinks, call):
+        args = (*call.op_args(), sinks)
         with torch._C._AutoDispatchBelowAutograd():
             output = ops.ring_sdpa(q, k, v, *args)
         _setup(ctx, (q, k, v, *args), output)
@@ -139,7 +150,10 @@ class _RingSdpaFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        return _backward(ctx, grad_out, grad_lse)
+        # The formula's gradients are by the op's arguments: q, k, v, the
+        # call's and then the sinks'.
+        grads = _backward(ctx, grad_out, grad_lse)
+        return (*grads[:3], grads[-1] if len(grads) > 3 + ARGS else None, None)
 
 
 def ring_sdpa(
@@ -285,14 +299,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Ring
     if auto_rotate and not call.has_positions and call.ring_pass != "q":
         from ..strategy.auto import ring_rotation
         call = call.replace(rotate=ring_rotation(q, k, v, call, backward=grad))
-    args = (q, k, v, *call.op_args(), sinks)
     # Compiled graphs keep the op itself (its registered autograd and fake).
     if torch.compiler.is_compiling():
-        return ops.ring_sdpa(*args)
+        return ops.ring_sdpa(q, k, v, *call.op_args(), sinks)
     if not grad:  # nothing to differentiate: below torch.library's autograd wrapper
         with torch._C._AutoDispatchBelowAutograd():
-            return ops.ring_sdpa(*args)
-    return _RingSdpaFunction.apply(*args)
+            return ops.ring_sdpa(q, k, v, *call.op_args(), sinks)
+    return _RingSdpaFunction.apply(q, k, v, sinks, call)
 
 
 def ring_pass_auto(q_tokens: int, kv_tokens: int, q_heads: int, kv_heads: int, head_dim: int,

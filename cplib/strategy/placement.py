@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from ..ring.names import Layout
 from .candidates import ROTATIONS, Candidate, register_candidates
 from .plan import register_layout
 from .workload import Workload
 
 __all__ = ["PLACEMENT"]
 
-PLACEMENT = "placement"
+PLACEMENT = str(Layout.PLACEMENT)
 
 
 def _placement(w: Workload) -> Iterable[Candidate]:
@@ -28,5 +29,5 @@ def _placement(w: Workload) -> Iterable[Candidate]:
         yield Candidate("ring", rotate, 1, PLACEMENT)
 
 
-register_layout(PLACEMENT, "placement", load_balance=PLACEMENT, ulysses=False)
+register_layout(PLACEMENT, PLACEMENT, load_balance=PLACEMENT, ulysses=False)
 register_candidates(PLACEMENT, _placement)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-from ..ring.names import LAYOUTS
+from ..ring.names import LAYOUTS, Layout
 
 __all__ = ["register_layout", "layout_load_balance", "ring_layout", "layout_allows_ulysses",
            "StepWork", "RingSchedule", "ring_schedule", "FULL", "CAUSAL", "PARTIAL"]
@@ -68,8 +68,11 @@ def ring_layout(name: str) -> str:
     return _layouts[name]
 
 
-for _name in ("sequential", "head_tail", "per_document"):
-    register_layout(_name, _name)
+# The ring's layouts by their own names; the document placement registers
+# itself with its load balance and as a ring-only layout (placement.py).
+for _layout in Layout:
+    if _layout is not Layout.PLACEMENT:
+        register_layout(str(_layout), str(_layout))
 
 
 @dataclass

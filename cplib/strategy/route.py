@@ -17,6 +17,7 @@ from .candidates import Candidate, data_layout
 from .choice import agreed_choice, calibration_for
 from .explain import constraints_of, workload_of
 from .plan import layout_load_balance
+from ..ring.names import Layout
 
 __all__ = ["AutoStrategy", "parse_strategy", "strategy_entry", "context_strategy",
            "entry_choice", "routed_config"]
@@ -47,7 +48,7 @@ def strategy_entry(auto: AutoStrategy | None, planned: Any, plan: Callable[..., 
     auto = context_strategy(auto, group_name, explicit_rotate, ulysses_degree)
     # Head-tail (the default balancing) leaves the layout to the model; any
     # other is fixed.
-    layout = None if planned.layout == "head_tail" else str(planned.layout)
+    layout = None if planned.layout == Layout.HEAD_TAIL else str(planned.layout)
     chosen = entry_choice(auto, group_name, planned.ring_degree * ulysses_degree,
                           planned.seq_len, planned.documents, planned.window, device_type,
                           layout)

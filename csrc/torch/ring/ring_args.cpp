@@ -82,7 +82,8 @@ namespace {
 
 // cu_seqlens as host integers (read once, RingCall), checked: [0, ..., S],
 // strictly increasing.
-const std::vector<int64_t>& document_bounds(const char* op, const RingCall& call, int64_t seq_len) {
+const std::vector<int64_t>& document_bounds(const char* op, const RingCall& call,
+                                            int64_t seq_len) {
   const Tensor& cu = *call.cu_seqlens;
   CPLIB_CHECK_VALUE(is_integer(cu.scalar_type()),
                     "cplib.", op, ": cu_seqlens must be an integer tensor, got dtype ",
@@ -98,8 +99,8 @@ const std::vector<int64_t>& document_bounds(const char* op, const RingCall& call
 // Explicit positions: 1-D integers, one per row, non-negative, inside the
 // documents if any. Reads only this rank's values (once, RingCall).
 void check_positions(const char* op, const char* name, const std::optional<Tensor>& pos,
-                     const std::vector<int64_t>& (RingCall::*values)() const, const RingCall& call,
-                     int64_t rows, const char* rows_of) {
+                     const std::vector<int64_t>& (RingCall::*values)() const,
+                     const RingCall& call, int64_t rows, const char* rows_of) {
   CPLIB_CHECK_VALUE(pos.has_value(), "cplib.", op, ": ", name,
                     " is missing: give q_positions and kv_positions together, or neither");
   const Tensor& p = *pos;
@@ -130,8 +131,8 @@ int64_t documents_end(const char* op, const RingCall& call) {
 }
 
 void check_explicit(const char* op, const Tensor& q, const Tensor& k, const RingCall& call) {
-  check_positions(op, "q_positions", call.q_positions, &RingCall::q_positions_values, call, q.size(2),
-                  "q");
+  check_positions(op, "q_positions", call.q_positions, &RingCall::q_positions_values, call,
+                  q.size(2), "q");
   check_positions(op, "kv_positions", call.kv_positions, &RingCall::kv_positions_values, call,
                   k.size(2), "k/v");
   CPLIB_CHECK_VALUE(call.layout == SeqLayout::sequential && !call.seq_len, "cplib.", op,
@@ -141,7 +142,8 @@ void check_explicit(const char* op, const Tensor& q, const Tensor& k, const Ring
   if (call.cu_seqlens) {
     const int64_t end = documents_end(op, call);
     for (const bool is_q : {true, false}) {
-      const std::vector<int64_t>& v = is_q ? call.q_positions_values() : call.kv_positions_values();
+      const std::vector<int64_t>& v =
+          is_q ? call.q_positions_values() : call.kv_positions_values();
       if (v.empty()) continue;
       const int64_t hi = *std::max_element(v.begin(), v.end());
       CPLIB_CHECK_VALUE(hi < end, "cplib.", op, ": ", is_q ? "q_positions" : "kv_positions",
@@ -166,16 +168,17 @@ void check_extras(const char* op, Config& cfg, const Tensor& q, const Tensor& k,
     if (call.cu_seqlens) sq = sk = documents_end(op, call);
   }
   const bool masked = call.cu_seqlens.has_value() || call.window.has_value();
-  CPLIB_CHECK_VALUE(!masked || sq == sk || call.has_positions(), "cplib.", op, ": cu_seqlens and window need q and k/v "
-                    "of one global length, got q ", sq, " and kv ", sk);
+  CPLIB_CHECK_VALUE(!masked || sq == sk || call.has_positions(), "cplib.", op,
+                    ": cu_seqlens and window need q and k/v of one global length, got q ", sq,
+                    " and kv ", sk);
   const bool documented = call.layout == SeqLayout::per_document ||
                           call.layout == SeqLayout::placement;
   CPLIB_CHECK_VALUE(call.layout != SeqLayout::per_document || (call.cu_seqlens && call.seq_len),
                     "cplib.", op, ": per_document=True (head-tail inside every document) needs "
                     "cu_seqlens and seq_len");
-  CPLIB_CHECK_VALUE(call.layout != SeqLayout::placement || (call.cu_seqlens && call.seq_len), "cplib.",
-                    op, ": placement=True (documents placed across the ranks) needs cu_seqlens "
-                    "and seq_len");
+  CPLIB_CHECK_VALUE(call.layout != SeqLayout::placement || (call.cu_seqlens && call.seq_len),
+                    "cplib.", op, ": placement=True (documents placed across the ranks) needs "
+                    "cu_seqlens and seq_len");
   if (call.cu_seqlens) cfg.mask.bounds = document_bounds(op, call, sq);
   lay_out(op, cfg, sq, sk, call.window);
   if (call.seq_len || documented) {

@@ -35,9 +35,10 @@ std::vector<int64_t> ring_plan_summary_op(StableIValue* stack, uint64_t num_args
   cfg.causal = is_causal;
   cfg.layout = parse_layout(kOp, layout);
   cfg.rotate = parse_rotate(kOp, rotate);
-  CPLIB_CHECK_VALUE(!(cfg.layout == SeqLayout::per_document || cfg.layout == SeqLayout::placement) ||
-                        cu_seqlens,
-                    "cplib.", kOp, ": layout='", layout, "' needs cu_seqlens");
+  const bool documented =
+      cfg.layout == SeqLayout::per_document || cfg.layout == SeqLayout::placement;
+  CPLIB_CHECK_VALUE(!documented || cu_seqlens, "cplib.", kOp, ": layout='", layout,
+                    "' needs cu_seqlens");
   if (cu_seqlens) {
     check_bounds(kOp, *cu_seqlens, seq_len);
     cfg.mask.bounds = *cu_seqlens;
