@@ -82,7 +82,7 @@ def _sends_point_to_point(pg: dist.ProcessGroup, device: torch.device) -> bool:
     its backend batches them into one launch (NCCL), so that an exchange
     involves its two peers only; a split all-to-all there posts a send and a
     receive to every peer, empty ones included. On gloo a send/recv ring
-    costs about twice the host CPU of the same exchanges as all-to-alls
+    costs about 1.8 times the host CPU of the same exchanges as all-to-alls
     (gloo's transport thread; docs/comm.md), and torch's threaded group has
     no send/recv: both take the all-to-all."""
     try:

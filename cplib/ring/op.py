@@ -73,6 +73,8 @@ def attention_autograd(backward_op, forward_op, covered_backward_op=None, agreed
         out, lse = output
         sinks = None
         ctx.sinks_at = sinks_at if sinks_at is not None and sinks_at < len(args) else None
+        # Where the sinks are among the inputs autograd saw (needs_input_grad).
+        ctx.sinks_input = None if ctx.sinks_at is None else 3 + ctx.sinks_at
         if ctx.sinks_at is not None:
             sinks = args[sinks_at]
             args = args[:sinks_at] + args[sinks_at + 1:]
@@ -120,7 +122,7 @@ def attention_autograd(backward_op, forward_op, covered_backward_op=None, agreed
         grads = [None] * len(ctx.args)
         if ctx.sinks_at is not None:
             ds = None
-            if ctx.has_sinks and ctx.needs_input_grad[3 + ctx.sinks_at]:
+            if ctx.has_sinks and ctx.needs_input_grad[ctx.sinks_input]:
                 ds = sinks_grad(grad_out, out, lse, sinks[0])
             grads.insert(ctx.sinks_at, ds)
         return (dq, dk, dv, *grads)
@@ -146,6 +148,7 @@ class _RingSdpaFunction(torch.autograd.Function):
         with torch._C._AutoDispatchBelowAutograd():
             output = ops.ring_sdpa(q, k, v, *args)
         _setup(ctx, (q, k, v, *args), output)
+        ctx.sinks_input = 3  # this Function's inputs: q, k, v, sinks, call
         return output
 
     @staticmethod
