@@ -12,7 +12,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .. import _C  # noqa: F401  (importing it runs the op registrations)
 from . import cuda_attention  # noqa: F401  (the cuDNN forward the native layer calls)
-from .collectives import IMPLEMENTATIONS, _resolve, _runs_on_gloo  # noqa: F401  (tests read it)
+from .collectives import IMPLEMENTATIONS, _resolve
+from .collectives import _runs_on_gloo  # noqa: F401  (tests/flex reads it here)
 
 _PYTHON_CLASSES = {cls.__name__: cls for cls in
                    (ValueError, NotImplementedError, TypeError, IndexError, RuntimeError)}
