@@ -1,9 +1,10 @@
 """The bytes that really crossed the process group, counted where cplib hands
-its collectives to torch: the functional collectives
-(``torch.ops._c10d_functional``) that the ``cplib_c::c10d_*`` ops call
-(``cplib/comm/native.py``; every collective of cplib's native layer goes
-through them, docs/comm.md). The count reads the collectives' own arguments
-(the tensor, its split sizes), never a plan of cplib's, so a test can hold a
+its collectives to torch: the calls the ``cplib_c::c10d_*`` ops make
+(``cplib/comm/collectives.py``: a group's ``alltoall_base``,
+``dist.batch_isend_irecv`` and torch's functional collectives; every
+collective of cplib's native layer goes through them, docs/comm.md). The
+count reads the collectives' own arguments (the tensor, its split sizes, the
+point-to-point ops), never a plan of cplib's, so a test can hold a
 prediction made from the plan against it.
 
 Only floating-point payloads count (K/V blocks, gradients, outputs): the
@@ -25,7 +26,7 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from cplib.comm import native
+from cplib.comm import collectives
 
 __all__ = ["WireCount", "counting_wire"]
 
@@ -55,6 +56,16 @@ def _rank(group_name: str) -> int:
     return dist.distributed_c10d._resolve_process_group(group_name).rank()
 
 
+def _count_all_to_all(count: WireCount, input: torch.Tensor, output_split_sizes,
+                      input_split_sizes, n: int, me: int) -> None:
+    if input.is_floating_point():
+        even = [input.shape[0] // n] * n
+        outs, ins = list(output_split_sizes or even), list(input_split_sizes or even)
+        row = math.prod(input.shape[1:]) * input.element_size()
+        count.add(sum(x for j, x in enumerate(ins) if j != me) * row,
+                  sum(x for j, x in enumerate(outs) if j != me) * row)
+
+
 class _CountingCollectives:
     """``torch.ops._c10d_functional`` with its payload collectives counted."""
 
@@ -66,14 +77,9 @@ class _CountingCollectives:
 
     def all_to_all_single(self, input: torch.Tensor, output_split_sizes: Sequence[int] | None,
                           input_split_sizes: Sequence[int] | None, group_name: str):
-        if input.is_floating_point():
-            n = dist.distributed_c10d._get_group_size_by_name(group_name)
-            even = [input.shape[0] // n] * n
-            me = _rank(group_name)
-            outs, ins = list(output_split_sizes or even), list(input_split_sizes or even)
-            row = math.prod(input.shape[1:]) * input.element_size()
-            self._count.add(sum(x for j, x in enumerate(ins) if j != me) * row,
-                            sum(x for j, x in enumerate(outs) if j != me) * row)
+        _count_all_to_all(self._count, input, output_split_sizes, input_split_sizes,
+                          dist.distributed_c10d._get_group_size_by_name(group_name),
+                          _rank(group_name))
         return self._real.all_to_all_single(input, output_split_sizes, input_split_sizes,
                                             group_name)
 
@@ -96,9 +102,25 @@ def counting_wire() -> Iterator[WireCount]:
     """Counts, on this rank, the payload bytes of every collective cplib's
     native layer runs inside the block (restored on exit)."""
     count = WireCount()
-    real = native._functional
-    native._functional = _CountingCollectives(real, count)
+    real = (collectives._functional, collectives._alltoall_base, collectives._batch_isend_irecv)
+
+    def alltoall_base(pg, out, input, output_split_sizes, input_split_sizes):
+        _count_all_to_all(count, input, output_split_sizes, input_split_sizes, pg.size(),
+                          pg.rank())
+        return real[1](pg, out, input, output_split_sizes, input_split_sizes)
+
+    def batch_isend_irecv(ops):
+        for op in ops:  # every peer is another rank
+            if op.tensor.is_floating_point():
+                nbytes = op.tensor.numel() * op.tensor.element_size()
+                sent = op.op is dist.isend
+                count.add(nbytes if sent else 0, 0 if sent else nbytes)
+        return real[2](ops)
+
+    collectives._functional = _CountingCollectives(real[0], count)
+    collectives._alltoall_base = alltoall_base
+    collectives._batch_isend_irecv = batch_isend_irecv
     try:
         yield count
     finally:
-        native._functional = real
+        collectives._functional, collectives._alltoall_base, collectives._batch_isend_irecv = real
