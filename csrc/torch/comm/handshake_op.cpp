@@ -82,11 +82,11 @@ STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
 
 // Ops without tensor arguments dispatch to CompositeExplicitAutograd.
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CompositeExplicitAutograd, m) {
-  m.impl("handshake", TORCH_BOX(&handshake));
-  m.impl("handshake_error", TORCH_BOX(&handshake_error));
-  m.impl("handshake_set_route", TORCH_BOX(&handshake_set_route));
-  m.impl("handshake_debug_route", TORCH_BOX(&handshake_debug_route));
-  m.impl("handshake_debug_count", TORCH_BOX(&handshake_debug_count));
+  m.impl("handshake", CPLIB_BOX(&handshake));
+  m.impl("handshake_error", CPLIB_BOX(&handshake_error));
+  m.impl("handshake_set_route", CPLIB_BOX(&handshake_set_route));
+  m.impl("handshake_debug_route", CPLIB_BOX(&handshake_debug_route));
+  m.impl("handshake_debug_count", CPLIB_BOX(&handshake_debug_count));
 }
 
 }  // namespace cplib

@@ -182,16 +182,16 @@ STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
 }
 
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CPU, m) {
-  m.impl("seq_halo", TORCH_BOX(&seq_halo));
-  m.impl("seq_halo_backward", TORCH_BOX(&seq_halo_backward));
-  m.impl("seq_halo_backward_covered", TORCH_BOX(&seq_halo_backward_covered));
+  m.impl("seq_halo", CPLIB_BOX(&seq_halo));
+  m.impl("seq_halo_backward", CPLIB_BOX(&seq_halo_backward));
+  m.impl("seq_halo_backward_covered", CPLIB_BOX(&seq_halo_backward_covered));
 }
 
 #ifdef CPLIB_WITH_CUDA
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CUDA, m) {
-  m.impl("seq_halo", TORCH_BOX(&seq_halo));
-  m.impl("seq_halo_backward", TORCH_BOX(&seq_halo_backward));
-  m.impl("seq_halo_backward_covered", TORCH_BOX(&seq_halo_backward_covered));
+  m.impl("seq_halo", CPLIB_BOX(&seq_halo));
+  m.impl("seq_halo_backward", CPLIB_BOX(&seq_halo_backward));
+  m.impl("seq_halo_backward_covered", CPLIB_BOX(&seq_halo_backward_covered));
 }
 #endif
 

@@ -130,16 +130,16 @@ STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
 }
 
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CPU, m) {
-  m.impl("tp_convolution", TORCH_BOX(&tp_convolution));
-  m.impl("tp_convolution_backward", TORCH_BOX(&tp_convolution_backward));
-  m.impl("tp_convolution_backward_covered", TORCH_BOX(&tp_convolution_backward_covered));
+  m.impl("tp_convolution", CPLIB_BOX(&tp_convolution));
+  m.impl("tp_convolution_backward", CPLIB_BOX(&tp_convolution_backward));
+  m.impl("tp_convolution_backward_covered", CPLIB_BOX(&tp_convolution_backward_covered));
 }
 
 #ifdef CPLIB_WITH_CUDA
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CUDA, m) {
-  m.impl("tp_convolution", TORCH_BOX(&tp_convolution));
-  m.impl("tp_convolution_backward", TORCH_BOX(&tp_convolution_backward));
-  m.impl("tp_convolution_backward_covered", TORCH_BOX(&tp_convolution_backward_covered));
+  m.impl("tp_convolution", CPLIB_BOX(&tp_convolution));
+  m.impl("tp_convolution_backward", CPLIB_BOX(&tp_convolution_backward));
+  m.impl("tp_convolution_backward_covered", CPLIB_BOX(&tp_convolution_backward_covered));
 }
 #endif
 

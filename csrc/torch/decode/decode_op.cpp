@@ -8,18 +8,17 @@
 #include <limits>
 #include <tuple>
 
+#include "attention/block.h"
+#include "attention/checks.h"
 #include "comm/collectives.h"
 #include "comm/handshake.h"
 #include "common/checks.h"
 #include "common/format.h"
 #include "merge/merge_op.h"
 #include "common/aten.h"
-#include "ring/ring_block.h"
 
 namespace cplib::decode {
 namespace {
-
-using ring::acc_dtype;
 
 void check_positions(const std::optional<Tensor>& pos, const char* name, int64_t rows,
                      const char* rows_of) {
@@ -124,19 +123,20 @@ std::tuple<Tensor, Tensor> decode_sdpa(Tensor q, Tensor k, Tensor v, std::string
                                        std::optional<double> scale) {
   aten::NoGradGuard no_grad;
   const Group group = resolve_group(group_name);
-  ring::Config cfg;
+  attention::BlockConfig cfg;
   Handshake hs("decode_sdpa");
   hs.validate([&] {
     check_args(q, k, v, q_positions, kv_positions, window, scale);
     describe(hs.sig(), q, k, v, q_positions, window, scale);
     // The block's checks and backend here, so that an error joins the handshake.
-    if (k.size(2) > 0) cfg = ring::check_local_args("decode_sdpa", q, k, v, false, scale, -1);
+    if (k.size(2) > 0) cfg = attention::check_local_args("decode_sdpa", q, k, v, false, scale,
+                                                       attention::kBackendAuto);
     hs.set_lengths({k.size(2)});
   });
   hs.exchange(group);
 
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), Dv = v.size(3), L = k.size(2);
-  const aten::Opts acc_opts = aten::opts_of(q).dtype_(acc_dtype(q));
+  const aten::Opts acc_opts = aten::opts_of(q).dtype_(attention::acc_dtype(q));
   const double ninf = -std::numeric_limits<double>::infinity();
   // This rank's partial, packed as (B, H, T, Dv + 1): out, then lse.
   Tensor packed = aten::empty({B, H, T, Dv + 1}, acc_opts);
@@ -153,7 +153,7 @@ std::tuple<Tensor, Tensor> decode_sdpa(Tensor q, Tensor k, Tensor v, std::string
     const Tensor qg = aten::reshape(q, {B, Hkv, G * T, q.size(3)});
     const Tensor mg = mask.defined() && G > 1 ? aten::repeat(mask, {G, 1}) : mask;
     cfg.groups = 1;
-    ring::BlockResult r = ring::block_forward(cfg, qg, k, v, /*causal=*/false, mg);
+    attention::BlockResult r = attention::block_forward(cfg, qg, k, v, /*causal=*/false, mg);
     Tensor o = aten::reshape(r.out, {B, H, T, Dv}), l = aten::reshape(r.lse, {B, H, T});
     if (mask.defined()) {
       // Rows that see no key here contribute nothing (lse -inf in the merge).
@@ -192,10 +192,10 @@ STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
       "-> (Tensor out, Tensor lse)");
 }
 
-STABLE_TORCH_LIBRARY_IMPL(cplib_c, CPU, m) { m.impl("decode_sdpa", TORCH_BOX(&decode_sdpa)); }
+STABLE_TORCH_LIBRARY_IMPL(cplib_c, CPU, m) { m.impl("decode_sdpa", CPLIB_BOX(&decode_sdpa)); }
 
 #ifdef CPLIB_WITH_CUDA
-STABLE_TORCH_LIBRARY_IMPL(cplib_c, CUDA, m) { m.impl("decode_sdpa", TORCH_BOX(&decode_sdpa)); }
+STABLE_TORCH_LIBRARY_IMPL(cplib_c, CUDA, m) { m.impl("decode_sdpa", CPLIB_BOX(&decode_sdpa)); }
 #endif
 
 }  // namespace cplib::decode

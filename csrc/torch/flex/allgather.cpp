@@ -143,16 +143,16 @@ STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
 }
 
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CPU, m) {
-  m.impl("flex_cp_allgather", TORCH_BOX(&flex_cp_allgather));
-  m.impl("flex_cp_allgather_backward", TORCH_BOX(&flex_cp_allgather_backward));
-  m.impl("flex_cp_allgather_backward_covered", TORCH_BOX(&flex_cp_allgather_backward_covered));
+  m.impl("flex_cp_allgather", CPLIB_BOX(&flex_cp_allgather));
+  m.impl("flex_cp_allgather_backward", CPLIB_BOX(&flex_cp_allgather_backward));
+  m.impl("flex_cp_allgather_backward_covered", CPLIB_BOX(&flex_cp_allgather_backward_covered));
 }
 
 #ifdef CPLIB_WITH_CUDA
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CUDA, m) {
-  m.impl("flex_cp_allgather", TORCH_BOX(&flex_cp_allgather));
-  m.impl("flex_cp_allgather_backward", TORCH_BOX(&flex_cp_allgather_backward));
-  m.impl("flex_cp_allgather_backward_covered", TORCH_BOX(&flex_cp_allgather_backward_covered));
+  m.impl("flex_cp_allgather", CPLIB_BOX(&flex_cp_allgather));
+  m.impl("flex_cp_allgather_backward", CPLIB_BOX(&flex_cp_allgather_backward));
+  m.impl("flex_cp_allgather_backward_covered", CPLIB_BOX(&flex_cp_allgather_backward_covered));
 }
 #endif
 

@@ -127,20 +127,20 @@ STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
 }
 
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CPU, m) {
-  m.impl("flex_ring_begin", TORCH_BOX(&flex_ring_begin));
-  m.impl("flex_ring_shift", TORCH_BOX(&flex_ring_shift));
-  m.impl("flex_ring_end", TORCH_BOX(&flex_ring_end));
+  m.impl("flex_ring_begin", CPLIB_BOX(&flex_ring_begin));
+  m.impl("flex_ring_shift", CPLIB_BOX(&flex_ring_shift));
+  m.impl("flex_ring_end", CPLIB_BOX(&flex_ring_end));
 }
 
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CompositeExplicitAutograd, m) {
-  m.impl("flex_ring_debug_bytes", TORCH_BOX(&flex_ring_debug_bytes));
+  m.impl("flex_ring_debug_bytes", CPLIB_BOX(&flex_ring_debug_bytes));
 }
 
 #ifdef CPLIB_WITH_CUDA
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CUDA, m) {
-  m.impl("flex_ring_begin", TORCH_BOX(&flex_ring_begin));
-  m.impl("flex_ring_shift", TORCH_BOX(&flex_ring_shift));
-  m.impl("flex_ring_end", TORCH_BOX(&flex_ring_end));
+  m.impl("flex_ring_begin", CPLIB_BOX(&flex_ring_begin));
+  m.impl("flex_ring_shift", CPLIB_BOX(&flex_ring_shift));
+  m.impl("flex_ring_end", CPLIB_BOX(&flex_ring_end));
 }
 #endif
 

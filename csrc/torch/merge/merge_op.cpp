@@ -103,10 +103,10 @@ STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
       "int row_offset=0) -> ()");
 }
 
-STABLE_TORCH_LIBRARY_IMPL(cplib_c, CPU, m) { m.impl("merge_partial_", TORCH_BOX(&merge_partial_op)); }
+STABLE_TORCH_LIBRARY_IMPL(cplib_c, CPU, m) { m.impl("merge_partial_", CPLIB_BOX(&merge_partial_op)); }
 
 #ifdef CPLIB_WITH_CUDA
-STABLE_TORCH_LIBRARY_IMPL(cplib_c, CUDA, m) { m.impl("merge_partial_", TORCH_BOX(&merge_partial_op)); }
+STABLE_TORCH_LIBRARY_IMPL(cplib_c, CUDA, m) { m.impl("merge_partial_", CPLIB_BOX(&merge_partial_op)); }
 #endif
 
 }  // namespace cplib

@@ -4,7 +4,7 @@
 #include <atomic>
 
 #include "common/aten.h"
-#include "ring/ring_block.h"
+#include "attention/block.h"
 #include "ring/ring_lengths.h"
 
 namespace cplib::ring {
@@ -116,9 +116,9 @@ Agreed Agreed::from_record(const Tensor& record) {
   return a;
 }
 
-BlockShape ring_block_shape(const Config& cfg, const Tensor& q, const Tensor& k,
+attention::BlockShape ring_block_shape(const Config& cfg, const Tensor& q, const Tensor& k,
                            const Tensor& v) {
-  BlockShape s;
+  attention::BlockShape s;
   s.batch = q.size(0);
   s.heads = q.size(1);
   s.q_len = std::max<int64_t>(1, cfg.q_layout.max_local_len());
@@ -130,10 +130,10 @@ BlockShape ring_block_shape(const Config& cfg, const Tensor& q, const Tensor& k,
 
 int64_t resolve_ring_backend(const Config& cfg, const Tensor& q, const Tensor& k,
                              const Tensor& v) {
-  if (!cfg.cuda || cfg.backend != kBackendAuto) return cfg.backend;
+  if (!cfg.cuda || cfg.backend != attention::kBackendAuto) return cfg.backend;
   // Causal calls run on the diagonal of equal layouts; explicit positions mask instead.
   const bool causal = cfg.causal && !cfg.q_layout.is_explicit();
-  return resolve_backend_cuda(cfg.backend, q, ring_block_shape(cfg, q, k, v), causal, cfg.scale);
+  return attention::resolve_backend_cuda(cfg.backend, q, ring_block_shape(cfg, q, k, v), causal, cfg.scale);
 }
 
 std::vector<int64_t> last_block_shape() { return t_last_shape; }
@@ -163,7 +163,7 @@ void finish_config(Config& cfg, const RingCall& call, const Tensor& q, const Ten
     }
     if (cfg.causal) m.right = 0;
   }
-  const BlockShape s = ring_block_shape(cfg, q, k, v);
+  const attention::BlockShape s = ring_block_shape(cfg, q, k, v);
   t_last_shape = {s.batch, s.heads, s.q_len, s.kv_len, s.head_dim, s.v_head_dim};
   cfg.backend = agreed ? agreed->backend : resolve_ring_backend(cfg, q, k, v);
   Pass pass = call.ring_pass;
@@ -173,7 +173,7 @@ void finish_config(Config& cfg, const RingCall& call, const Tensor& q, const Ten
       tq += cfg.q_layout.local_len(r), tk += cfg.kv_layout.local_len(r);
     pass = pass_q_moves_less(tq, tk, q.size(1), k.size(1), q.size(3), v.size(3),
                              static_cast<int64_t>(q.element_size()),
-                             acc_dtype(q) == ScalarType::Double ? 8 : 4)
+                             attention::acc_dtype(q) == ScalarType::Double ? 8 : 4)
                ? Pass::q
                : Pass::kv;
   }

@@ -5,7 +5,7 @@
 #include "common/stable.h"
 
 #include "ring/ring.h"
-#include "ring/ring_block.h"
+#include "attention/block.h"
 #include "ring/ring_plan.h"
 
 // Internal to the extension (torch's stable types are hidden).
@@ -27,7 +27,7 @@ std::tuple<Tensor, Tensor> ring_forward_pass_q(const Config& cfg, const Tensor& 
 
 // One call of the plan: the block attention of q rows against k/v rows,
 // masked as the call says; rows that see no key come back as (0, -inf).
-BlockResult attend(const Config& cfg, const RingPlan& plan, const Call& c, const Tensor& q,
+attention::BlockResult attend(const Config& cfg, const RingPlan& plan, const Call& c, const Tensor& q,
                    const Tensor& k, const Tensor& v);
 
 // (dq, dk, dv) in the inputs' dtype, fresh and contiguous; out/lse are the forward's.

@@ -79,7 +79,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
 
 // No tensor arguments: CompositeExplicitAutograd.
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CompositeExplicitAutograd, m) {
-  m.impl("gather_local_lengths", TORCH_BOX(&gather_local_lengths_op));
+  m.impl("gather_local_lengths", CPLIB_BOX(&gather_local_lengths_op));
 }
 
 }  // namespace cplib::ring

@@ -4,6 +4,7 @@
 // debug counter of the bytes the rings have sent.
 #include <initializer_list>
 
+#include "attention/sinks.h"
 #include "comm/handshake.h"
 #include "common/format.h"
 #include "ring/ring_agreed.h"
@@ -44,7 +45,7 @@ void describe(CallSignature& sig, NamedTensors tensors, const RingCall& call,
   static const std::string kLayout = legend("layout", kLayoutNames, indices<4>());
   static const std::string kRotate = legend("rotate", kRotateNames, indices<3>());
   static const std::string kPass = legend("ring_pass", kPassNames, indices<3>());
-  static const std::string kBackend = legend("backend", kBackendNames, kBackendCodes);
+  static const std::string kBackend = legend("backend", attention::kBackendNames, attention::kBackendCodes);
   // The device first: a rank on other tensors (meta beside CPU, say) differs
   // in everything after it, and this names the cause.
   const Tensor& q = *tensors.begin()->second;
@@ -141,7 +142,7 @@ void ring_sdpa(StableIValue* stack, uint64_t num_args, uint64_t) {
   aten::NoGradGuard no_grad;
   std::vector<int64_t> lengths;
   Config cfg = agreed_config("ring_sdpa", call, {{"q", &q}, {"k", &k}, {"v", &v}}, [&] {
-    if (sinks) check_sinks("ring_sdpa", q, *sinks);
+    if (sinks) attention::check_sinks("ring_sdpa", q, *sinks);
   }, nullptr, lengths);
   finish_config(cfg, call, q, k, v, lengths);
   auto [out, lse] = ring_forward(cfg, q, k, v, sinks ? *sinks : Tensor());
@@ -164,8 +165,8 @@ void check_backward_tensors(const Tensor& grad_out, const Tensor& q, const Tenso
                         out.scalar_type() == q.scalar_type(),
                     "cplib.ring_sdpa_backward: grad_out (", grad_out.scalar_type(), ") and out (",
                     out.scalar_type(), ") must have q's dtype ", q.scalar_type());
-  CPLIB_CHECK_VALUE(lse.sizes().vec() == lse_sizes && lse.scalar_type() == acc_dtype(q),
-                    "cplib.ring_sdpa_backward: lse must be ", acc_dtype(q), " of shape ",
+  CPLIB_CHECK_VALUE(lse.sizes().vec() == lse_sizes && lse.scalar_type() == attention::acc_dtype(q),
+                    "cplib.ring_sdpa_backward: lse must be ", attention::acc_dtype(q), " of shape ",
                     format_sizes(lse_sizes), ", got ", lse.scalar_type(), " ", lse.sizes());
   CPLIB_CHECK_VALUE(grad_out.device() == q.device() && out.device() == q.device() &&
                         lse.device() == q.device(),
@@ -218,7 +219,7 @@ void ring_sdpa_backward_covered(StableIValue* stack, uint64_t num_args, uint64_t
 // cplib_c::handshake_error).
 void describe_call(StableIValue* stack, uint64_t num_args, uint64_t) {
   StackReader in(stack, num_args, "ring_describe_call");
-  const std::string op = in.next_string();
+  const std::string op = in.next<std::string>();
   const std::vector<Tensor> tensors = in.next<std::vector<Tensor>>();
   RingCall call = RingCall::read(in);
   in.done();
@@ -296,10 +297,10 @@ STABLE_TORCH_LIBRARY_IMPL(cplib_c, CUDA, m) {
 
 // Ops without tensor arguments dispatch to CompositeExplicitAutograd.
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CompositeExplicitAutograd, m) {
-  m.impl("ring_debug_bytes_sent", TORCH_BOX(&ring_debug_bytes_sent));
-  m.impl("ring_debug_last_pass", TORCH_BOX(&ring_debug_last_pass));
-  m.impl("ring_debug_block_shape", TORCH_BOX(&ring_debug_block_shape));
-  m.impl("ring_agreed_record", TORCH_BOX(&ring_agreed_record));
+  m.impl("ring_debug_bytes_sent", CPLIB_BOX(&ring_debug_bytes_sent));
+  m.impl("ring_debug_last_pass", CPLIB_BOX(&ring_debug_last_pass));
+  m.impl("ring_debug_block_shape", CPLIB_BOX(&ring_debug_block_shape));
+  m.impl("ring_agreed_record", CPLIB_BOX(&ring_agreed_record));
   m.impl("ring_describe_call", &describe_call);
 }
 

@@ -87,7 +87,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
 
 // No tensor arguments: CompositeExplicitAutograd.
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CompositeExplicitAutograd, m) {
-  m.impl("document_placement", TORCH_BOX(&document_placement_op));
+  m.impl("document_placement", CPLIB_BOX(&document_placement_op));
 }
 
 }  // namespace cplib::ring

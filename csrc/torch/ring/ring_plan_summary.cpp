@@ -17,15 +17,11 @@ constexpr const char* kOp = "ring_plan_summary";
 // step [offset, receives, sends, rows received, rows sent, calls], then per
 // call [kind (1 full, 2 causal, 3 partial), q rows, k rows].
 // `layout` and `rotate` by name, as the ring takes them (ring_call.h).
-std::vector<int64_t> ring_plan_summary_op(StableIValue* stack, uint64_t num_args) {
-  StackReader in(stack, num_args, kOp);
-  const int64_t seq_len = in.next<int64_t>(), world_size = in.next<int64_t>();
-  const bool is_causal = in.next<bool>();
-  const std::string layout = in.next_string();
-  const auto cu_seqlens = in.next<std::optional<std::vector<int64_t>>>();
-  const auto window = in.next<std::optional<std::vector<int64_t>>>();
-  const std::string rotate = in.next_string();
-  in.done();
+std::vector<int64_t> ring_plan_summary_op(int64_t seq_len, int64_t world_size, bool is_causal,
+                                          std::string layout,
+                                          std::optional<std::vector<int64_t>> cu_seqlens,
+                                          std::optional<std::vector<int64_t>> window,
+                                          std::string rotate) {
   CPLIB_CHECK_VALUE(world_size >= 1, "cplib.", kOp, ": world_size must be >= 1, got ",
                     world_size);
   CPLIB_CHECK_VALUE(seq_len >= world_size, "cplib.", kOp, ": seq_len=", seq_len,
@@ -71,9 +67,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
 
 // No tensor arguments: CompositeExplicitAutograd.
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CompositeExplicitAutograd, m) {
-  m.impl("ring_plan_summary", [](StableIValue* stack, uint64_t num_args, uint64_t) {
-    stack[0] = torch::stable::detail::from(ring_plan_summary_op(stack, num_args));
-  });
+  m.impl("ring_plan_summary", CPLIB_BOX(&ring_plan_summary_op));
 }
 
 }  // namespace cplib::ring

@@ -3,7 +3,7 @@
 
 #include <atomic>
 
-#include "ring/ring_heads.h"
+#include "attention/heads.h"
 
 namespace cplib::ring {
 
@@ -202,7 +202,7 @@ void GradRing::add(int64_t s, const Tensor& gk, const Tensor& gv, int64_t start,
   }
   fresh = false;
   for (int p = 0; p < 2; ++p)
-    reduce_heads_into(aten::rows(acc[p], 2, start, len), p == 0 ? gk : gv, cfg_.groups,
+    attention::reduce_heads_into(aten::rows(acc[p], 2, start, len), p == 0 ? gk : gv, cfg_.groups,
                       !overwrite);
 }
 

@@ -1,10 +1,10 @@
-#include "ring/ring_heads.h"
+#include "attention/heads.h"
 
 #include <algorithm>
 
 #include "common/aten.h"
 
-namespace cplib::ring {
+namespace cplib::attention {
 
 HeadExpander::HeadExpander(int64_t groups, const Tensor& like, int64_t max_len)
     : groups_(groups) {
@@ -43,4 +43,4 @@ void reduce_heads_into(const Tensor& acc, const Tensor& g, int64_t groups, bool 
     aten::sum_dim_out(acc, grouped, 2, acc.scalar_type());
 }
 
-}  // namespace cplib::ring
+}  // namespace cplib::attention

@@ -1,12 +1,9 @@
-// Attention sinks (gpt-oss): one learned logit per q head that joins every
-// row's softmax denominator and contributes no value. Applied once to the
-// merged (out, lse); the block backward run with the sunk (out', lse') is
-// then exact for q, k and v (cplib/ring/op.py adds the sinks' own gradient).
-#include "common/format.h"
-#include "ring/ring.h"
-#include "common/aten.h"
+#include "attention/sinks.h"
 
-namespace cplib::ring {
+#include "common/aten.h"
+#include "common/format.h"
+
+namespace cplib::attention {
 
 void check_sinks(const char* op, const Tensor& q, const Tensor& sinks) {
   CPLIB_CHECK_VALUE(sinks.dim() == 1 && sinks.size(0) == q.size(1), "cplib.", op,
@@ -31,4 +28,4 @@ Tensor apply_sinks(Tensor& out, const Tensor& lse, const Tensor& sinks) {
   return sunk;
 }
 
-}  // namespace cplib::ring
+}  // namespace cplib::attention
