@@ -145,6 +145,7 @@ def _attach_plan(mask: BlockMask, mask_mod: MaskMod, mesh: DeviceMesh,
     """Records on ``mask`` its shard's layout and flex-ring plan (plan.py)."""
     from ..comm.handshake import handshake
     from .plan import SHARD_ATTR, plan_shard
+    from .stand_in import stand_in_for
 
     group = check_mesh(mesh)
     rank, world = mesh.get_local_rank(), mesh.size()
@@ -162,6 +163,7 @@ def _attach_plan(mask: BlockMask, mask_mod: MaskMod, mesh: DeviceMesh,
         q_pos, positions = indices[:, rank * q_shard:(rank + 1) * q_shard], indices
     setattr(mask, SHARD_ATTR,
             plan_shard(mask, mask_mod, group.group_name, world, rank, q_pos, positions))
+    stand_in_for(mask)  # made now: a compiled module's forward finds it
 
 
 def _shard_block_mask(device_mesh: DeviceMesh, block_mask: BlockMask,

@@ -16,7 +16,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from ..flex.hook import _flex_input_hook, _register_flex_input_hook
+from ..flex.hook import _flex_input_hook, _register_flex_cp
 from ..comm.handshake import agreed, handshake, register_groups
 from .options import RingConfig, _cp_options, _RotateMethod, explicit_rotation, rotate_method_name
 from .shard_layout import check_layout_read
@@ -120,9 +120,9 @@ class _ContextParallel(ParallelStyle):
             module.forward = functools.partial(
                 _sdpa_forward, module.forward, group, groups, self.window, auto)
             return module
-        return _register_flex_input_hook(module, mesh, self.seq_dim, functools.partial(
+        return _register_flex_cp(module, mesh, functools.partial(
             _flex_ring_selected, auto, self.seq_dim, group.group_name,
-            dist.get_world_size(group), dist.get_rank(group)))
+            dist.get_world_size(group), dist.get_rank(group)), _flex_layout)
 
     def explain(self) -> list:
         """The choices ``strategy="auto"`` made for the modules this style
@@ -151,6 +151,14 @@ def _flex_ring_selected(auto: AutoStrategy | None, seq_dim: int, group_name: str
     from ..strategy.flex_route import flex_use_ring
 
     return flex_use_ring(auto, args, kwargs, seq_dim, group_name, world, rank, default)
+
+
+def _flex_layout() -> torch.Tensor | None:
+    """The original position of each row of the sequence the last
+    ``_context_parallel_shard`` sharded, for FLEX calls without a BlockMask
+    (None: in order)."""
+    layout = _cp_options.shard_layout
+    return None if layout is None else layout.positions
 
 
 # The documents of the SDPA calls of ``_ContextParallel`` modules made inside

@@ -151,6 +151,9 @@ def balancer(kind: str, S: int, block_mask, lengths):
         return _PerDocumentHeadTailLoadBalancer(lengths, dist.get_world_size(), "cpu")
     if kind == "ptrr":
         return _PTRRLoadBalancer(block_mask, dist.get_world_size())
+    if kind == "placement":  # one batch row's documents
+        bounds = torch.tensor([0, *lengths[0]]).cumsum(0)
+        return cplib.DocumentPlacementLoadBalancer(bounds, dist.get_world_size(), "cpu")
     raise AssertionError(kind)
 
 

@@ -29,6 +29,7 @@
 #include <tuple>
 #include <vector>
 
+#include "flex/calls_begun.h"
 #include "comm/collectives.h"
 #include "comm/handshake.h"
 #include "common/aten.h"
@@ -37,6 +38,12 @@
 #include "common/stable.h"
 
 namespace cplib::flex {
+
+// Per thread: the threaded process group runs every rank in one process.
+thread_local int64_t t_calls_begun = 0;
+
+void note_call_begun() { ++t_calls_begun; }
+
 namespace {
 
 std::atomic<int64_t> g_bytes_received{0};
@@ -58,6 +65,7 @@ void check_qkv(const Tensor& q, const Tensor& k, const Tensor& v) {
 Tensor flex_ring_begin(Tensor q, Tensor k, Tensor v, std::vector<std::string> names,
                        std::vector<int64_t> values, std::string group_name) {
   const Group group = resolve_group(group_name);
+  note_call_begun();
   Handshake hs("flex_ring");
   hs.validate([&] {
     CPLIB_CHECK_VALUE(names.size() == values.size(), "cplib.flex_ring_begin: ", names.size(),
@@ -113,6 +121,8 @@ int64_t flex_ring_debug_bytes(bool reset) {
   return reset ? g_bytes_received.exchange(0) : g_bytes_received.load();
 }
 
+int64_t flex_debug_calls_begun() { return t_calls_begun; }
+
 }  // namespace
 
 STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
@@ -124,6 +134,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
       "str group_name) -> (Tensor, Tensor)");
   m.def("flex_ring_end(Tensor x, Tensor after) -> Tensor");
   m.def("flex_ring_debug_bytes(bool reset=False) -> int");
+  m.def("flex_debug_calls_begun() -> int");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CPU, m) {
@@ -134,6 +145,7 @@ STABLE_TORCH_LIBRARY_IMPL(cplib_c, CPU, m) {
 
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CompositeExplicitAutograd, m) {
   m.impl("flex_ring_debug_bytes", TORCH_BOX(&flex_ring_debug_bytes));
+  m.impl("flex_debug_calls_begun", TORCH_BOX(&flex_debug_calls_begun));
 }
 
 #ifdef CPLIB_WITH_CUDA
