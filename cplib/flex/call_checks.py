@@ -7,8 +7,7 @@ so what needs Python's introspection (a score_mod's code, its captured
 tensors) is computed by functions dynamo calls at trace time and keeps as
 constants (``assume_constant_result``). What must agree across ranks (the
 mask's plan, the score_mod, the lengths) travels in the call's handshake,
-which raises the same error on every rank; an error raised here on one
-rank reaches the others through the module wrapper (``hook.py``)."""
+which raises the same error on every rank, as does an error found here."""
 
 from __future__ import annotations
 
@@ -22,7 +21,7 @@ import torch
 from .call import FlexCall
 from .plan import FlexShard
 
-__all__ = ["check_call", "score_mod_fingerprint", "captured_grad_tensors"]
+__all__ = ["call_error", "score_mod_fingerprint", "captured_grad_tensors"]
 
 
 def _walk_callables(fn: Callable | None):
@@ -94,34 +93,38 @@ def captured_grad_tensors(fn: Callable | None) -> str:
     return ", ".join(found)
 
 
-def check_call(call: FlexCall, shard: FlexShard, ring: bool, group_name: str, world: int,
-               rank: int) -> None:
-    """Raises unless the call can run as a context-parallel call of
-    ``shard`` (on the ring when ``ring``)."""
+def call_error(call: FlexCall, shard: FlexShard, ring: bool, group_name: str, world: int,
+               rank: int) -> tuple[str, str] | None:
+    """``(error class, message)`` when the call cannot run as a
+    context-parallel call of ``shard`` (on the ring when ``ring``), else
+    None. Returned, not raised: raised in traced code, an error would leave
+    as dynamo's own exception and on this rank only (cp_mode.py raises it
+    in the call's handshake, on every rank)."""
     q, k, v = call.query, call.key, call.value
     if (shard.world, shard.rank, shard.group_name) != (world, rank, group_name):
-        raise ValueError(
+        return "ValueError", (
             f"cplib: the block mask was sharded for rank {shard.rank} of {shard.world} on group "
             f"'{shard.group_name}', but this module runs on rank {rank} of {world} on group "
             f"'{group_name}'")
     rows = (q.shape[2], k.shape[2], v.shape[2])
     if rows != (shard.q_len,) * 3:
-        raise ValueError(
+        return "ValueError", (
             f"cplib: a flex_attention call in a context-parallel module takes this rank's "
             f"shards, {shard.q_len} rows each (its block mask's queries), but query, key and "
             f"value have {rows[0]}, {rows[1]} and {rows[2]} rows")
     if not ring:
-        return
+        return None
     if shard.unsupported is not None:
-        raise NotImplementedError(f"cplib: {shard.unsupported}")
+        return "NotImplementedError", f"cplib: {shard.unsupported}"
     if k.dtype != v.dtype:
-        raise ValueError(f"cplib: the flex ring sends key and value in one buffer, so they "
-                         f"need one dtype, got {k.dtype} and {v.dtype}")
+        return "ValueError", (f"cplib: the flex ring sends key and value in one buffer, so they "
+                              f"need one dtype, got {k.dtype} and {v.dtype}")
     if call.output_max:
-        raise NotImplementedError("cplib: the flex ring returns lse, not max_scores "
-                                  "(set_rotate_method('allgather') for max_scores)")
+        return "NotImplementedError", ("cplib: the flex ring returns lse, not max_scores "
+                                       "(set_rotate_method('allgather') for max_scores)")
     captured = captured_grad_tensors(call.score_mod)
     if captured:
-        raise NotImplementedError(
+        return "NotImplementedError", (
             f"cplib: score_mod captures tensors that require grad ({captured}); the flex ring "
             "does not differentiate captured tensors (set_rotate_method('allgather'))")
+    return None

@@ -24,9 +24,10 @@ import torch
 import torch.nn.attention.flex_attention as fa
 from torch.overrides import TorchFunctionMode
 
+from ..comm.native import native_error
 from .allgather import flex_cp_allgather
 from .call import FlexCall, hop_outputs, is_graph_call, parse_hop_call
-from .call_checks import check_call, score_mod_fingerprint
+from .call_checks import call_error, score_mod_fingerprint
 from .plan import SHARD_ATTR, FlexShard, dense_shard, positions_mod
 from .ring import RingCall, ring_attention
 from .ring_ops import ring_begin, ring_end
@@ -52,23 +53,34 @@ class FlexCPMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is _HOP:
             return _cp_call(self, func, args, kwargs or {})
-        return func(*args, **(kwargs or {}))
+        if torch.compiler.is_compiling():
+            return func(*args, **(kwargs or {}))
+        try:
+            return func(*args, **(kwargs or {}))
+        except RuntimeError as exc:
+            # cplib's ops called from a compiled graph raise their errors as
+            # RuntimeError("ValueError: ..."): raised here as what they mean.
+            if not str(func).startswith("cplib_c."):
+                raise
+            raise native_error(exc) from None
 
 
-def _shard_of(mode: FlexCPMode, call: FlexCall) -> tuple[fa.BlockMask | None, FlexShard]:
-    """The call's sharded mask (None: no mask) and its plan."""
+def _shard_of(mode: FlexCPMode, call: FlexCall):
+    """The call's sharded mask (None: no mask), its plan, and an error
+    (as call_error's) when its mask is one cplib did not shard."""
     mask = real_mask(call.mask_mod)
     if mask is not None:
-        return mask, getattr(mask, SHARD_ATTR)
+        return mask, getattr(mask, SHARD_ATTR), None
     block = call.mask_tuple[-3:-1]
     if call.mask_mod is not fa.noop_mask or any(b != fa._LARGE_SPARSE_BLOCK_SIZE for b in block):
-        raise ValueError(
+        return None, None, ("ValueError", (
             "cplib: a flex_attention call in a context-parallel module got a BlockMask that "
             "cplib did not shard: pass the module the mask that _context_parallel_shard or "
-            "create_cp_block_mask made (eagerly), as an argument")
+            "create_cp_block_mask made (eagerly), as an argument"))
     q = call.query
-    return None, dense_shard(mode.group_name, mode.world, mode.rank, q.shape[2], q.device,
-                             mode.layout)
+    shard = dense_shard(mode.group_name, mode.world, mode.rank, q.shape[2], q.device,
+                        mode.layout)
+    return None, shard, None
 
 
 def _fields(call: FlexCall, shard: FlexShard, mask, ring: bool) -> dict[str, int]:
@@ -90,8 +102,11 @@ def _cp_call(mode: FlexCPMode, hop, args: tuple, kwargs: dict):
     if is_graph_call(tuple(args[4]) if len(args) > 4 else tuple(kwargs["block_mask"])):
         return hop(*args, **kwargs)
     call = parse_hop_call(args, kwargs)
-    mask, shard = _shard_of(mode, call)
-    check_call(call, shard, mode.ring, mode.group_name, mode.world, mode.rank)
+    mask, shard, error = _shard_of(mode, call)
+    if error is None:
+        error = call_error(call, shard, mode.ring, mode.group_name, mode.world, mode.rank)
+    if error is not None:
+        return _raise_in_handshake(call, error, mode.group_name)
     fields = _fields(call, shard, mask, mode.ring)
     if mode.ring:
         ring = RingCall(shard, call.score_mod, call.scale, call.enable_gqa, call.options)
@@ -99,6 +114,22 @@ def _cp_call(mode: FlexCPMode, hop, args: tuple, kwargs: dict):
                                   mode.group_name)
         return hop_outputs(call, out, lse)
     return _gathered(hop, call, mask, shard, fields, mode.group_name)
+
+
+# The handshake's error kinds (ErrorKind in csrc/torch/common/errors.h).
+_ERROR_KINDS = {"ValueError": 1, "NotImplementedError": 2, "TypeError": 3, "IndexError": 4}
+
+
+def _raise_in_handshake(call: FlexCall, error: tuple[str, str], group_name: str):
+    """A call that raises ``error`` on every rank, in its handshake, before
+    any exchange (its outputs, never returned, keep the handshake in a graph)."""
+    q, v = call.query, call.value
+    kind, message = error
+    token = ring_begin(q.detach(), call.key.detach(), v.detach(),
+                       {f"error: {message}": _ERROR_KINDS.get(kind, 5)}, group_name)
+    out = ring_end(q.new_zeros((*q.shape[:3], v.shape[3])), token)
+    lse = ring_end(q.new_zeros(q.shape[:3], dtype=torch.float32), token)
+    return out, lse, lse.new_empty((0,))
 
 
 def _gathered(hop, call: FlexCall, mask, shard: FlexShard, fields: dict[str, int],

@@ -251,8 +251,8 @@ def _check_bad_input() -> list[str]:
         bad_k = k.double() if rank == 1 else k
         msgs.append(_raises(ValueError, "one dtype", model, q, bad_k, v, block_mask=mask))
         local = create_block_mask(causal, 1, 1, S // 2, S, device="cpu", BLOCK_SIZE=32)
-        msgs.append(_raises(ValueError, "made by cplib", model, q, k, v, block_mask=local))
-        msgs.append(_raises(NotImplementedError, "max_scores", model, q, k, v,
+        msgs.append(_raises(ValueError, "cplib did not shard", model, q, k, v, block_mask=local))
+        msgs.append(_raises(NotImplementedError, "max.scores", model, q, k, v,
                             block_mask=mask, return_aux=AuxRequest(max_scores=True)))
         # Key blocks of 64 rows do not tile shards of 96: the all-gather's job.
         odd = create_block_mask(causal, 1, 1, 192, 192, device="cpu", BLOCK_SIZE=(32, 64))

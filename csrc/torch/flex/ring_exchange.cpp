@@ -4,8 +4,9 @@
 //   flex_ring_begin   the handshake of one ring call (fwd+bwd): every rank
 //                     checks q, k, v and the described call (mask shape,
 //                     block size, plan hash, ...) before the first exchange,
-//                     and all raise alike or none does. Returns an empty
-//                     token that the first exchange takes.
+//                     and all raise alike or none does (a rank's own error,
+//                     found while its call was traced, comes as a field).
+//                     Returns an empty token that the first exchange takes.
 //   flex_ring_shift   one step's exchange: `send` (flat) to rank `dst`,
 //                     `recv_numel` elements from rank `src`, as a split
 //                     all-to-all that every rank joins (one non-empty peer
@@ -47,6 +48,7 @@ void note_call_begun() { ++t_calls_begun; }
 namespace {
 
 std::atomic<int64_t> g_bytes_received{0};
+const std::string kErrorField = "error: ";
 
 void check_qkv(const Tensor& q, const Tensor& k, const Tensor& v) {
   for (const auto& [name, t] : {std::pair{"query", &q}, std::pair{"key", &k},
@@ -67,6 +69,14 @@ Tensor flex_ring_begin(Tensor q, Tensor k, Tensor v, std::vector<std::string> na
   const Group group = resolve_group(group_name);
   note_call_begun();
   Handshake hs("flex_ring");
+  // A field named "error: <message>" (its value an ErrorKind) is this rank's
+  // error, found while the call was traced: every rank raises it here.
+  for (size_t i = 0; i < names.size() && i < values.size(); ++i) {
+    if (names[i].rfind(kErrorField, 0) != 0) continue;
+    const bool known = values[i] > 0 && values[i] <= static_cast<int64_t>(ErrorKind::runtime);
+    hs.fail(known ? static_cast<ErrorKind>(values[i]) : ErrorKind::runtime,
+            names[i].substr(kErrorField.size()));
+  }
   hs.validate([&] {
     CPLIB_CHECK_VALUE(names.size() == values.size(), "cplib.flex_ring_begin: ", names.size(),
                       " field names for ", values.size(), " values");
