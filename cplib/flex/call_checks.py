@@ -101,16 +101,18 @@ def call_error(call: FlexCall, shard: FlexShard, ring: bool, group_name: str, wo
     as dynamo's own exception and on this rank only (cp_mode.py raises it
     in the call's handshake, on every rank)."""
     q, k, v = call.query, call.key, call.value
+    # int(): after a recompile for another length dynamo may trace sizes (and
+    # the plan's numbers) as symbols, which a message cannot hold.
     if (shard.world, shard.rank, shard.group_name) != (world, rank, group_name):
         return "ValueError", (
-            f"cplib: the block mask was sharded for rank {shard.rank} of {shard.world} on group "
-            f"'{shard.group_name}', but this module runs on rank {rank} of {world} on group "
-            f"'{group_name}'")
-    rows = (q.shape[2], k.shape[2], v.shape[2])
-    if rows != (shard.q_len,) * 3:
+            f"cplib: the block mask was sharded for rank {int(shard.rank)} of "
+            f"{int(shard.world)} on group '{shard.group_name}', but this module runs on rank "
+            f"{int(rank)} of {int(world)} on group '{group_name}'")
+    rows, length = tuple(int(t.shape[2]) for t in (q, k, v)), int(shard.q_len)
+    if rows != (length,) * 3:
         return "ValueError", (
             f"cplib: a flex_attention call in a context-parallel module takes this rank's "
-            f"shards, {shard.q_len} rows each (its block mask's queries), but query, key and "
+            f"shards, {length} rows each (its block mask's queries), but query, key and "
             f"value have {rows[0]}, {rows[1]} and {rows[2]} rows")
     if not ring:
         return None

@@ -78,7 +78,7 @@ def _shard_of(mode: FlexCPMode, call: FlexCall):
             "cplib did not shard: pass the module the mask that _context_parallel_shard or "
             "create_cp_block_mask made (eagerly), as an argument"))
     q = call.query
-    shard = dense_shard(mode.group_name, mode.world, mode.rank, q.shape[2], q.device,
+    shard = dense_shard(mode.group_name, mode.world, mode.rank, int(q.shape[2]), q.device,
                         mode.layout)
     return None, shard, None
 
