@@ -135,7 +135,9 @@ def _create_cp_block_mask(
         device=device,
         BLOCK_SIZE=(q_block, kv_block),
     )
-    if not torch.compiler.is_compiling():  # the plan's all-gather runs eagerly only
+    # is_dynamo_compiling: is_compiling() is also true while another thread (a
+    # rank of the threaded group) compiles.
+    if not torch.compiler.is_dynamo_compiling():  # the plan's all-gather runs eagerly only
         _attach_plan(mask, mask_mod, device_mesh, indices, Q_LEN, KV_LEN, q_shard)
     return mask
 

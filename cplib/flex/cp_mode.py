@@ -53,7 +53,7 @@ class FlexCPMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is _HOP:
             return _cp_call(self, func, args, kwargs or {})
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_dynamo_compiling():
             return func(*args, **(kwargs or {}))
         try:
             return func(*args, **(kwargs or {}))

@@ -135,7 +135,7 @@ def _flex_forward(forward: Any, mode: FlexCPMode, use_ring: Callable[[tuple, dic
         with mode:
             return forward(*given[0], **given[1])
 
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():  # (is_compiling(): any thread's compile)
         return run()
     begun = ops.flex_debug_calls_begun()
     try:

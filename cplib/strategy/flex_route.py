@@ -115,7 +115,7 @@ def flex_use_ring(auto: AutoStrategy | None, args: tuple, kwargs: dict, seq_dim:
     pinned = _pinned(auto)
     if pinned is not None:
         return pinned != "allgather"
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         return True
     from ..flex.plan import SHARD_ATTR, dense_shard
     from ..flex.ring_args import parse_call
