@@ -171,3 +171,28 @@ def test_compiled_flex_call_stays_compiled(ranks):
     got = ranks(2).run(_check_compiled_flex_stays_compiled)
     assert [eager for eager, _ in got] == [0, 0], got
     assert all(steps == 2 for _, steps in got), got
+
+
+def _check_auto_serves_what_the_ring_cannot() -> int:
+    """strategy="auto" runs a call whose plan the ring cannot serve (key
+    blocks of 64 rows, shards of 96) on the all-gather, exactly; the ring
+    itself refuses it (test_flex_ring_plan.py's bad input)."""
+    S = 192
+    inputs = [randn((1, 2, S, DIM), seed) for seed in (1, 2, 3)]
+    full = create_block_mask(causal, 1, 1, S, S, device="cpu", BLOCK_SIZE=(32, 64))
+    with cpu_flex_grads():
+        want = cplib.shard(mesh(), _one_process(ScaledFlex(), inputs, full, inputs[0]), [2] * 4)
+        with torch.compiler.set_stance("force_eager"):
+            *local, mask = _context_parallel_shard(mesh(), [*inputs, full], [2] * 3 + [0])
+        model = parallelize_module(ScaledFlex(), mesh(), _ContextParallel(
+            seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX, strategy="auto"))
+        lq, lk, lv = (t.clone().requires_grad_(True) for t in local)
+        out = model(lq, lk, lv, block_mask=mask)
+        out.backward(local[0])
+    for name, got, exp in zip(("out", "dq", "dk", "dv"), (out, lq.grad, lk.grad, lv.grad), want):
+        assert_close(got.detach().double(), exp, what=f"auto: {name}", **TOL)
+    return 1
+
+
+def test_auto_takes_the_all_gather_where_the_ring_cannot_serve(ranks):
+    assert ranks(2).run(_check_auto_serves_what_the_ring_cannot) == [1, 1]
