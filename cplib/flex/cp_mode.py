@@ -77,9 +77,14 @@ def _shard_of(mode: FlexCPMode, call: FlexCall):
             "cplib: a flex_attention call in a context-parallel module got a BlockMask that "
             "cplib did not shard: pass the module the mask that _context_parallel_shard or "
             "create_cp_block_mask made (eagerly), as an argument"))
-    q = call.query
-    shard = dense_shard(mode.group_name, mode.world, mode.rank, int(q.shape[2]), q.device,
-                        mode.layout)
+    rows, layout = int(call.query.shape[2]), mode.layout
+    if layout is not None and int(layout.shape[-1]) != mode.world * rows:
+        return None, None, ("ValueError", (
+            f"cplib: a flex_attention call without a BlockMask reads its shards in the layout "
+            f"of the last _context_parallel_shard, a sequence of {int(layout.shape[-1])}, but "
+            f"its {mode.world} shards of {rows} rows make {mode.world * rows}: shard the "
+            "call's inputs with _context_parallel_shard"))
+    shard = dense_shard(mode.group_name, mode.world, mode.rank, rows, call.query.device, layout)
     return None, shard, None
 
 

@@ -235,7 +235,8 @@ def _check_bad_input() -> list[str]:
     """Each bad call raises on every rank (on the ranks whose own input is
     fine too, through the handshake), before anything is exchanged; the
     next good call works. Among them: masks of two batches, a mask for
-    another length and a score_mod that differs by rank, each on one rank."""
+    another length and a score_mod that differs by rank, each on one rank;
+    no mask where the last shard laid out another length."""
     rank = dist.get_rank()
     S = 256
     model = cp_model()
@@ -275,6 +276,9 @@ def _check_bad_input() -> list[str]:
                             score_mod=shift))
         with rotate("allgather"):
             msgs.append(_raises(ValueError, "score_mod", model, q, k, v, score_mod=shift))
+        # No mask, and the last _context_parallel_shard laid out another length.
+        _shard(2 * S, causal, 32, "head_tail")
+        msgs.append(_raises(ValueError, "a sequence of 512", model, q, k, v))
         assert ring_bytes_received() == 0, "a bad call exchanged blocks"
         model(q, k, v, block_mask=mask)  # the ranks are still in step
     return [m.split(":")[0] for m in msgs]
@@ -289,7 +293,7 @@ def _shift_b(score, b, h, q_idx, kv_idx):
 
 
 def test_bad_input_raises_on_every_rank(ranks):
-    kinds = ["ValueError"] * 3 + ["NotImplementedError"] * 3 + ["ValueError"] * 3
+    kinds = ["ValueError"] * 3 + ["NotImplementedError"] * 3 + ["ValueError"] * 4
     assert ranks(2).run(_check_bad_input) == [kinds, kinds]
 
 
