@@ -24,18 +24,15 @@ class ShardLayout(NamedTuple):
     balancer: str  # its class name, for the errors
     cu_seqlens: tuple[int, ...] | None  # the documents it was made for, where known
     ulysses_degree: int  # the USP degree it lays out for (1: the ring's layouts)
-    # (1|B, S): the original position of each row of the rearranged sequence
-    # (None: in order), which FLEX calls without a BlockMask give score_mod.
-    positions: torch.Tensor | None = None
+    # What _context_parallel_shard cut, for losses that read labels in the
+    # same layout (cplib/clients/sequence.py): its mesh, load balancer and the
+    # sequence lengths of its buffers.
+    mesh: object = None
+    load_balancer: object = None
+    seq_lens: tuple[int, ...] = ()
 
 
 def shard_layout_of(load_balancer: object | None) -> ShardLayout:
-    layout = _kind_of(load_balancer)
-    indices = None if load_balancer is None else load_balancer._generate_indices(restore=False)
-    return layout._replace(positions=indices)
-
-
-def _kind_of(load_balancer: object | None) -> ShardLayout:
     from ..ring.load_balancer import AnyLengthPerDocumentLoadBalancer, \
         _HeadTailLoadBalancer, _PerDocumentHeadTailLoadBalancer
     from ..ring.placement import DocumentPlacementLoadBalancer
