@@ -8,7 +8,7 @@ compiled ``flex_attention`` it holds as a class variable. Parallelized with
 taken over by the ring (cplib moves nothing but the call), and out and the
 gradients of q, k and v equal one process's within torch's flex CP
 tolerance. Inputs and masks are sharded by torchtitan's own ``cp_shard``
-(head-tail) on cplib's names. On CPU the module's compiled flex is compiled
+(head-tail) on cplib's names (``cplib.patch_torch()``). On CPU the module's compiled flex is compiled
 with aot_eager (inductor's CPU flex kernel returns no lse, which the ring
 merges with) and torch's CPU flex backward guard is lifted, as in the flex
 tests.
@@ -40,20 +40,27 @@ pytest.importorskip("torchtitan", reason="requirements/clients-nodeps.txt")
 
 TOL = dict(atol=2e-6, rtol=1e-5)
 # The torch names torchtitan's context-parallel module imports at load.
-# TODO(patch_torch): cplib.patch_torch() (issue 41) replaces them; until it
-# is merged this test puts cplib's in by hand.
 TORCH_NAMES = ("_context_parallel_shard", "_enable_context_parallel_dispatcher",
                "_HeadTailLoadBalancer", "_PTRRLoadBalancer", "flex_cp_allgather")
 
 
 @contextlib.contextmanager
 def _cplib_names():
-    from torchtitan.distributed.context_parallel import api
+    """torchtitan's context-parallel API on cplib's names: cplib.patch_torch()
+    before torchtitan's import; a process that imported it earlier (another
+    test of this rank pool) gets the names set on the module itself."""
+    cplib.patch_torch()
+    try:
+        from torchtitan.distributed.context_parallel import api
 
-    with contextlib.ExitStack() as stack:
-        for name in TORCH_NAMES:
-            stack.enter_context(unittest.mock.patch.object(api, name, getattr(cplib, name)))
-        yield api
+        with contextlib.ExitStack() as stack:
+            for name in TORCH_NAMES:
+                if getattr(api, name) is not getattr(cplib, name):
+                    stack.enter_context(unittest.mock.patch.object(api, name,
+                                                                   getattr(cplib, name)))
+            yield api
+    finally:
+        cplib.unpatch_torch()
 
 
 def _check_torchtitan_flex(method: str) -> int:
