@@ -107,9 +107,18 @@ def agreed(op: str, group_name: str | None, tensors: Sequence, check: Callable[[
     try:
         return check()
     except Exception as exc:
-        if can_handshake(group_name, tensors, meta_joins):
-            ops.handshake_error(group_name, op, _kind(exc), str(exc))
+        share_error(op, group_name, exc, tensors, meta_joins)
         raise
+
+
+def share_error(op: str, group_name: str | None, exc: BaseException, tensors: Sequence = (),
+                meta_joins: bool = False) -> None:
+    """Sends ``exc``, raised on this rank before the call's handshake, into
+    the handshake the other ranks are in; that handshake raises it on every
+    rank, this one included, with one message (``cplib.<op>: invalid input
+    on rank N: ...``). Returns where no handshake is due."""
+    if can_handshake(group_name, tensors, meta_joins):
+        ops.handshake_error(group_name, op, _kind(exc), str(exc))
 
 
 def forward_error(op: str, group_name: str | None, exc: BaseException) -> None:

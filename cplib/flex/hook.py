@@ -29,12 +29,13 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+import torch.nn.attention.flex_attention as fa
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.flex_attention import BlockMask
 from torch.utils._pytree import tree_map
 
-from ..comm.handshake import agreed, forward_error
+from ..comm.handshake import agreed, share_error
 from ..comm.native import check_mesh, group_name_of, ops
 from .allgather import flex_cp_allgather
 from .cp_mode import FlexCPMode
@@ -141,12 +142,32 @@ def _flex_forward(forward: Any, mode: FlexCPMode, use_ring: Callable[[tuple, dic
     try:
         return run()
     except Exception as exc:
-        # Raised before this rank began any flex collective (a bad argument,
-        # flex's own checks, ours while the call was traced): the other ranks
-        # are in (or on their way to) a call's handshake, which raises it too.
-        if ops.flex_debug_calls_begun() == begun:
-            forward_error(mode.group_name, "flex_ring", exc)
+        # Raised in a flex call (flex's own checks, a compile of the call, a
+        # mask cplib did not shard) before this rank began any flex
+        # collective: the other ranks are in (or on their way to) that call's
+        # handshake, which raises it there too. An error of the module's own
+        # code is the module's: nothing says the others reach a flex call.
+        if ops.flex_debug_calls_begun() == begun and _in_a_flex_call(exc):
+            share_error("flex_ring", mode.group_name, exc)
         raise
+
+
+def _in_a_flex_call(exc: BaseException) -> bool:
+    """``exc`` came through flex_attention, a compiled function (a
+    compiled flex, or flex's own compile of its call) or the stand-in check."""
+    codes = (fa.flex_attention.__code__, _stand_in.__code__)
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code in codes or code.co_filename.endswith(_DYNAMO_ENTRY):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+# The file of dynamo's compiled-function entry (compile_wrapper): every error
+# of a compiled call, its compile included, passes through it.
+_DYNAMO_ENTRY = "_dynamo/eval_frame.py"
 
 
 def _register_flex_cp(module: nn.Module, mesh: DeviceMesh,

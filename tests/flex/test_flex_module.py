@@ -196,3 +196,38 @@ def _check_auto_serves_what_the_ring_cannot() -> int:
 
 def test_auto_takes_the_all_gather_where_the_ring_cannot_serve(ranks):
     assert ranks(2).run(_check_auto_serves_what_the_ring_cannot) == [1, 1]
+
+
+def _check_captured_bias_on_the_all_gather() -> float:
+    """A score_mod that reads a bias requiring grad (by the key's global
+    position): the all-gather differentiates it as flex does (its gradient
+    summed over the ranks equals one process's); the ring refuses it
+    (test_flex_ring_plan.py's bad input)."""
+    import torch.distributed as dist
+
+    S = 256
+    inputs = [randn((1, 2, S, DIM), seed).double() for seed in (1, 2, 3)]
+    full = create_block_mask(causal, 1, 1, S, S, device="cpu", BLOCK_SIZE=32)
+    bias = randn((S,), 5).double().requires_grad_(True)
+
+    class Biased(nn.Module):
+        def forward(self, q, k, v, block_mask=None):
+            return fa.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + bias[ki],
+                                     block_mask=block_mask)
+
+    lb = balancer("head_tail", S, full, None)
+    with cpu_flex_grads(), rotate("allgather"):
+        Biased()(*inputs, block_mask=full).sum().backward()
+        want, bias.grad = bias.grad.clone(), None
+        with torch.compiler.set_stance("force_eager"):
+            *local, mask = _context_parallel_shard(mesh(), [*inputs, full], [2] * 3 + [0], lb)
+        _cp(Biased())(*local, block_mask=mask).sum().backward()
+    got = bias.grad.clone()
+    dist.all_reduce(got)
+    assert_close(got, want, what="the bias's gradient", **TOL)
+    return float(got.abs().sum())
+
+
+def test_all_gather_differentiates_captured_tensors(ranks):
+    got = ranks(2).run(_check_captured_bias_on_the_all_gather)
+    assert got[0] == got[1] > 0, got
