@@ -5,10 +5,11 @@ Each process (a plain subprocess, so that its exit code and stderr are the
 caller's to read) runs ``rounds`` rounds of: init_process_group, calls that
 end in a clear error on both ranks (one rank's bad argument, shard lengths
 that are not the load balancer's layout), a valid ring call, a last failing
-call, destroy_process_group. With ``bad_input``, one more init then runs
-every two-rank case of tests/comm/test_bad_input.py's matrix, each on a
-fresh group, before its destroy_process_group. The last call comes right
-before the interpreter exits.
+call, an all-reduce of the program's own, destroy_process_group. With
+``bad_input``, one more init then runs every two-rank case of
+tests/comm/test_bad_input.py's matrix, each on a fresh group, before its
+all-reduce and destroy_process_group. Rank 1 exits right after; rank 0 a
+second later.
 
 The garbage collector is off, so that only references decide what
 destroy_process_group() frees: after each, the process reports how many of
@@ -153,6 +154,7 @@ def _bad_input_cases(rank: int) -> list:
 def main(rank: int, port: int, rounds: int, bad_input: bool) -> None:
     import datetime
     import gc
+    import time
     import weakref
 
     import torch
@@ -173,9 +175,12 @@ def main(rank: int, port: int, rounds: int, bad_input: bool) -> None:
                                 store=dist.PrefixStore(f"round{i}", store),
                                 timeout=datetime.timedelta(seconds=15))
         refs = [weakref.ref(g) for g in step(i, rank)]
+        dist.all_reduce(torch.ones(8))  # the program's own last collective (a loss, say)
         dist.destroy_process_group()
         alive = sum(ref() is not None for ref in refs)
         print(f"destroyed|{i}|{alive}|{_gloo_workers()}", flush=True)
+    if rank == 0:
+        time.sleep(1)  # the ranks leave at different times
 
 
 if __name__ == "__main__":
