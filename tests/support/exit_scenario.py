@@ -11,16 +11,17 @@ tests/comm/test_bad_input.py's matrix, each on a fresh group, before its
 all-reduce and destroy_process_group. Rank 1 exits right after; rank 0 a
 second later.
 
-The garbage collector is off, so that only references decide what
-destroy_process_group() frees: after each, the process reports how many of
-the round's group objects are still alive and how many gloo worker threads
-("pt_gloo_runloop") remain. A gloo group that outlives it keeps its workers,
-and a worker that drops its last collective's tensors after the interpreter
-began to finalize asks for the GIL, is ended by Python (pthread_exit) inside
-a noexcept destructor, and the process aborts: "terminate called without an
-active exception" (issue 40).
+The garbage collector is off (unless ``collector``), so that only
+references decide what destroy_process_group() frees: after each, the
+process reports how many of the round's group objects are still alive and
+how many gloo worker threads ("pt_gloo_runloop") remain. A gloo group that
+outlives it keeps its workers, and a worker that drops its last
+collective's tensors after the interpreter began to finalize asks for the
+GIL, is ended by Python (pthread_exit) inside a noexcept destructor, and
+the process aborts: "terminate called without an active exception"
+(issue 40).
 
-Run as a script: ``python exit_scenario.py RANK PORT ROUNDS [bad-input]``."""
+Run as a script: ``python exit_scenario.py RANK PORT ROUNDS [bad-input] [collector]``."""
 
 from __future__ import annotations
 
@@ -57,14 +58,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_pair(import_root: str, rounds: int, bad_input: bool = False, cwd: str | None = None,
-             timeout_s: float = 240.0) -> list[RankResult]:
+def run_pair(import_root: str, rounds: int, bad_input: bool = False, collector: bool = False,
+             cwd: str | None = None, timeout_s: float = 240.0) -> list[RankResult]:
     """Runs the scenario on two processes that import cplib from
-    ``import_root``; their results in rank order."""
+    ``import_root``; their results in rank order. ``collector``: the garbage
+    collector stays on, as in a program (a group kept by a cycle is then
+    freed whenever it runs: at exit, say)."""
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([import_root, os.environ.get("PYTHONPATH", "")]))
-    args = [str(port), str(rounds)] + (["bad-input"] if bad_input else [])
+    args = [str(port), str(rounds)] + (["bad-input"] if bad_input else []) + \
+        (["collector"] if collector else [])
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), str(rank)] + args,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                               cwd=cwd)  # not the source tree, whose cplib has no _C
@@ -151,7 +155,7 @@ def _bad_input_cases(rank: int) -> list:
     return groups
 
 
-def main(rank: int, port: int, rounds: int, bad_input: bool) -> None:
+def main(rank: int, port: int, rounds: int, bad_input: bool, collector: bool) -> None:
     import datetime
     import gc
     import time
@@ -166,7 +170,8 @@ def main(rank: int, port: int, rounds: int, bad_input: bool) -> None:
     import cplib  # noqa: F401
     import test_bad_input  # noqa: F401  (imports cplib's features as its cases use them)
 
-    gc.disable()  # what references keep, not when the collector runs
+    if not collector:
+        gc.disable()  # what references keep, not when the collector runs
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=30))
     steps = [_round] * rounds + ([lambda i, r: _bad_input_cases(r)] if bad_input else [])
@@ -178,11 +183,14 @@ def main(rank: int, port: int, rounds: int, bad_input: bool) -> None:
         dist.all_reduce(torch.ones(8))  # the program's own last collective (a loss, say)
         dist.destroy_process_group()
         alive = sum(ref() is not None for ref in refs)
-        print(f"destroyed|{i}|{alive}|{_gloo_workers()}", flush=True)
+        # Reading /proc gives a late worker time to finish (it lets go of the
+        # GIL): left out where the exit's race is the point.
+        print(f"destroyed|{i}|{alive}|{'-' if collector else _gloo_workers()}", flush=True)
     if rank == 0:
         time.sleep(1)  # the ranks leave at different times
 
 
 if __name__ == "__main__":
     sys.path[:0] = [_HERE, os.path.join(os.path.dirname(_HERE), "comm")]
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:] == ["bad-input"])
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), "bad-input" in sys.argv[4:],
+         "collector" in sys.argv[4:])
