@@ -43,9 +43,15 @@ $(VPY):
 	@echo "creating $(VENV)"
 	@$(PYTHON) -m venv $(VENV)
 
-$(DEPS): requirements-dev.txt requirements/torch-default.txt | $(VPY)
+# The clients (accelerate, torchtitan: tests/clients/) come last: torchtitan
+# without its declared dependencies (requirements/clients.txt says why).
+$(DEPS): requirements-dev.txt requirements/torch-default.txt requirements/clients.txt \
+         requirements/clients-nodeps.txt | $(VPY)
 	@$(QUIET) $(LOGS)/install.log "installing the pinned dependencies into $(VENV)" -- \
 	  $(VPY) -m pip install -r requirements/torch-default.txt -r requirements-dev.txt
+	@$(QUIET) $(LOGS)/install-clients.log "installing the pinned clients into $(VENV)" -- \
+	  sh -c '$(VPY) -m pip install -r requirements/clients.txt && \
+	         $(VPY) -m pip install --no-deps -r requirements/clients-nodeps.txt'
 	@touch $@
 
 # The wheel: one file (abi3, LibTorch's stable ABI) for every torch from 2.11
@@ -156,9 +162,10 @@ clean:
 
 # The GPU check (docs/gpu-check.md). Here: `make gpu-prep` builds the CUDA
 # wheel and writes it with its commit into .gpu-prep/ (ignored; carried to the
-# GPU machine). There: `make gpu-check` installs that wheel beside the
+# GPU machine). There: `bash benchmarks/gpu/run.sh` (what `make gpu-check`
+# runs; a bare GPU image may have no make) installs that wheel beside the
 # machine's torch (or builds in place when none is carried) and runs the CUDA
-# tests, the GPU benchmark, compute-sanitizer and the CUDA demo, under 540 s,
+# tests, the GPU benchmark, compute-sanitizer and the CUDA demo, under 530 s,
 # into $OUT (else benchmarks/out/gpu-check/). Uses the installed python3 and
 # torch there (no venv, no network).
 GPU_PREP := .gpu-prep
@@ -166,4 +173,4 @@ GPU_PREP := .gpu-prep
 gpu-prep: cuda-wheel
 	@$(PYTHON) build_support/gpu_prep.py write $(firstword $(wildcard dist/cuda/cplib-*-abi3-*.whl)) $(GPU_PREP)
 gpu-check:
-	benchmarks/gpu/run.sh
+	bash benchmarks/gpu/run.sh

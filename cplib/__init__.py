@@ -60,9 +60,18 @@ from .decode.op import decode_sdpa
 # merge: partial attention results merged in place.
 from .merge.op import merge_partial_
 
+# clients: torch's context-parallel names replaced by cplib's where accelerate,
+# HF Trainer and torchtitan import them.
+from .clients.patch import patch_torch, unpatch_torch
+from . import loss  # cplib.loss.cross_entropy: a loss of your own under CP
+
 # conv: halo-exchange convolution and its DTensor handlers.
 from .conv.dtensor import disable_dtensor_conv, enable_dtensor_conv
+from .conv.seq_halo import seq_halo
 from .conv.tp_conv import tp_conv
+
+# hybrid: recurrent and conv layers of hybrid models (cplib.hf reaches them).
+from .hybrid import recurrence_exchange
 
 # Public names for what torch keeps private (same objects).
 LoadBalancer = _LoadBalancer
@@ -107,6 +116,8 @@ __all__ = [
     "disable_context_parallel_dispatcher",
     "enable_context_parallel_dispatcher",
     "merge_partial_",
+    "patch_torch",
+    "unpatch_torch",
     "consistency_checks",
     "consistency_checks_enabled",
     "set_consistency_checks",
@@ -120,6 +131,8 @@ __all__ = [
     "usp_sdpa",
     "usp_load_balancer",
     "tp_conv",
+    "seq_halo",
+    "recurrence_exchange",
     "enable_dtensor_conv",
     "disable_dtensor_conv",
     "_create_cp_block_mask",

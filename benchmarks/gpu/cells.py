@@ -8,8 +8,10 @@ when it starts a cell and one with the cell's value (seconds, a dict, or an
 error string) when it ends it. The driver reads those lines as they come;
 a cell that does not end within ``cell_timeout`` seconds (a hang in CUDA, a
 threaded process group waiting forever) costs that cell only: the driver
-kills the worker's process group, marks the cell "timed out", and starts a
-new worker on the cells left. A worker that dies (a crash, a sticky CUDA
+kills the worker and every process under it (reap.kill_tree), marks the
+cell "timed out", and starts a new worker on the cells left. The worker
+stays in the driver's process group (no new session), so a kill of the whole
+stage (run.sh's limit) ends it with the driver. A worker that dies (a crash, a sticky CUDA
 error: the worker exits after an error that leaves the device unusable)
 marks its running cell and is replaced the same way. Cells not started
 before ``deadline`` are "skipped: time budget". ``on_result`` is called after
@@ -20,22 +22,20 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from typing import Any, Callable
 
+from reap import kill_tree
+
 TIMED_OUT = "timed out"
 SKIPPED = "skipped: time budget"
 
 
 def _kill(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    kill_tree(proc.pid)
     proc.wait()
 
 
@@ -64,7 +64,7 @@ def _one_worker(cells: list[dict], todo: list[int], worker_argv: list[str], tmp:
     progress = os.path.join(tmp, f"progress-{attempt}.jsonl")
     with open(spec, "w") as f:
         json.dump({"deadline": deadline, "cells": [dict(cells[i], index=i) for i in todo]}, f)
-    proc = subprocess.Popen([*worker_argv, "--worker", spec, progress], start_new_session=True)
+    proc = subprocess.Popen([*worker_argv, "--worker", spec, progress])
     running, since, limit, started, offset = None, time.time(), start_timeout, False, 0
     killed = False
     while True:

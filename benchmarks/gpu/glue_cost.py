@@ -54,8 +54,8 @@ def main() -> None:
     calls = parser.parse_args().calls
     q = torch.empty(1, 16, 2048, 128, device="meta", dtype=torch.bfloat16)
     probe = torch.ops.cplib_c._cuda_glue_probe
-    rows = [(f"probe-fwd {name}", lambda code=code: probe(q, q, q, code, True, False, False))
-            for name, code in (("flash", 1), ("efficient", 2), ("cudnn", 3))]
+    rows = [(f"probe-fwd {name}", lambda name=name: probe(q, q, q, name, True, False, False))
+            for name in ("flash", "efficient", "cudnn")]
     from cplib.comm.cuda_attention import _cudnn_attention
     qt = q.transpose(1, 2)
     rows += [

@@ -10,8 +10,6 @@ import math
 import os
 from typing import Any
 
-import torch
-
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DEFAULT = os.path.join(HERE, "results", "gpu.json")
 
@@ -65,11 +63,14 @@ def results_rows(payload_rows: list[dict]) -> list[dict]:
     return rows
 
 
-def write_results(path: str, payload_rows: list[dict], dev: torch.device) -> str:
+def write_results(path: str, payload_rows: list[dict], dev) -> str:
     """Writes the results file of a CUDA run (never called without a GPU:
-    the figures are this run's, or there is no file)."""
+    the figures are this run's, or there is no file). torch is imported here
+    only: the GPU check reads the verdict without it."""
     import datetime
     import json
+
+    import torch
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     payload = dict(device=torch.cuda.get_device_name(dev), torch=torch.__version__,
                    commit=commit(),
@@ -146,7 +147,7 @@ def payload_rows(configs: list, results: dict) -> list[dict]:
 
 def problem_cells(payload: dict) -> dict[str, list[str]]:
     """The cells without a figure, by kind: "cplib" (cplib's errors, NaN,
-    time-outs), "baseline" (full SDPA's and torch's), "skipped" (not started
+    time-outs; a merge cell with a figure that is not finite), "baseline" (full SDPA's and torch's), "skipped" (not started
     in the time budget). Empty lists: every cell gave a figure."""
     out: dict[str, list[str]] = {"cplib": [], "baseline": [], "skipped": []}
     for r in payload.get("rows", []):
@@ -162,6 +163,10 @@ def problem_cells(payload: dict) -> dict[str, list[str]]:
     for m in payload.get("merge", []):
         if isinstance(m, str):
             out["skipped" if m.startswith("skipped") else "cplib"].append(f"merge: {m}")
+            continue
+        bad = sorted(k for k, v in m.items() if isinstance(v, float) and not math.isfinite(v))
+        if bad:  # a figure of NaN or inf (a timing that went wrong) is no figure
+            out["cplib"].append(f"merge {m.get('shape', '?')}: {', '.join(bad)} not finite")
     return out
 
 
@@ -220,16 +225,16 @@ def plot_series(rows: list[dict]) -> dict:
 def verdict(path: str) -> list[str]:
     """The bench stage's verdict from bench_ring_gpu.json: "PASS: ..." when the
     run completed and every cell gave a finite figure; "FAIL: ..." when a
-    cplib cell errored, gave NaN or timed out (or there is no JSON);
-    "INCOMPLETE: ..." when only baseline cells failed, cells were skipped, or
-    the run was cut short. Then one line per cell without a figure."""
+    cplib cell errored, gave NaN or timed out; "INCOMPLETE: ..." when only
+    baseline cells failed, cells were skipped, the run was cut short or left
+    no JSON. (The GPU check adds the benchmark's exit status: run.sh.) Then one line per cell without a figure."""
     import json
 
     try:
         with open(path) as f:
             payload = json.load(f)
-    except (OSError, ValueError) as exc:
-        return [f"FAIL: no benchmark JSON ({type(exc).__name__})"]
+    except (OSError, ValueError) as exc:  # the stage's exit status says whether it failed
+        return [f"INCOMPLETE: no benchmark JSON ({type(exc).__name__})"]
     problems = problem_cells(payload)
     met = [g for g in payload.get("goals", []) if g.get("met") == "yes"]
     head = (f"{payload.get('cells_done', 0)} of {payload.get('cells', '?')} cells; "

@@ -1,9 +1,9 @@
 # The stages of the GPU check, sourced by benchmarks/gpu/run.sh (which sets
 # PY, ROOT, LOGS, OUT_DIR, CAP, GPU, DRY, WHEEL, PREP, COMMIT and the helpers
-# record, run_limited, why, note). Each stage records one verdict line and,
-# when not PASS, the names of what did not pass (DETAILS).
-
-detail() { DETAILS+=("  $1: $2"); }
+# record, detail, run_limited, settle, why, note). Each stage records one
+# verdict line and, when not PASS, the names of what did not pass (DETAILS).
+# A verdict always goes through settle: a command that exited non-zero is
+# FAIL, one out of time INCOMPLETE, whatever its output says.
 
 # install: the prepared wheel, else the extension built in place.
 stage_install() {
@@ -14,11 +14,13 @@ stage_install() {
       "$WHEEL" "$LOGS/site" "$PREP" $cuda
     ((DRY)) && return
     export PYTHONPATH="$LOGS/site"
-    if ((RC == 0)); then
+    local verdict
+    verdict=$(settle PASS)
+    if [[ $verdict == PASS ]]; then
       record install PASS "$SECS" "$(basename "$WHEEL") beside the machine's torch: the wheel's extension byte for byte, built from these sources"
     else
-      record install FAIL "$SECS" "$(why "$log")"
-      detail install "$(grep -E '^check_wheel:|^gpu_prep:|Error|carries' "$log" | head -n 3 | tr '\n' ' ')"
+      record install "$verdict" "$SECS" "$(why "$log")"
+      detail install "$(why "$log"); $(grep -E '^check_wheel:|^gpu_prep:|Error|carries' "$log" | head -n 3 | tr '\n' ' ')"
     fi
     return
   fi
@@ -40,9 +42,9 @@ stage_install() {
   run_limited install "${CAP[install]}" "$log" env CC="$cc" CXX="$cxx" CPLIB_CUDA=$GPU \
     "$PY" setup.py build_ext --inplace
   ((DRY)) && return
-  if ((RC != 0)); then
-    record install FAIL "$SECS" "in-place build with $cxx: $(why "$log")"
-    detail install "the build failed (install.log in the archive)"
+  if [[ $OUTCOME != ok ]]; then
+    record install "$(settle PASS)" "$SECS" "in-place build with $cxx: $(why "$log")"
+    detail install "the build did not finish: $(why "$log") (install.log in the archive)"
     return
   fi
   if "$PY" benchmarks/gpu/install_check.py built $cuda >>"$log" 2>&1; then
@@ -74,15 +76,12 @@ stage_tests() {
     echo "CUDA tests (pytest -m cuda, $how); commit: $COMMIT"
     "$PY" benchmarks/gpu/budget_plugin.py "$progress"
   } >"$LOGS/tests_summary.txt" 2>&1
-  local counts verdict
+  local counts verdict why_not=""
   counts=$(sed -n 2p "$LOGS/tests_summary.txt")
-  verdict=$("$PY" benchmarks/gpu/budget_plugin.py --verdict "$progress")
-  case $verdict in
-    PASS) record tests PASS "$SECS" "$counts" ;;
-    FAIL) record tests FAIL "$SECS" "$counts; $(why "$log")" ;;
-    *) record tests INCOMPLETE "$SECS" "$counts" ;;
-  esac
-  [[ $verdict == PASS ]] || detail tests "$(tail -n +3 "$LOGS/tests_summary.txt" | cut -c1-300 | head -n 12 | sed '2,$s/^/    /')"
+  verdict=$(settle "$("$PY" benchmarks/gpu/budget_plugin.py --verdict "$progress")")
+  [[ $OUTCOME == ok ]] || why_not="pytest: $(why "$log"); "
+  record tests "$verdict" "$SECS" "$why_not$counts"
+  [[ $verdict == PASS ]] || detail tests "$why_not$(tail -n +3 "$LOGS/tests_summary.txt" | cut -c1-300 | head -n 12 | sed '2,$s/^/    /')"
 }
 
 gpu_only() {  # gpu_only STAGE: records SKIP and returns 1 without a GPU
@@ -104,23 +103,25 @@ stage_bench() {
     "$PY" -P benchmarks/bench_ring_gpu.py --budget $((cap > 60 ? cap - 25 : 30)) --cell-timeout 30 \
     --results "$LOGS/bench/gpu.json" ${GPU_CHECK_BENCH_ARGS:-}
   ((DRY)) && return
-  local json=$LOGS/bench/bench_ring_gpu.json verdict
-  verdict=$("$PY" benchmarks/gpu/ring_report.py verdict "$json" 2>&1)
-  local head=${verdict%%$'\n'*}
-  case $head in
-    PASS*) record bench PASS "$SECS" "${head#PASS: }" ;;
-    FAIL*) record bench FAIL "$SECS" "${head#FAIL: }; $( ((RC)) && why "$log")" ;;
-    *) record bench INCOMPLETE "$SECS" "${head#INCOMPLETE: }; $( ((RC)) && why "$log")" ;;
-  esac
+  # The JSON's verdict (its cells), then the benchmark's own exit status:
+  # a benchmark that fails after its JSON is complete still fails.
+  local json=$LOGS/bench/bench_ring_gpu.json report head kind
+  report=$("$PY" benchmarks/gpu/ring_report.py verdict "$json" 2>&1)
+  head=${report%%$'\n'*}
+  kind=$(settle "${head%%:*}")
+  local why_not=""
+  [[ $OUTCOME == ok ]] || why_not="; the benchmark: $(why "$log")"
+  record bench "$kind" "$SECS" "${head#*: }$why_not"
   local cells
-  cells=$(tail -n +2 <<<"$verdict" | cut -c1-300 | head -n 12 | sed '2,$s/^/    /')
-  [[ $head == PASS* ]] || detail bench "${cells:-$head}"
+  cells=$(tail -n +2 <<<"$report" | cut -c1-300 | head -n 12 | sed '2,$s/^/    /')
+  [[ $kind == PASS ]] || detail bench "${cells:-${head#*: }}$why_not"
 }
 
 stage_memcheck() {
   ((DRY)) || gpu_only memcheck || return
   local sanitizer
   sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
+  [[ -n ${GPU_CHECK_FAKE_MEMCHECK:-} ]] && sanitizer=faked  # run_capped runs the fake instead
   if [[ -z $sanitizer ]]; then
     ((DRY)) && sanitizer=compute-sanitizer || {
       record memcheck FAIL 0 "compute-sanitizer not found (PATH, /usr/local/cuda/bin)"
@@ -131,7 +132,7 @@ stage_memcheck() {
   local cmd=(env PYTHONPATH="$ROOT/benchmarks/gpu${PYTHONPATH:+:$PYTHONPATH}" PYTORCH_NO_CUDA_MEMORY_CACHING=1
              "$sanitizer" --tool memcheck --error-exitcode 86)
   local pytest=("$PY" -P -m pytest -q -p no:cacheprovider -m cuda)
-  MC_SECS=0 MC_FAILED="" MC_NOTES=()
+  MC_SECS=0 MC_FAILED="" MC_INCOMPLETE="" MC_NOTES=()
   # 1. cplib's CUDA kernels (merge, halo) against their C twins;
   memcheck_run kernels 20 "${cmd[@]}" "$PY" -P benchmarks/gpu/kernels_check.py
   # 2. the ring's block backward through the flash and efficient kernels, step by step;
@@ -144,25 +145,42 @@ stage_memcheck() {
   local details
   details=$(printf '%s; ' "${MC_NOTES[@]}")
   details=${details%; }
-  if [[ -z $MC_FAILED ]]; then record memcheck PASS "$MC_SECS" "$details"
-  else record memcheck FAIL "$MC_SECS" "$details"; detail memcheck "failed:$MC_FAILED"; fi
+  if [[ -n $MC_FAILED ]]; then
+    record memcheck FAIL "$MC_SECS" "$details"
+    detail memcheck "failed:$MC_FAILED${MC_INCOMPLETE:+; incomplete:$MC_INCOMPLETE}"
+  elif [[ -n $MC_INCOMPLETE ]]; then
+    record memcheck INCOMPLETE "$MC_SECS" "$details"; detail memcheck "incomplete:$MC_INCOMPLETE"
+  else
+    record memcheck PASS "$MC_SECS" "$details"
+  fi
 }
 
-# memcheck_run NAME CAP CMD...: one compute-sanitizer run; a run that reports
-# no case (pytest exit 5: nothing selected) fails.
+# memcheck_run NAME CAP CMD...: one compute-sanitizer run. PASS needs exit 0,
+# the sanitizer's "ERROR SUMMARY: 0 errors" (every such line 0: one per
+# process it watched) and a case that ran, none skipped. An error counted,
+# a non-zero exit or a run that selects nothing (pytest exit 5) fails; no
+# ERROR SUMMARY line (the sanitizer did not finish its report), a skipped
+# case or a run out of time is INCOMPLETE.
 memcheck_run() {
-  local name=$1 cap=$2 log=$LOGS/memcheck-$1.log errs ran; shift 2
+  local name=$1 cap=$2 log=$LOGS/memcheck-$1.log summaries errs ran verdict=PASS why_not=""; shift 2
   run_limited memcheck "$cap" "$log" "$@"
   ((DRY)) && return
   MC_SECS=$((MC_SECS + SECS))
-  errs=$(grep -Eo 'ERROR SUMMARY: [0-9]+ error' "$log" | awk '{s+=$3} END{print s+0}')
+  summaries=$(grep -Eo 'ERROR SUMMARY: [0-9]+ errors?' "$log")
+  errs=$(awk '{s+=$3} END{print s+0}' <<<"$summaries")
   ran=$(grep -Eo '^kernels_check: .* cases OK|[0-9]+ (passed|failed|skipped|deselected)' "$log" |
         sed 's/^kernels_check: //; s/ OK$//' | paste -sd, -)
-  if ((RC == 0)) && [[ -n $ran ]] && ! grep -Eq '[0-9]+ skipped' <<<"$ran"; then
+  if ((errs > 0)); then verdict=FAIL why_not="$errs errors"
+  elif [[ $OUTCOME != ok ]]; then verdict=$(settle INCOMPLETE) why_not=$(why "$log")
+  elif [[ -z $ran ]]; then verdict=FAIL why_not="nothing ran"
+  elif [[ -z $summaries ]]; then verdict=INCOMPLETE why_not="no ERROR SUMMARY line"
+  elif grep -Eq '[0-9]+ skipped' <<<"$ran"; then verdict=INCOMPLETE why_not="a case skipped"
+  fi
+  if [[ $verdict == PASS ]]; then
     MC_NOTES+=("$name: $errs errors ($ran)")
   else
-    MC_NOTES+=("$name: $errs errors (${ran:-nothing ran}), $( ((RC)) && why "$log" || echo "a case skipped")")
-    MC_FAILED+=" $name"
+    MC_NOTES+=("$name: $verdict, ${why_not:-?} (${ran:-no case reported})")
+    if [[ $verdict == FAIL ]]; then MC_FAILED+=" $name"; else MC_INCOMPLETE+=" $name"; fi
   fi
 }
 
@@ -172,13 +190,20 @@ stage_demo() {
   run_limited demo "${CAP[demo]}" "$log" "$PY" -P -m torch.distributed.run --standalone \
     --nproc-per-node 1 examples/demo.py --device cuda --out "$LOGS/demo_loss.png"
   ((DRY)) && return
-  local verdict
-  verdict=$(grep -m1 '^demo verdict:' "$log" | cut -c1-160)
-  if ((RC == 0)) && [[ $verdict == "demo verdict: PASS"* ]]; then
-    record demo PASS "$SECS" "$(grep -m1 '^throughput' "$log"); ${verdict#demo verdict: }"
+  local line verdict
+  line=$(grep -m1 '^demo verdict:' "$log" | cut -c1-160)
+  if [[ $line == "demo verdict: PASS"* ]]; then verdict=$(settle PASS)
+  elif [[ -n $line ]]; then verdict=FAIL  # the demo's own verdict: it diverged
+  else  # no verdict: out of time (INCOMPLETE), or it ended without one (FAIL)
+    verdict=$(settle PASS); [[ $verdict == PASS ]] && verdict=FAIL
+  fi
+  if [[ $verdict == PASS ]]; then
+    record demo PASS "$SECS" "$(grep -m1 '^throughput' "$log"); ${line#demo verdict: }"
   else
-    record demo FAIL "$SECS" "${verdict:-$(why "$log")}"
-    detail demo "${verdict:-$(why "$log")}"
+    local reason=${line:-$(why "$log")}
+    [[ $OUTCOME == ok || -z $line ]] || reason+="; $(why "$log")"
+    record demo "$verdict" "$SECS" "$reason"
+    detail demo "$reason"
   fi
 }
 

@@ -12,6 +12,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .. import _C  # noqa: F401  (importing it runs the op registrations)
 from . import cuda_attention  # noqa: F401  (the cuDNN forward the native layer calls)
+from .collectives import IMPLEMENTATIONS, _resolve
+from .collectives import _runs_on_gloo  # noqa: F401  (tests/flex reads it here)
 
 _PYTHON_CLASSES = {cls.__name__: cls for cls in
                    (ValueError, NotImplementedError, TypeError, IndexError, RuntimeError)}
@@ -73,12 +75,10 @@ class _NativeOps:
 
 ops = _NativeOps()
 
-# The stable ABI has no process-group API, and torch's functional collectives
-# take their group as `Any` from torch 2.13 on, which the stable dispatcher
-# call cannot pass: the native layer reaches groups through these ops
-# (schemas in csrc/torch/comm/collectives.cpp).
+# The stable ABI has no process-group API: the native layer reaches groups
+# through Python-implemented ops (schemas in csrc/torch/comm/collectives.cpp):
+# group_info here, the collectives of collectives.py.
 _comm_lib = torch.library.Library("cplib_c", "IMPL")
-_functional = torch.ops._c10d_functional
 
 
 # Group tokens: one number per process-group object this process has seen
@@ -100,59 +100,31 @@ def group_token(pg: dist.ProcessGroup) -> int:
         if _tokens.get(key, (None, None))[1] == token:
             del _tokens[key]
         _routes.pop(token, None)
+        _infos.pop(token, None)
     _tokens[key] = (weakref.ref(pg, gone), token)
     return token
+
+
+# What _group_info answers for a group object (fixed for its life), by token.
+_infos: dict[int, list[int]] = {}
 
 
 def _group_info(group_name: str) -> list[int]:
     """[rank, size, 1 for an NCCL group, the group's token], or [] for an
     unknown name (the op then raises ValueError naming it)."""
-    c10d = dist.distributed_c10d
     try:
-        pg = c10d._resolve_process_group(group_name)
-        nccl = dist.get_backend(pg) == "nccl"
-        return [pg.rank(), pg.size(), int(nccl), group_token(pg)]
+        pg = _resolve(group_name)
+        token = group_token(pg)
+        info = _infos.get(token)
+        if info is None:
+            nccl = dist.get_backend(pg) == "nccl"
+            info = _infos[token] = [pg.rank(), pg.size(), int(nccl), token]
+        return info
     except Exception:  # unknown or destroyed
         return []
 
 
-def _runs_on_gloo(group_name: str, device: torch.device) -> bool:
-    try:
-        backend = dist.distributed_c10d._resolve_process_group(group_name)._get_backend(device)
-    except Exception:  # no backend for this device: not gloo
-        return False
-    return isinstance(backend, getattr(dist, "ProcessGroupGloo", ()))
-
-
-def _all_gather(input: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
-    if _runs_on_gloo(group_name, input.device):
-        # gloo's all-gather (allgather_coalesced, behind the functional op)
-        # corrupts the heap when two are in flight at once (two K/V gathers:
-        # "malloc(): unaligned tcache chunk detected" within a few hundred
-        # calls on torch 2.13, reproduced without cplib); its all-to-all does
-        # not. The same exchange as an all-to-all: every rank sends its whole
-        # input to every rank, received rank-major as all_gather would.
-        rows = input.shape[0]
-        splits = [rows] * group_size
-        # One cat: repeat() costs a dozen ATen calls on the host.
-        repeated = torch.cat([input] * group_size)
-        return _functional.all_to_all_single(repeated, splits, splits, group_name)
-    return _functional.all_gather_into_tensor(input, group_size, group_name)
-
-
-def _reduce_scatter_sum(input: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
-    return _functional.reduce_scatter_tensor(input, "sum", group_size, group_name)
-
-
-def _all_to_all(input: torch.Tensor, output_split_sizes: list[int],
-                input_split_sizes: list[int], group_name: str) -> torch.Tensor:
-    return _functional.all_to_all_single(input, output_split_sizes, input_split_sizes,
-                                         group_name)
-
-
-for _name, _fn in (("group_info", _group_info), ("c10d_all_gather", _all_gather),
-                   ("c10d_reduce_scatter_sum", _reduce_scatter_sum),
-                   ("c10d_all_to_all", _all_to_all)):
+for _name, _fn in (("group_info", _group_info), *IMPLEMENTATIONS.items()):
     _comm_lib.impl(_name, _fn, "CompositeExplicitAutograd")
 
 GroupLike = str | dist.ProcessGroup

@@ -12,23 +12,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..diffusers.plans import _plan_of, applied_cp_plans
-from .documents import context_documents
+from ..diffusers.plans import applied_cp_plans
 from ..comm.handshake import agreed, handshake, register_groups, values_hash
-from ..ring.load_balancer import (
-    AnyLengthHeadTailLoadBalancer,
-    AnyLengthPerDocumentLoadBalancer,
-    _LoadBalancer,
-    shard_lengths,
-)
-from ..ring.placement import DocumentPlacementLoadBalancer
+from ..ring.load_balancer import _LoadBalancer, shard_lengths
+from .context_plan import ContextPlan, plan_context
 from .options import (RingConfig, _cp_options, _RotateMethod, explicit_rotation,
-                      parse_rotate_method, rotate_method_name)
+                      rotate_method_name)
 from .sdpa_dispatch import CPDispatchMode
 from ..comm.native import check_mesh
-from .sharding import check_shardable, keep_shards_for_backward, shard_tensor
+from .sharding import keep_shards_for_backward, shard_tensor
 from .unshard import unshard
-from ..ulysses.usp_layout import UspLoadBalancer, check_degrees, ulysses_layout, usp_groups
+from ..ulysses.usp_layout import UspLoadBalancer, ulysses_layout, usp_groups
 from ..strategy.route import AutoStrategy, parse_strategy, strategy_entry
 
 __all__ = ["context_parallel", "ContextParallelHandle"]
@@ -49,53 +43,6 @@ class ContextParallelHandle:
         """Full sequences from this context's shards, differentiable (see
         ``cplib.unshard``)."""
         return unshard(self.mesh, list(tensors), list(seq_dims), self.load_balancer)
-
-
-def _validate(buffers: list, seq_dims: list, no_restore: list, world_size: int,
-              load_balance: bool | None, ring_degree: int) -> bool:
-    """All argument checks, from shapes alone (identical on every rank).
-    Returns whether the head-tail layout (over ``ring_degree`` positions) is used."""
-    if len(buffers) != len(seq_dims):
-        raise ValueError(
-            f"cplib.context_parallel: buffer_seq_dims has {len(seq_dims)} entries but there are "
-            f"{len(buffers)} buffers; give one sequence dim per buffer"
-        )
-    for i, b in enumerate(buffers):
-        if isinstance(b, torch.Tensor) and (b.requires_grad or isinstance(b, torch.nn.Parameter)):
-            raise ValueError(
-                f"cplib.context_parallel: buffer {i} (shape {tuple(b.shape)}) requires grad; "
-                "buffers are resharded in place, so pass inputs (ids, labels, positions), not "
-                "parameters or tensors that require grad"
-            )
-        if any(b is other for other in buffers[:i]):
-            raise ValueError(f"cplib.context_parallel: buffer {i} is listed twice")
-    for t in no_restore:
-        if not any(t is b for b in buffers):
-            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(
-                f"cplib.context_parallel: no_restore_buffers must be a subset of buffers; a "
-                f"tensor of shape {shape} is not one of the buffers"
-            )
-    check_shardable(buffers, seq_dims, world_size, any_length=True)
-    if not buffers:
-        return bool(_cp_options.enable_load_balance if load_balance is None else load_balance)
-    lengths = [b.shape[d] for b, d in zip(buffers, seq_dims)]
-    wanted = _cp_options.enable_load_balance if load_balance is None else load_balance
-    divisible = all(length % (2 * ring_degree) == 0 for length in lengths)
-    same = len(set(lengths)) == 1
-    if load_balance and not same:
-        raise ValueError(
-            f"cplib.context_parallel: load_balance=True needs every buffer's sequence length to "
-            f"be the same; got lengths {lengths}"
-        )
-    if ring_degree != world_size and not same:
-        # Joint streams of different lengths: sequential shards, whose uneven
-        # rows the (non-causal) Ulysses exchange and the ring learn per call.
-        return False
-    if load_balance:
-        return True  # head-tail for any length (chunks within one token of each other)
-    # Without an explicit request, fall back to sequential sharding as torch does.
-    return bool(wanted and divisible and same)
 
 
 def _agree_on_call(group_name: str, buffers: list, seq_dims: list, no_restore: list,
@@ -123,89 +70,21 @@ def _agree_on_call(group_name: str, buffers: list, seq_dims: list, no_restore: l
               fields)
 
 
-def _plan(buffers: list[torch.Tensor], world_size: int, buffer_seq_dims, no_restore_buffers,
-          rotate_method, load_balance, ulysses_degree: int, cu_seqlens, position_ids, window,
-          modules) -> tuple:
-    """Step 1 of ``context_parallel``, on every rank before any collective:
-    every argument checked (ValueError naming it), and the layout chosen: the
-    sequence dims, the buffers not to restore, the rotation, the ring degree,
-    whether shards are balanced (and per document), the global length, the
-    documents, the window and the load balancer with its indices."""
-    seq_dims = [] if buffer_seq_dims is None else list(buffer_seq_dims)
-    no_restore = [] if no_restore_buffers is None else list(no_restore_buffers)
-    rotate = parse_rotate_method(_cp_options.rotate_method if rotate_method is None
-                                 else rotate_method)
-    ring_degree = check_degrees(world_size, ulysses_degree)
-    per_document = isinstance(load_balance, str) and load_balance == "per_document"
-    placement = isinstance(load_balance, str) and load_balance == "placement"
-    if not (load_balance is None or isinstance(load_balance, bool) or per_document or placement):
-        raise ValueError(f"cplib.context_parallel: load_balance={load_balance!r} is not "
-                         "True, False, None, 'per_document' or 'placement'")
-    if modules and (load_balance or per_document):
-        raise ValueError(f"cplib.context_parallel: modules= shards sequentially (the "
-                         f"model's _cp_plan cuts each input in rank order); "
-                         f"load_balance={load_balance!r} does not apply; leave it None or "
-                         "False")
-    for i, m in enumerate(modules):  # checked again on entry; here on every rank alike
-        _plan_of(m, i)
-    balanced = _validate(buffers, seq_dims, no_restore, world_size,
-                         True if per_document or placement
-                         else (False if modules else load_balance),
-                         ring_degree)
-    seq_len = buffers[0].shape[seq_dims[0]] if buffers else None
-    # Buffers of different lengths (text and image tokens) have no one
-    # global length: the attention ops then learn every rank's rows.
-    one_length = len({b.shape[d] for b, d in zip(buffers, seq_dims)}) <= 1
-    documents = context_documents(cu_seqlens, position_ids, seq_len)
-    if (per_document or placement) and documents is None:
-        raise ValueError(f"cplib.context_parallel: load_balance={load_balance!r} needs the "
-                         "documents (cu_seqlens or position_ids)")
-    if placement and ulysses_degree != 1:
-        raise NotImplementedError(f"cplib.context_parallel: load_balance='placement' with "
-                                  f"ulysses_degree={ulysses_degree}: the placement is a ring "
-                                  "layout; use ulysses_degree=1 or load_balance='per_document'")
-    sides = None
-    if window is not None:
-        from ..ring.args import window_arg
-        sides = window_arg(window)  # ValueError naming a bad window, before any sharding
-    balancer = None
-    if not one_length:
-        pass  # sequential shards of every buffer, each cut on its own
-    elif ulysses_degree != 1 and buffers and (balanced or seq_len % world_size):
-        # USP: the ring layout over N/U positions, each ring shard cut in U pieces.
-        balancer = UspLoadBalancer(seq_len, world_size, ulysses_degree, buffers[0].device,
-                                   head_tail=balanced,
-                                   documents=documents.tolist() if per_document else None)
-    elif per_document:
-        balancer = AnyLengthPerDocumentLoadBalancer(documents.tolist(), world_size,
-                                                    buffers[0].device)
-    elif placement:
-        balancer = DocumentPlacementLoadBalancer(documents.tolist(), world_size,
-                                                 buffers[0].device)
-    elif balanced and buffers:
-        balancer = AnyLengthHeadTailLoadBalancer(seq_len, world_size, buffers[0].device)
-    indices = balancer._generate_indices() if balancer is not None else None
-    return (seq_dims, no_restore, rotate, ring_degree, per_document, balanced, seq_len,
-            one_length, documents, sides, balancer, indices)
-
-
-def _ring_config(groups, group_name: str, world_size: int, balanced: bool, rotate: Any,
-                 ulysses_degree: int, ring_degree: int, seq_len: int | None, one_length: bool,
-                 balancer: Any, documents: Any, window: Any, per_document: bool,
+def _ring_config(groups, group_name: str, world_size: int, plan: ContextPlan, window: Any,
                  strategy: Any) -> RingConfig:
     """The configuration of the attention calls inside a context."""
+    seq_len, balancer = plan.seq_len, plan.balancer
     # The ring infers S from equal shards; uneven ones (or documents) need it.
     uneven = seq_len is not None and shard_lengths(seq_len, world_size, balancer) is not None
     # USP: odd ring shards cut in equal pieces are uneven for the ring's head-tail.
-    uneven = uneven or (isinstance(balancer, UspLoadBalancer) and balanced
-                        and seq_len % (2 * ring_degree) != 0)
-    return RingConfig(groups.ring_group or group_name, world_size, balanced,
-                      rotate_method_name(rotate), ulysses_degree, groups.ulysses_group,
-                      seq_len=seq_len if one_length and (uneven or documents is not None)
+    uneven = uneven or (isinstance(balancer, UspLoadBalancer) and plan.balanced
+                        and seq_len % (2 * plan.ring_degree) != 0)
+    return RingConfig(groups.ring_group or group_name, world_size, plan.layout,
+                      rotate_method_name(plan.rotate), world_size // plan.ring_degree,
+                      groups.ulysses_group,
+                      seq_len=seq_len if plan.one_length and (uneven or plan.documents is not None)
                       else None,
-                      cu_seqlens=documents, window=window, per_document=per_document,
-                      placement=isinstance(balancer, DocumentPlacementLoadBalancer),
-                      strategy=strategy)
+                      cu_seqlens=plan.documents, window=window, strategy=strategy)
 
 
 @contextlib.contextmanager
@@ -293,9 +172,9 @@ def context_parallel(
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     # 1. Every check before the handshake, whose all-gather comes before any
     # other collective (usp_groups); an error on one rank raises on all.
-    def plan(u: int = ulysses_degree, rotate=rotate_method, balance=load_balance) -> tuple:
-        return _plan(buffers, world_size, buffer_seq_dims, no_restore_buffers, rotate,
-                     balance, u, cu_seqlens, position_ids, window, modules)
+    def plan(u: int = ulysses_degree, rotate=rotate_method, balance=load_balance) -> ContextPlan:
+        return plan_context(buffers, world_size, buffer_seq_dims, no_restore_buffers, rotate,
+                            balance, u, cu_seqlens, position_ids, window, modules)
 
     modules = [] if modules is None else list(modules)
     # 2. Every rank agrees on the plan and the call; strategy="auto" may choose more.
@@ -304,28 +183,26 @@ def context_parallel(
     auto, per_call, planned = strategy_entry(auto, planned, plan, group.group_name,
                                              mesh.device_type, explicit_rotation(rotate_method),
                                              ulysses_degree)
-    (seq_dims, no_restore, rotate, ring_degree, per_document, balanced, seq_len, one_length,
-     documents, sides, balancer, indices) = planned
-    ulysses_degree = world_size // ring_degree
-    _agree_on_call(group.group_name, buffers, seq_dims, no_restore, len(modules), rotate,
-                   ulysses_degree, load_balance, balanced, documents, sides)
+    ulysses_degree = world_size // planned.ring_degree
+    _agree_on_call(group.group_name, buffers, planned.seq_dims, planned.no_restore, len(modules),
+                   planned.rotate, ulysses_degree, load_balance, planned.balanced,
+                   planned.documents, planned.window)
 
     # 3. The shards, and the configuration of the attention calls inside.
     groups = usp_groups(group, ulysses_degree)  # collective the first time only
     # Their side groups too (collective the first time only).
     register_groups(groups.ulysses_group, groups.ring_group)
+    balancer = planned.balancer
     with torch.no_grad():
-        shards = [shard_tensor(b, d, rank, world_size, indices,
+        shards = [shard_tensor(b, d, rank, world_size, planned.indices,
                                shard_lengths(b.shape[d], world_size, balancer))
-                  for b, d in zip(buffers, seq_dims)]
+                  for b, d in zip(buffers, planned.seq_dims)]
     # Keep the original storage and geometry: restoring points each buffer
     # back at them, so the bytes, shape and strides are exactly the old ones.
-    saved = [None if any(b is t for t in no_restore)
+    saved = [None if any(b is t for t in planned.no_restore)
              else (b.untyped_storage(), b.storage_offset(), b.size(), b.stride())
              for b in buffers]
-    config = _ring_config(groups, group.group_name, world_size, balanced, rotate, ulysses_degree,
-                          ring_degree, seq_len, one_length, balancer, documents, window,
-                          per_document, per_call)
+    config = _ring_config(groups, group.group_name, world_size, planned, window, per_call)
     # 4. Shards in, attention dispatched inside the block; buffers restored on exit.
     old_balance = _cp_options.enable_load_balance
     swapped = 0
@@ -334,7 +211,7 @@ def context_parallel(
             for b, s in zip(buffers, shards):
                 b.set_(s)
                 swapped += 1
-        _cp_options.enable_load_balance = balanced  # as torch does, for code that reads it
+        _cp_options.enable_load_balance = planned.balanced  # as torch does, for code that reads it
         handle = ContextParallelHandle(mesh, config, balancer, auto)
         with CPDispatchMode(config, handle), ulysses_layout(ulysses_degree), \
                 keep_shards_for_backward(shards), applied_cp_plans(mesh, modules):

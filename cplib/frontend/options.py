@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from enum import Enum, auto
 from typing import Any
 
+from ..ring.names import ROTATIONS, Layout
+
 __all__ = [
     "_CausalBehavior",
     "_RotateMethod",
@@ -34,14 +36,13 @@ class _CausalBehavior(Enum):
 class _RotateMethod(Enum):
     ALL_TO_ALL = auto()
     ALL_GATHER = auto()
-    P2P = auto()  # cplib's addition: double-buffered send/recv ring
+    P2P = auto()  # cplib's addition: the double-buffered neighbour (send/recv) ring
 
 
-_NAMES = {
-    "alltoall": _RotateMethod.ALL_TO_ALL,
-    "allgather": _RotateMethod.ALL_GATHER,
-    "p2p": _RotateMethod.P2P,
-}
+# torch's members by the ring's rotation names (cplib/ring/names.py): ALL_TO_ALL
+# is "alltoall", and so on.
+_NAMES = {name: next(m for m in _RotateMethod if m.name.replace("_", "").lower() == name)
+          for name in ROTATIONS}
 
 
 @dataclass
@@ -90,9 +91,10 @@ def explicit_rotation(rotate_method: str | _RotateMethod | None) -> str | None:
 
 def set_rotate_method(rotate_method: str) -> None:
     """Sets the process-wide K/V rotation used by context parallel SDPA:
-    ``"p2p"`` (cplib's default: send/recv ring, O(S/N) memory), ``"alltoall"``
-    (one shift per step) or ``"allgather"`` (one gather up front, O(S)
-    memory). Any other value raises NotImplementedError, as in torch."""
+    ``"p2p"`` (cplib's default: a neighbour ring of batched send/recv, O(S/N)
+    memory), ``"alltoall"`` (one split all-to-all per step, as torch's) or
+    ``"allgather"`` (one gather up front, O(S) memory). Any other value
+    raises NotImplementedError, as in torch."""
     _cp_options.rotate_method = parse_rotate_method(rotate_method)
 
 
@@ -114,13 +116,14 @@ def _is_causal_behavior(rank: int, world_size: int, i: int, is_causal: bool) -> 
 @dataclass(frozen=True)
 class RingConfig:
     """What every SDPA call of one context-parallel region needs: the group,
-    whether shards are in head-tail layout, and the rotation; cplib's
-    additions: the global length when shards are uneven, the batch's
+    the layout of its shards (cplib.ring.names.Layout: sequential, head-tail,
+    per-document head-tail or the document placement) and the rotation;
+    cplib's additions: the global length when shards are uneven, the batch's
     documents, and the default sliding window."""
 
     group_name: str
     world_size: int
-    load_balanced: bool
+    layout: Layout
     rotate: str
     # USP (cplib/ulysses/usp_layout.py): with ulysses_degree U > 1, Ulysses runs over
     # ulysses_group and the ring over group_name (this rank's ring group).
@@ -129,7 +132,18 @@ class RingConfig:
     seq_len: int | None = None
     cu_seqlens: Any = None  # torch.Tensor | None
     window: Any = None  # int | (left, right) | None
-    per_document: bool = False  # shards head-tail inside every document
-    placement: bool = False  # shards in the document placement (DocumentPlacementLoadBalancer)
     # strategy="auto" (cplib/strategy/auto.py): the rotation is chosen per call.
     strategy: Any = None
+
+    # The layout as ring_sdpa's keywords name it.
+    @property
+    def load_balanced(self) -> bool:
+        return self.layout != Layout.SEQUENTIAL
+
+    @property
+    def per_document(self) -> bool:
+        return self.layout == Layout.PER_DOCUMENT
+
+    @property
+    def placement(self) -> bool:
+        return self.layout == Layout.PLACEMENT

@@ -20,9 +20,12 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from .documents import current_window
+from .dtensor_sdpa import disable_dtensor_sdpa, enable_dtensor_sdpa
 from ..comm.handshake import agreed, forward_error
 from ..comm.native import group_name_of
 from .options import RingConfig
+from ..ring.args import backend_arg, check_inputs, scale_arg, window_arg
+from ..ring.call import RingCall
 
 __all__ = [
     "CPDispatchMode",
@@ -142,7 +145,8 @@ def agreed_before_attention(op: str, group_name: str, ulysses_group: str | None,
     # Registered as the ops register them, so that this handshake takes the
     # collective theirs take (see group_name_of).
     first = group_name_of(ulysses_group or group_name)
-    group_name_of(group_name)
+    if first != group_name:
+        group_name_of(group_name)
     try:
         return agreed(op, first, tensors, check)
     except Exception as exc:
@@ -166,27 +170,31 @@ def routed_sdpa(config: RingConfig, *args: Any, **kwargs: Any) -> torch.Tensor:
         q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa = _sdpa_signature(*args,
                                                                                       **kwargs)
         _check_sdpa_args(q, k, v, attn_mask, dropout_p, enable_gqa)
-        return (q, k, v, attn_mask, is_causal, scale, sdpa_backend_hint(q.device),
-                current_window(config.window))
+        backend, window = sdpa_backend_hint(q.device), current_window(config.window)
+        if config.ulysses_degree > 1:
+            return q, k, v, attn_mask, (bool(is_causal), scale, backend, window)
+        # The ring's call, checked as ring_sdpa checks its own: the context's
+        # layout, rotation and documents with this call's mask.
+        check_inputs("ring_sdpa", q=q, k=k, v=v)
+        return q, k, v, attn_mask, RingCall(
+            config.group_name, bool(is_causal), config.layout, scale_arg("ring_sdpa", scale),
+            backend_arg("ring_sdpa", backend), config.rotate, config.cu_seqlens,
+            window_arg(window), config.seq_len)
 
-    q, k, v, attn_mask, is_causal, scale, backend, window = _agreed_in(
-        config, "scaled_dot_product_attention", tensors, check)
-    if config.strategy is not None:  # strategy="auto": the rotation for these shapes
-        from ..strategy.route import routed_config
-        config = routed_config(config, q, k, v, bool(is_causal), window)
+    q, k, v, attn_mask, call = _agreed_in(config, "scaled_dot_product_attention", tensors, check)
     if config.ulysses_degree > 1:
-        return _routed_ulysses(config, q, k, v, bool(is_causal), scale, backend, window,
-                               attn_mask)
-    from ..ring.op import ring_sdpa  # lives beside this module; imported when first needed
+        is_causal, scale, backend, window = call
+        if config.strategy is not None:  # strategy="auto": the rotation for these shapes
+            from ..strategy.route import routed_config
+            config = routed_config(config, q, k, v, is_causal, window)
+        return _routed_ulysses(config, q, k, v, is_causal, scale, backend, window, attn_mask)
+    if config.strategy is not None:
+        from ..strategy.route import routed_config
+        call = call.replace(rotate=routed_config(config, q, k, v, call.is_causal,
+                                                 call.window).rotate)
+    from ..ring.op import ring_attention  # lives beside this module; imported when first needed
 
-    extras = context_extras(config, window)
-    if attn_mask is not None:
-        extras["attn_mask"] = attn_mask
-    out, _ = ring_sdpa(
-        q, k, v, config.group_name, is_causal=bool(is_causal),
-        load_balanced=config.load_balanced, scale=scale, rotate=config.rotate,
-        backend=backend, **extras,
-    )
+    out, _ = ring_attention(q, k, v, call, attn_mask=attn_mask)
     return out
 
 
@@ -226,7 +234,7 @@ class CPDispatchMode(TorchFunctionMode):
         super().__init__()
         self.config = config
         # The ContextParallelHandle of a cplib.context_parallel region (its
-        # mesh and layout: cplib/hf/loss.py reads it), None for a module's.
+        # mesh and layout: cplib/clients/sequence.py reads it), None for a module's.
         self.handle = handle
 
     def __torch_function__(self, func: Callable, types_: tuple, args: tuple = (),
@@ -266,14 +274,18 @@ _enabled = [False]  # torch's API toggles the dispatcher process-wide
 
 def _enable_context_parallel_dispatcher() -> None:
     """Lets modules parallelized with ``_ContextParallel`` (SDPA) route their
-    attention to the ring op. This API is experimental, as in torch."""
+    attention to the ring op, and the fused SDPA ops of DTensors sharded along
+    the sequence (torchtitan's ``apply_cp_to_forward``) too
+    (cplib/frontend/dtensor_sdpa.py). This API is experimental, as in torch."""
     _enabled[0] = True
+    enable_dtensor_sdpa()
 
 
 def _disable_context_parallel_dispatcher() -> None:
-    """Turns the ``_ContextParallel`` routing off again; those modules then
-    raise instead of computing attention over the local shard only."""
+    """Turns both routings off again; those modules then raise instead of
+    computing attention over the local shard only."""
     _enabled[0] = False
+    disable_dtensor_sdpa()
 
 
 def dispatcher_enabled() -> bool:

@@ -24,6 +24,12 @@ class ShardLayout(NamedTuple):
     balancer: str  # its class name, for the errors
     cu_seqlens: tuple[int, ...] | None  # the documents it was made for, where known
     ulysses_degree: int  # the USP degree it lays out for (1: the ring's layouts)
+    # What _context_parallel_shard cut, for losses that read labels in the
+    # same layout (cplib/clients/sequence.py): its mesh, load balancer and the
+    # sequence lengths of its buffers.
+    mesh: object = None
+    load_balancer: object = None
+    seq_lens: tuple[int, ...] = ()
 
 
 def shard_layout_of(load_balancer: object | None) -> ShardLayout:

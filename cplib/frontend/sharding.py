@@ -120,6 +120,21 @@ def describe_load_balancer(load_balancer: _LoadBalancer | None) -> dict[str, int
     return fields
 
 
+def shard_key(group_name: str, world_size: int, seq_len: int,
+              indices: torch.Tensor | None) -> tuple:
+    """What tells one layout of a ``seq_len`` sequence from another: the
+    group, its size and the permutation the load balancer applies (None:
+    sequential), hashed."""
+    perm = 0 if indices is None else zlib.crc32(indices.cpu().contiguous().numpy().tobytes())
+    return (group_name, world_size, seq_len, perm)
+
+
+def shard_key_of(t: torch.Tensor) -> tuple | None:
+    """The :func:`shard_key` of the layout :func:`shard` cut ``t`` in (None:
+    not one of its outputs, or a copy of one)."""
+    return getattr(t, "_cplib_shard_key", None)
+
+
 def _shard_block_mask(mesh: DeviceMesh, mask: Any, load_balancer: _LoadBalancer | None) -> Any:
     from ..flex.block_mask import _shard_block_mask as shard_flex_mask  # needs flex attention
     return shard_flex_mask(mesh, mask, load_balancer)
@@ -189,6 +204,8 @@ def shard(mesh: DeviceMesh, buffers: Sequence[torch.Tensor] | Mapping[str, torch
     for i, b, d in tensors:
         lengths = shard_lengths(b.shape[d], n, load_balancer)
         out[i] = shard_tensor(b, d, rank, n, indices, lengths)
+        # Which layout cut it, for the losses' check (shard_key_of).
+        out[i]._cplib_shard_key = shard_key(group.group_name, n, b.shape[d], indices)
     for i, b in enumerate(flat):
         if block_mask is not None and isinstance(b, block_mask):
             out[i] = _shard_block_mask(mesh, b, load_balancer)
@@ -205,6 +222,9 @@ def _context_parallel_shard(mesh: DeviceMesh, buffers: Any, seq_dims: Any,
     from .shard_layout import shard_layout_of
 
     result = shard(mesh, buffers, seq_dims, load_balancer)
+    flat, _ = tree_flatten(buffers)
+    lengths = tuple(sorted({b.shape[d] for b, d in zip(flat, tree_flatten(seq_dims)[0])}))
     _cp_options.enable_load_balance = load_balancer is not None
-    _cp_options.shard_layout = shard_layout_of(load_balancer)
+    _cp_options.shard_layout = shard_layout_of(load_balancer)._replace(
+        mesh=mesh, load_balancer=load_balancer, seq_lens=lengths)
     return result

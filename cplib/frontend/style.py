@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from ..flex.hook import _flex_input_hook, _register_flex_input_hook
 from ..comm.handshake import agreed, handshake, register_groups
 from .options import RingConfig, _cp_options, _RotateMethod, explicit_rotation, rotate_method_name
+from ..ring.names import layout_of
 from .shard_layout import check_layout_read
 from .sdpa_dispatch import CPDispatchMode, agreed_before_attention, dispatcher_enabled
 from ..comm.native import check_mesh
@@ -191,9 +192,7 @@ def attention_documents(cu_seqlens: torch.Tensor | None = None, *,
 
     if (cu_seqlens is None) == (position_ids is None):
         raise ValueError("cplib.attention_documents: pass cu_seqlens or position_ids (one)")
-    if per_document and placement:
-        raise ValueError("cplib.attention_documents: per_document and placement are two "
-                         "layouts; pass one")
+    layout_of("attention_documents", per_document=per_document, placement=placement)
     if position_ids is not None:
         cu_seqlens = cu_seqlens_from_position_ids(position_ids)
     if not isinstance(cu_seqlens, torch.Tensor):
@@ -229,12 +228,12 @@ def _sdpa_forward(forward: Any, group_name: str, world: int, groups: UspGroups, 
                           per_document=per_document, placement=placement, cu_seqlens=cu_seqlens,
                           world_size=world, ulysses_degree=groups.ulysses_degree)
         return RingConfig(groups.ring_group or group_name, world,
-                          _cp_options.enable_load_balance or per_document,
+                          layout_of("_ContextParallel", _cp_options.enable_load_balance,
+                                    per_document, placement),
                           rotate_method_name(_cp_options.rotate_method), groups.ulysses_degree,
                           groups.ulysses_group,
                           seq_len=None if cu_seqlens is None else int(cu_seqlens[-1]),
-                          cu_seqlens=cu_seqlens, window=window, per_document=per_document,
-                          placement=placement, strategy=call_strategy)
+                          cu_seqlens=cu_seqlens, window=window, strategy=call_strategy)
 
     # An error here meets the handshake the other ranks' SDPA calls start with.
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]

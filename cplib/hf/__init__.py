@@ -16,9 +16,16 @@ computes every layer's attention
   semantics (so one model object works either way), padding masks included.
 
 and ``model(..., labels=labels).loss`` inside a context shifts the labels
-over the whole sequence and normalises by the global count of valid labels
-(cplib/hf/loss.py): the mean over the CP ranks of the loss, and of the
-parameter gradients, is the single-process value.
+over the whole sequence and normalises by the global count of valid labels,
+and MoE routers' load-balancing loss covers the whole sequence
+(cplib/clients/hf_loss.py, installed here and by ``cplib.patch_torch()``):
+the mean over the CP ranks of the loss, and of the parameter gradients, is
+the single-process value.
+
+Hybrid models (Qwen3-Next, Qwen3.5, Kimi Linear, Falcon-H1, Granite 4,
+LFM2, ...): inside a context their recurrent and conv layers run exactly or
+raise NotImplementedError naming the layer (cplib/hf/hybrid.py, the list in
+hybrid_families.py); outside one they are transformers' own.
 
 Importing ``cplib`` alone does not import transformers; this module does.
 """
@@ -29,7 +36,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from ._attention import cplib_attention_forward, cplib_mask
-from .loss import install_causal_lm_loss
+from ..clients.hf_loss import install_hf_losses
+from .hybrid import install_hybrid_layers
 
 __all__ = ["cplib_attention_forward", "cplib_mask", "ATTN_IMPLEMENTATION"]
 
@@ -37,6 +45,9 @@ ATTN_IMPLEMENTATION = "cplib"
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, cplib_attention_forward)
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, cplib_mask)
-# model(..., labels=labels).loss under cplib.context_parallel: labels shifted
-# over the whole sequence, the loss normalised by the global count (loss.py).
-install_causal_lm_loss()
+# model(..., labels=labels).loss under context parallelism: labels shifted
+# over the whole sequence, the loss normalised by the global count, the
+# router loss over every token (cplib/clients/hf_loss.py).
+install_hf_losses("cplib.hf")
+# Hybrid models: their recurrent and conv layers exact or refused under CP (hybrid.py).
+install_hybrid_layers()

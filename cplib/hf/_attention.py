@@ -76,6 +76,10 @@ def cplib_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if dropout:
         raise NotImplementedError(f"cplib attention: attention dropout={dropout} is not "
                                   "supported; set the model's attention dropout to 0")
+    if kwargs.get("position_bias") is not None:  # would otherwise be ignored: refuse
+        raise NotImplementedError("cplib attention: position_bias (an additive bias on the "
+                                  "attention logits, e.g. Inkling's relative logits) is not "
+                                  "supported; use attn_implementation='eager'")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"cplib attention: sliding_window={sliding_window} must be >= 1")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)

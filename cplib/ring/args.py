@@ -1,8 +1,8 @@
 """The ring's argument checks and parsers, in Python before dispatch (the
 same checks, in the same order, as csrc/torch/ring/ring_args.cpp): tensor
-arguments, cu_seqlens, positions, sinks, and the codes of the ops' rotate,
-backend and ring_pass arguments. Ulysses, USP, decode, flex, tp_conv and the
-front end parse their arguments with these too."""
+arguments, cu_seqlens, positions, sinks, and the names the ops' rotate and
+backend arguments take (cplib/ring/names.py). Ulysses, USP, decode, flex,
+tp_conv and the front end parse their arguments with these too."""
 
 from __future__ import annotations
 
@@ -13,22 +13,10 @@ import torch
 
 from ..comm.native import group_size, reject_mixed_meta
 from .layout import local_length
+from .names import BACKENDS, ROTATIONS, Layout
 
-__all__ = ["ROTATE_CODES", "BACKEND_CODES", "RING_PASS_CODES", "check_cu_seqlens",
-           "check_sinks", "check_inputs", "rotate_arg", "backend_arg", "scale_arg", "int_arg",
-           "window_arg"]
-
-# Integer codes of the ops' `rotate` and `backend` arguments (see csrc/torch/ring/ring.h).
-ROTATE_CODES: dict[str, int] = {"p2p": 0, "alltoall": 1, "allgather": 2}
-
-# -1 = auto: chosen as scaled_dot_product_attention would (honours
-# torch.nn.attention.sdpa_kernel); the others are at::SDPBackend values.
-# CPU always runs the CPU flash kernel and accepts only auto and flash.
-BACKEND_CODES: dict[str | None, int] = {None: -1, "auto": -1, "flash": 1, "efficient": 2,
-                                        "cudnn": 3}
-
-# Codes of the op's `ring_pass` argument (see csrc/torch/ring/ring.h).
-RING_PASS_CODES: dict[str, int] = {"kv": 0, "q": 1, "auto": 2}
+__all__ = ["check_cu_seqlens", "check_sinks", "check_inputs", "rotate_arg", "backend_arg",
+           "scale_arg", "int_arg", "window_arg"]
 
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -84,9 +72,10 @@ def _group_rank(group_name: str) -> int | None:
         return None
 
 
-def _check_extras(op: str, q, k, group_name: str, load_balanced: bool, cu_seqlens, window,
-                  seq_len, per_document: bool = False, placement: bool = False) -> None:
+def _check_extras(op: str, q, k, call) -> None:
     # In the order of check_extras in csrc/torch/ring/ring_args.cpp.
+    group_name, cu_seqlens, seq_len, layout = (call.group_name, call.cu_seqlens, call.seq_len,
+                                               call.layout)
     n = group_size(group_name)
     lq, lk = q.shape[2], k.shape[2]
     sq, sk = lq * n, lk * n
@@ -95,31 +84,33 @@ def _check_extras(op: str, q, k, group_name: str, load_balanced: bool, cu_seqlen
             raise ValueError(f"cplib.{op}: seq_len={seq_len} is shorter than the world size {n} "
                              "(every rank needs a token)")
         sq = sk = seq_len
-    if (cu_seqlens is not None or window is not None) and sq != sk:
+    if (cu_seqlens is not None or call.window is not None) and sq != sk:
         raise ValueError(f"cplib.{op}: cu_seqlens and window need q and k/v of one global "
                          f"length, got q {sq} and kv {sk}")
-    if per_document and (cu_seqlens is None or seq_len is None):
-        raise ValueError(f"cplib.{op}: per_document=True (head-tail inside every document) "
-                         "needs cu_seqlens and seq_len")
-    if placement and (cu_seqlens is None or seq_len is None or per_document):
-        raise ValueError(f"cplib.{op}: placement=True (documents placed across the ranks) needs "
-                         "cu_seqlens and seq_len, and excludes per_document")
+    documented = layout in (Layout.PER_DOCUMENT, Layout.PLACEMENT)
+    if documented and (cu_seqlens is None or seq_len is None):
+        what = ("per_document=True (head-tail inside every document)"
+                if layout == Layout.PER_DOCUMENT
+                else "placement=True (documents placed across the ranks)")
+        raise ValueError(f"cplib.{op}: {what} needs cu_seqlens and seq_len")
     if cu_seqlens is not None:
         check_cu_seqlens(op, cu_seqlens, sq)
     rank = _group_rank(group_name)
     if seq_len is not None and rank is not None:
         docs = None
-        if per_document:
+        if layout == Layout.PER_DOCUMENT:
             docs = None if _is_fake(cu_seqlens) else cu_seqlens.tolist()
-        if not per_document or docs is not None:
+        if layout != Layout.PER_DOCUMENT or docs is not None:
             # The placement gives every rank its sequential share of tokens.
-            want = local_length(seq_len, n, rank, load_balanced and not placement, docs)
+            want = local_length(seq_len, n, rank, layout == Layout.HEAD_TAIL, docs)
             if lq != want or lk != want:
-                layout = ("document placement" if placement else "per-document head-tail"
-                          if per_document else "head-tail" if load_balanced else "sequential")
-                raise ValueError(f"cplib.{op}: seq_len={seq_len} over {n} ranks ({layout} "
+                words = {Layout.SEQUENTIAL: "sequential", Layout.HEAD_TAIL: "head-tail",
+                         Layout.PER_DOCUMENT: "per-document head-tail",
+                         Layout.PLACEMENT: "document placement"}
+                raise ValueError(f"cplib.{op}: seq_len={seq_len} over {n} ranks ({words[layout]} "
                                  f"layout) gives rank {rank} {want} rows, but q has {lq} and "
                                  f"k/v {lk}")
+    window = call.window
     if window is not None:
         w = list(window)
         if len(w) != 2:
@@ -175,17 +166,20 @@ def check_inputs(op: str, **tensors) -> None:
     reject_mixed_meta(op, **tensors)
 
 
-def rotate_arg(op: str, rotate) -> int:
-    if not isinstance(rotate, str) or rotate not in ROTATE_CODES:
-        raise ValueError(f"cplib.{op}: rotate={rotate!r} is not one of {sorted(ROTATE_CODES)}")
-    return ROTATE_CODES[rotate]
+def rotate_arg(op: str, rotate) -> str:
+    if not isinstance(rotate, str) or rotate not in ROTATIONS:
+        raise ValueError(f"cplib.{op}: rotate={rotate!r} is not one of {list(ROTATIONS)}")
+    return rotate
 
 
-def backend_arg(op: str, backend) -> int:
-    if not (backend is None or isinstance(backend, str)) or backend not in BACKEND_CODES:
-        raise ValueError(f"cplib.{op}: backend={backend!r} is not one of None, 'auto', "
-                         "'flash', 'efficient', 'cudnn'")
-    return BACKEND_CODES[backend]
+def backend_arg(op: str, backend) -> str:
+    """``backend`` as the ops take it: a name of ``BACKENDS`` (None is "auto")."""
+    if backend is None:
+        return "auto"
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"cplib.{op}: backend={backend!r} is not one of None, "
+                         f"{', '.join(map(repr, BACKENDS))}")
+    return backend
 
 
 def scale_arg(op: str, scale) -> float | None:

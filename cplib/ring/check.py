@@ -7,16 +7,23 @@ from __future__ import annotations
 import math
 
 from ..comm.native import group_size
-from .args import _DTYPES, RING_PASS_CODES, ROTATE_CODES, _check_extras, _check_positions
+from .args import _DTYPES, _check_extras, _check_positions
+from .call import RingCall
+from .names import BACKENDS, LAYOUTS, RING_PASSES, ROTATIONS, Layout
 
 __all__ = ["_check"]
 
 
-def _check(op: str, q, k, v, group_name: str, is_causal: bool, load_balanced: bool,
-           scale: float | None, backend: int, rotate: int, cu_seqlens=None, window=None,
-           seq_len=None, per_document=False, q_positions=None, kv_positions=None,
-           ring_pass: int = 0, placement: bool = False) -> None:
+def _check(op: str, q, k, v, call: RingCall) -> None:
     # Mirrors check_args in csrc/torch/ring/ring_args.cpp so traced code fails the same way.
+    for what, value, names in (("layout", call.layout, LAYOUTS),
+                               ("backend", call.backend, BACKENDS),
+                               ("rotate", call.rotate, ROTATIONS),
+                               ("ring_pass", call.ring_pass, RING_PASSES)):
+        if value not in names:
+            raise ValueError(f"cplib.{op}: {what}={value!r} is not one of "
+                             f"{', '.join(map(repr, names))}")
+    group_name, backend, scale = call.group_name, call.backend, call.scale
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"cplib.{op}: expected q, k, v of shape (B, H, S_local, D), got q "
                          f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
@@ -43,7 +50,7 @@ def _check(op: str, q, k, v, group_name: str, is_causal: bool, load_balanced: bo
     if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"cplib.{op}: q has {q.shape[1]} heads, which is not a multiple of "
                          f"k/v's {k.shape[1]} heads")
-    positions = q_positions is not None or kv_positions is not None
+    positions = call.has_positions
     if (q.shape[2] == 0 or k.shape[2] == 0) and not positions:
         raise ValueError(f"cplib.{op}: empty local sequence (q length {q.shape[2]}, kv length "
                          f"{k.shape[2]})")
@@ -51,27 +58,19 @@ def _check(op: str, q, k, v, group_name: str, is_causal: bool, load_balanced: bo
         raise ValueError(f"cplib.{op}: empty head dim")
     if q.device.type not in ("cuda", "cpu", "meta"):
         raise ValueError(f"cplib.{op}: unsupported device {q.device}")
-    if rotate not in ROTATE_CODES.values():
-        raise ValueError(f"cplib.{op}: rotate={rotate} is not a rotation "
-                         "(0 = p2p, 1 = alltoall, 2 = allgather)")
-    if backend not in (-1, 1, 2, 3):
-        raise ValueError(f"cplib.{op}: backend={backend} is not a backend "
-                         "(-1 = auto, 1 = flash, 2 = efficient, 3 = cudnn)")
-    if q.device.type != "cuda" and backend not in (-1, 1):
-        raise ValueError(f"cplib.{op}: backend={backend} needs CUDA; CPU tensors always use "
-                         "flash (1)")
+    if q.device.type != "cuda" and backend not in ("auto", "flash"):
+        raise ValueError(f"cplib.{op}: backend={backend!r} needs CUDA; CPU tensors always use "
+                         "'flash'")
     if scale is not None and not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"cplib.{op}: scale={scale} must be a finite positive number or None")
-    if ring_pass not in RING_PASS_CODES.values():
-        raise ValueError(f"cplib.{op}: ring_pass={ring_pass} is not a ring pass "
-                         "(0 = kv, 1 = q, 2 = auto)")
+    window = call.window
     if positions:
-        _check_positions(op, "q_positions", q_positions, q.shape[2], "q")
-        _check_positions(op, "kv_positions", kv_positions, k.shape[2], "k/v")
-        if load_balanced or seq_len is not None or per_document or placement:
+        _check_positions(op, "q_positions", call.q_positions, q.shape[2], "q")
+        _check_positions(op, "kv_positions", call.kv_positions, k.shape[2], "k/v")
+        if call.layout != Layout.SEQUENTIAL or call.seq_len is not None:
             raise ValueError(f"cplib.{op}: q_positions/kv_positions describe the layout "
-                             "themselves: they exclude load_balanced, seq_len, per_document and "
-                             "placement")
+                             f"themselves: they exclude seq_len and layout={call.layout!r} "
+                             "(load_balanced, per_document and placement)")
         if group_name is not None:
             group_size(group_name)
         if window is not None and len(list(window)) != 2:
@@ -80,16 +79,15 @@ def _check(op: str, q, k, v, group_name: str, is_causal: bool, load_balanced: bo
             raise ValueError(f"cplib.{op}: window={list(window)} must be non-negative "
                              "(None for no limit)")
         return
-    if is_causal and q.shape[2] != k.shape[2]:
+    if call.is_causal and q.shape[2] != k.shape[2]:
         raise ValueError(f"cplib.{op}: is_causal needs equal local q and kv lengths, got q "
                          f"{q.shape[2]} and kv {k.shape[2]}")
-    if seq_len is None and not per_document and load_balanced and (q.shape[2] % 2 or
-                                                                   k.shape[2] % 2):
+    if call.seq_len is None and call.layout == Layout.HEAD_TAIL and (q.shape[2] % 2 or
+                                                                      k.shape[2] % 2):
         raise ValueError(f"cplib.{op}: load_balanced needs even local lengths (two chunks per "
                          f"rank), got q {q.shape[2]} and kv {k.shape[2]}")
     if group_name is None:  # a world-of-one check (cplib/ulysses/args.py)
         return
     group_size(group_name)  # ValueError for an unknown group
-    _check_extras(op, q, k, group_name, load_balanced, cu_seqlens, window, seq_len, per_document,
-                  placement)
+    _check_extras(op, q, k, call)
 

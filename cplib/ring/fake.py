@@ -10,6 +10,7 @@ import torch
 from ..comm.handshake import agreed, can_handshake, tracing
 from ..comm.native import ops, reject_real_in_fake
 from .args import _acc_dtype, check_sinks
+from .call import ARGS, RingCall
 from .check import _check
 
 
@@ -33,58 +34,56 @@ def _fake_checks(op: str, group_name, tensors, describe, checks) -> None:
     describe()
 
 
+def _call_of(args: tuple) -> RingCall:
+    """The record of the ops' shared arguments (``args`` after the tensors;
+    missing trailing ones take their defaults)."""
+    return RingCall(*args[:ARGS])
+
+
+def _describe(op: str, tensors: list, call: RingCall):
+    return lambda: ops.ring_describe_call(op, tensors, *call.op_args())
+
+
 @torch.library.register_fake("cplib_c::ring_sdpa")
-def _ring_sdpa_fake(q, k, v, group_name, is_causal, load_balanced, scale, backend, rotate,
-                    cu_seqlens=None, window=None, seq_len=None, per_document=False, sinks=None,
-                    q_positions=None, kv_positions=None, ring_pass=0, placement=False):
-    reject_real_in_fake("ring_sdpa", q, k, v, cu_seqlens, sinks, q_positions, kv_positions)
+def _ring_sdpa_fake(q, k, v, *args):
+    call = _call_of(args)
+    sinks = args[ARGS] if len(args) > ARGS else None
+    reject_real_in_fake("ring_sdpa", q, k, v, call.cu_seqlens, sinks, call.q_positions,
+                        call.kv_positions)
 
     def checks():
-        _check("ring_sdpa", q, k, v, group_name, is_causal, load_balanced, scale, backend,
-               rotate, cu_seqlens, window, seq_len, per_document, q_positions, kv_positions,
-               ring_pass, placement)
+        _check("ring_sdpa", q, k, v, call)
         check_sinks("ring_sdpa", q, sinks)
 
-    _fake_checks("ring_sdpa", group_name, (q, k, v), lambda: ops.ring_describe_call(
-        "ring_sdpa", [q, k, v], group_name, is_causal, load_balanced, scale, backend, rotate,
-        cu_seqlens, window, seq_len, per_document, q_positions, kv_positions, ring_pass,
-        placement), checks)
+    _fake_checks("ring_sdpa", call.group_name, (q, k, v), _describe("ring_sdpa", [q, k, v], call),
+                 checks)
     b, h, s, _ = q.shape
     out = q.new_empty((b, h, s, v.shape[3]))
     lse = q.new_empty((b, h, s), dtype=_acc_dtype(q.dtype))
     return out, lse
 
 
-@torch.library.register_fake("cplib_c::ring_sdpa_backward")
-def _ring_sdpa_backward_fake(grad_out, q, k, v, out, lse, group_name, is_causal, load_balanced,
-                             scale, backend, rotate, cu_seqlens=None, window=None, seq_len=None,
-                             per_document=False, q_positions=None, kv_positions=None,
-                             ring_pass=0, placement=False):
-    reject_real_in_fake("ring_sdpa_backward", grad_out, q, k, v, out, lse, cu_seqlens, q_positions,
-                        kv_positions)
+def _backward_fake(grad_out, q, k, v, out, lse, call: RingCall, describe: bool):
+    reject_real_in_fake("ring_sdpa_backward", grad_out, q, k, v, out, lse, call.cu_seqlens,
+                        call.q_positions, call.kv_positions)
+    call = call.replace(ring_pass="kv")  # the backward runs the pass-KV ring
 
     def checks():
-        _check("ring_sdpa_backward", q, k, v, group_name, is_causal, load_balanced, scale,
-               backend, rotate, cu_seqlens, window, seq_len, per_document, q_positions,
-               kv_positions, placement=placement)
+        _check("ring_sdpa_backward", q, k, v, call)
 
-    _fake_checks("ring_sdpa_backward", group_name, (q, k, v), lambda: ops.ring_describe_call(
-        "ring_sdpa_backward", [grad_out, q, k, v, out, lse], group_name, is_causal,
-        load_balanced, scale, backend, rotate, cu_seqlens, window, seq_len, per_document,
-        q_positions, kv_positions, ring_pass, placement), checks)
+    if describe:
+        _fake_checks("ring_sdpa_backward", call.group_name, (q, k, v), _describe(
+            "ring_sdpa_backward", [grad_out, q, k, v, out, lse], call), checks)
+    else:  # covered by its forward's handshake: checks only, nothing communicates
+        checks()
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+@torch.library.register_fake("cplib_c::ring_sdpa_backward")
+def _ring_sdpa_backward_fake(grad_out, q, k, v, out, lse, *args):
+    return _backward_fake(grad_out, q, k, v, out, lse, _call_of(args), describe=True)
 
 
 @torch.library.register_fake("cplib_c::ring_sdpa_backward_covered")
-def _ring_sdpa_backward_covered_fake(grad_out, q, k, v, out, lse, group_name, is_causal,
-                                     load_balanced, scale, backend, rotate, cu_seqlens, window,
-                                     seq_len, per_document, q_positions, kv_positions, ring_pass,
-                                     placement, agreed_record):
-    # Covered by its forward's handshake: checks only, nothing communicates.
-    reject_real_in_fake("ring_sdpa_backward", grad_out, q, k, v, out, lse, cu_seqlens, q_positions,
-                        kv_positions)
-    _check("ring_sdpa_backward", q, k, v, group_name, is_causal, load_balanced, scale, backend,
-           rotate, cu_seqlens, window, seq_len, per_document, q_positions, kv_positions,
-           placement=placement)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
+def _ring_sdpa_backward_covered_fake(agreed_record, grad_out, q, k, v, out, lse, *args):
+    return _backward_fake(grad_out, q, k, v, out, lse, _call_of(args), describe=False)

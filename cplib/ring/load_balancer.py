@@ -44,9 +44,14 @@ def document_bounds(cu_seqlens: Sequence[int] | Tensor) -> list[int]:
             isinstance(x, bool) or not isinstance(x, int) for x in cu_seqlens):
         raise ValueError(f"cplib: cu_seqlens must be a sequence of ints [0, ..., S], got "
                          f"{cu_seqlens!r}")
-    if cu_seqlens[0] != 0 or any(b <= a for a, b in zip(cu_seqlens, cu_seqlens[1:])):
-        raise ValueError(f"cplib: cu_seqlens={list(cu_seqlens)} must start at 0 and be "
-                         "strictly increasing (document boundaries)")
+    if cu_seqlens[0] != 0:
+        raise ValueError(f"cplib: cu_seqlens={list(cu_seqlens)} must start at 0 (document "
+                         f"boundaries [0, ..., S]), got {cu_seqlens[0]}")
+    for i, (a, b) in enumerate(zip(cu_seqlens, cu_seqlens[1:])):
+        if b <= a:
+            raise ValueError(f"cplib: cu_seqlens={list(cu_seqlens)} must be strictly increasing "
+                             f"(document boundaries): document {i} ([{a}, {b})) has length "
+                             f"{b - a}")
     return [int(x) for x in cu_seqlens]
 
 

@@ -5,19 +5,22 @@ check.py, the fake kernels in fake.py."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Literal
 
 import torch
 
 from ..comm.handshake import agreed, tracing
-from ..comm.native import GroupLike, group_name_of, group_size, ops
+from ..comm.native import GroupLike, group_name_of, ops
 from . import fake  # noqa: F401  (registers the fake kernels)
 from .host_copy import host_copy
-from .args import (RING_PASS_CODES, ROTATE_CODES, _is_fake, backend_arg, check_inputs,
-                   int_arg, rotate_arg, scale_arg, window_arg)
+from .args import (_is_fake, backend_arg, check_inputs, int_arg, rotate_arg, scale_arg,
+                   window_arg)
+from .call import ARGS, RingCall
+from .names import RING_PASSES, layout_of
 
-__all__ = ["ring_sdpa", "ring_pass_auto"]
+__all__ = ["ring_sdpa", "ring_attention", "ring_pass_auto"]
 
 log = logging.getLogger("cplib")
 
@@ -33,6 +36,15 @@ def sinks_grad(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     return -(delta * prob).sum((0, 2)).to(sinks.dtype)
 
 
+def _traced(q: torch.Tensor) -> bool:
+    """handshake.tracing((q,)), without its checks for a plain tensor outside
+    any dispatch mode and compile (what eager calls pass)."""
+    if type(q) is torch.Tensor and not torch._C._len_torch_dispatch_stack() \
+            and not torch.compiler.is_compiling():
+        return False
+    return tracing((q,))
+
+
 def attention_autograd(backward_op, forward_op, covered_backward_op=None, agreed_record=None):
     """(setup_context, backward) for an attention op returning (out, lse)
     whose inputs are q, k, v and then non-tensor arguments, and whose
@@ -41,8 +53,8 @@ def attention_autograd(backward_op, forward_op, covered_backward_op=None, agreed
     left out of ``args``: the backward kernel run with the sunk (out, lse) is
     already exact, and the sinks' own gradient is :func:`sinks_grad`.
 
-    ``covered_backward_op`` (same arguments by name, plus ``agreed``, what
-    ``agreed_record()`` returns right after the forward: the lengths,
+    ``covered_backward_op`` (the same arguments after a first one, ``agreed``:
+    what ``agreed_record()`` returns right after the forward: the group, the lengths,
     documents, positions and backend the forward agreed on, csrc/torch/ring/
     ring_agreed.h): the backward without a handshake of its own, which its
     forward's covers (one handshake per fwd+bwd), and which reads none of its
@@ -61,15 +73,19 @@ def attention_autograd(backward_op, forward_op, covered_backward_op=None, agreed
         out, lse = output
         sinks = None
         ctx.sinks_at = sinks_at if sinks_at is not None and sinks_at < len(args) else None
+        # Where the sinks are among the inputs autograd saw (needs_input_grad).
+        ctx.sinks_input = None if ctx.sinks_at is None else 3 + ctx.sinks_at
         if ctx.sinks_at is not None:
             sinks = args[sinks_at]
             args = args[:sinks_at] + args[sinks_at + 1:]
         ctx.args = args
         ctx.agreed = None
-        if covered_backward_op is not None and not tracing((q,)):
+        if covered_backward_op is not None and not _traced(q):
             # Plain meta tensors: the forward's fake kernel handshook (if due).
             if q.device.type == "meta":
                 ctx.agreed = q.new_empty(0, dtype=torch.long)
+            elif not torch._C._len_torch_dispatch_stack():
+                ctx.agreed = agreed_record()
             else:
                 # A host-side record, not part of the computation: dispatch
                 # modes that run the ops for real (a FlopCounterMode, opcheck's
@@ -90,17 +106,23 @@ def attention_autograd(backward_op, forward_op, covered_backward_op=None, agreed
         q, k, v, out, lse, *sinks = ctx.saved_tensors
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        if ctx.agreed is not None:
-            # The arguments a caller left out, as the forward's defaults.
-            tail = [defaults[n] for n in arg_names[len(ctx.args):]]
-            dq, dk, dv = covered_backward_op(grad_out, q, k, v, out, lse, *ctx.args, *tail,
-                                             ctx.agreed)
-        else:
-            dq, dk, dv = backward_op(grad_out, q, k, v, out, lse, *ctx.args)
+        # Without create_graph the backward op is not differentiated: below
+        # autograd, the collectives' waits inside it skip their Python
+        # autograd wrappers (torch's, on _c10d_functional::wait_tensor).
+        below = (torch._C._AutoDispatchBelowAutograd() if not torch.is_grad_enabled()
+                 else contextlib.nullcontext())
+        with below:
+            if ctx.agreed is not None:
+                # The arguments a caller left out, as the forward's defaults.
+                tail = [defaults[n] for n in arg_names[len(ctx.args):]]
+                dq, dk, dv = covered_backward_op(ctx.agreed, grad_out, q, k, v, out, lse,
+                                                 *ctx.args, *tail)
+            else:
+                dq, dk, dv = backward_op(grad_out, q, k, v, out, lse, *ctx.args)
         grads = [None] * len(ctx.args)
         if ctx.sinks_at is not None:
             ds = None
-            if ctx.has_sinks and ctx.needs_input_grad[3 + ctx.sinks_at]:
+            if ctx.has_sinks and ctx.needs_input_grad[ctx.sinks_input]:
                 ds = sinks_grad(grad_out, out, lse, sinks[0])
             grads.insert(ctx.sinks_at, ds)
         return (dq, dk, dv, *grads)
@@ -114,21 +136,27 @@ torch.library.register_autograd("cplib_c::ring_sdpa", _backward, setup_context=_
 
 
 class _RingSdpaFunction(torch.autograd.Function):
-    """The registered formula above, applied directly by :func:`ring_sdpa` in
-    eager mode: torch.library's wrapper refills the schema's defaults on every
-    call (``fill_defaults``, about 150 us of host time for these 17
-    arguments, more than the ring's own host work at small sizes)."""
+    """The registered formula above, applied directly by :func:`ring_attention`
+    in eager mode: torch.library's wrapper refills the schema's defaults on
+    every call (``fill_defaults``, about 150 us of host time for these 16
+    arguments, more than the ring's own host work at small sizes). The call
+    is one argument here (``apply`` processes each of its arguments)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, *args):
+    def forward(ctx, q, k, v, sinks, call):
+        args = (*call.op_args(), sinks)
         with torch._C._AutoDispatchBelowAutograd():
             output = ops.ring_sdpa(q, k, v, *args)
         _setup(ctx, (q, k, v, *args), output)
+        ctx.sinks_input = 3  # this Function's inputs: q, k, v, sinks, call
         return output
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        return _backward(ctx, grad_out, grad_lse)
+        # The formula's gradients are by the op's arguments: q, k, v, the
+        # call's and then the sinks'.
+        grads = _backward(ctx, grad_out, grad_lse)
+        return (*grads[:3], grads[-1] if len(grads) > 3 + ARGS else None, None)
 
 
 def ring_sdpa(
@@ -218,64 +246,69 @@ def ring_sdpa(
     NCCL group, call :func:`cplib.register_group` once on every rank so that
     the handshake runs in host memory (no wait for the GPU).
     """
-    if attn_mask is not None:
-        from .key_padding import key_padding_inputs
-
-        # A mask rejected on one rank is rejected on every rank (the handshake).
-        q, k, v, scale, _ = agreed("ring_sdpa", group_name_of(group), (q, k, v, attn_mask),
-                                   lambda: key_padding_inputs("ring_sdpa", attn_mask, q, k, v,
-                                                              scale))
-        return ring_sdpa(q, k, v, group, is_causal=is_causal, load_balanced=load_balanced,
-                         scale=scale, rotate=rotate, backend=backend, cu_seqlens=cu_seqlens,
-                         window=window, seq_len=seq_len, per_document=per_document,
-                         sinks=sinks, q_positions=q_positions, kv_positions=kv_positions,
-                         ring_pass=ring_pass, placement=placement)
     name = group_name_of(group)
     wants_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
     auto_rotate = isinstance(rotate, str) and rotate == "auto"  # cplib/strategy
 
-    def args():
+    def args() -> RingCall:
         check_inputs("ring_sdpa", q=q, k=k, v=v, cu_seqlens=cu_seqlens, sinks=sinks,
                      q_positions=q_positions, kv_positions=kv_positions)
-        if not isinstance(ring_pass, str) or ring_pass not in RING_PASS_CODES:
+        if not isinstance(ring_pass, str) or ring_pass not in RING_PASSES:
             raise ValueError(f"cplib.ring_sdpa: ring_pass={ring_pass!r} is not one of "
-                             "'kv', 'q', 'auto'")
+                             f"{', '.join(map(repr, RING_PASSES))}")
         if ring_pass == "q" and wants_grad:
             raise ValueError("cplib.ring_sdpa: ring_pass='q' is forward only, but q, k or v "
                              "requires grad: use ring_pass=\"kv\" (or run under "
                              "torch.no_grad())")
-        return (rotate_arg("ring_sdpa", "p2p" if auto_rotate else rotate),
-                backend_arg("ring_sdpa", backend),
-                scale_arg("ring_sdpa", scale), window_arg(window),
-                int_arg("ring_sdpa", "seq_len", seq_len),
-                RING_PASS_CODES["kv" if wants_grad else ring_pass])
+        return RingCall(name, bool(is_causal),
+                        layout_of("ring_sdpa", load_balanced, per_document, placement),
+                        scale_arg("ring_sdpa", scale), backend_arg("ring_sdpa", backend),
+                        rotate_arg("ring_sdpa", "p2p" if auto_rotate else rotate), cu_seqlens,
+                        window_arg(window), int_arg("ring_sdpa", "seq_len", seq_len),
+                        q_positions, kv_positions, "kv" if wants_grad else ring_pass)
 
-    rotate_code, backend_code, scale, window, seq_len, pass_code = agreed(
-        "ring_sdpa", name, (q, k, v, cu_seqlens), args, meta_joins=True)
-    # The plan reads these on the host: GPU tensors once per version (host_copy.py).
-    cu_seqlens, q_positions, kv_positions = (host_copy(t) for t in
-                                             (cu_seqlens, q_positions, kv_positions))
-    if auto_rotate and q_positions is None and pass_code != RING_PASS_CODES["q"]:
-        from ..strategy.auto import ring_rotation
-        rotate_code = ROTATE_CODES[ring_rotation(
-            q, k, v, name, group_size(name), is_causal=bool(is_causal),
-            load_balanced=bool(load_balanced), window=window, cu_seqlens=cu_seqlens,
-            seq_len=seq_len, per_document=bool(per_document), backward=wants_grad,
-            placement=bool(placement))]
-    args = (q, k, v, name, bool(is_causal), bool(load_balanced), scale, backend_code,
-            rotate_code, cu_seqlens, window, seq_len, bool(per_document), sinks, q_positions,
-            kv_positions, pass_code, bool(placement))
-    # Compiled graphs keep the op itself (its registered autograd and fake).
-    direct = torch.compiler.is_compiling() or not (
-        torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
-                                        for t in (q, k, v, sinks)))
-    out = ops.ring_sdpa(*args) if direct else _RingSdpaFunction.apply(*args)
+    call = agreed("ring_sdpa", name, (q, k, v, cu_seqlens), args, meta_joins=True)
+    out = ring_attention(q, k, v, call, sinks=sinks, attn_mask=attn_mask,
+                         auto_rotate=auto_rotate)
     if ring_pass == "auto" and log.isEnabledFor(logging.DEBUG) and not _is_fake(q):
-        chosen = "q" if ops.ring_debug_last_pass() == RING_PASS_CODES["q"] else "kv"
-        log.debug("cplib.ring_sdpa: ring_pass='auto' chose %r%s", chosen,
+        log.debug("cplib.ring_sdpa: ring_pass='auto' chose %r%s", ops.ring_debug_last_pass(),
                   " (a gradient is needed)" if wants_grad else "")
     return out
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: RingCall, *,
+                   sinks: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
+                   auto_rotate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`ring_sdpa` of a checked call (its arguments agreed: the front
+    end's routed SDPA calls come here directly): the key-padding mask folded
+    into q and k, host copies of the plan's integer tensors, the rotation of
+    ``auto_rotate``, then the op (through autograd when a gradient is due)."""
+    if attn_mask is not None:
+        from .key_padding import key_padding_inputs
+
+        # A mask rejected on one rank is rejected on every rank (the handshake).
+        q, k, v, scale, _ = agreed("ring_sdpa", call.group_name, (q, k, v, attn_mask),
+                                   lambda: key_padding_inputs("ring_sdpa", attn_mask, q, k, v,
+                                                              call.scale))
+        call = call.replace(scale=scale)
+    if call.cu_seqlens is not None or call.has_positions:
+        # The plan reads these on the host: GPU tensors once per version (host_copy.py).
+        call = call.replace(cu_seqlens=host_copy(call.cu_seqlens),
+                            q_positions=host_copy(call.q_positions),
+                            kv_positions=host_copy(call.kv_positions))
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or (sinks is not None and sinks.requires_grad))
+    if auto_rotate and not call.has_positions and call.ring_pass != "q":
+        from ..strategy.auto import ring_rotation
+        call = call.replace(rotate=ring_rotation(q, k, v, call, backward=grad))
+    # Compiled graphs keep the op itself (its registered autograd and fake).
+    if torch.compiler.is_compiling():
+        return ops.ring_sdpa(q, k, v, *call.op_args(), sinks)
+    if not grad:  # nothing to differentiate: below torch.library's autograd wrapper
+        with torch._C._AutoDispatchBelowAutograd():
+            return ops.ring_sdpa(q, k, v, *call.op_args(), sinks)
+    return _RingSdpaFunction.apply(q, k, v, sinks, call)
 
 
 def ring_pass_auto(q_tokens: int, kv_tokens: int, q_heads: int, kv_heads: int, head_dim: int,

@@ -12,6 +12,7 @@ from typing import Any, Mapping
 
 import torch
 
+from ..comm.native import group_size
 from .calibration import Calibration, as_calibration
 from .candidates import Candidate, data_layout
 from .choice import Choice, agreed_choice, calibration_for
@@ -173,24 +174,21 @@ def choose_for_call(auto: AutoStrategy, group_name: str, w: Workload,
     return choice.chosen
 
 
-def ring_rotation(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str,
-                  world_size: int, *, is_causal: bool, load_balanced: bool,
-                  window: list[int] | None, cu_seqlens: torch.Tensor | None,
-                  seq_len: int | None, per_document: bool, backward: bool,
-                  placement: bool = False, auto: AutoStrategy | None = None) -> str:
-    """``ring_sdpa(rotate="auto")``'s rotation for this call ("p2p" while
-    torch.compile traces: the choice is host work a graph cannot hold, and
-    every rotation computes the same result)."""
+def ring_rotation(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Any, *,
+                  backward: bool, auto: AutoStrategy | None = None) -> str:
+    """``ring_sdpa(rotate="auto")``'s rotation for this call (``call``: its
+    cplib.ring.call.RingCall; "p2p" while torch.compile traces: the choice is
+    host work a graph cannot hold, and every rotation computes the same
+    result)."""
     if torch.compiler.is_compiling():
         return "p2p"
     auto = auto or _RING_AUTO
-    layout = ("per_document" if per_document else "placement" if placement
-              else "head_tail" if load_balanced else "sequential")
-    w = workload_from_call(q, k, v, world_size, is_causal=is_causal, window=window,
-                           seq_len=seq_len, layout=layout, backward=backward,
-                           node_ranks=auto.ranks_per_node)
-    chosen = choose_for_call(auto, group_name, w, cu_seqlens, q, ("ring",),
-                             data_layout(layout, world_size), record=auto is not _RING_AUTO)
+    w = workload_from_call(q, k, v, group_size(call.group_name), is_causal=call.is_causal,
+                           window=call.window, seq_len=call.seq_len, layout=str(call.layout),
+                           backward=backward, node_ranks=auto.ranks_per_node)
+    chosen = choose_for_call(auto, call.group_name, w, call.cu_seqlens, q, ("ring",),
+                             data_layout(str(call.layout), w.world_size),
+                             record=auto is not _RING_AUTO)
     return chosen.rotate or "p2p"
 
 

@@ -17,13 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
+from ..ring.names import ROTATIONS
 from .plan import layout_allows_ulysses
 from .workload import Workload
 
 __all__ = ["Candidate", "Constraints", "register_candidates", "unregister_candidates",
            "candidates_for", "ROTATIONS", "heads_allow", "data_layout"]
-
-ROTATIONS = ("p2p", "alltoall", "allgather")
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ def _ring(w: Workload, rows: float, heads: int, kv_heads: int, size: int, rotate
     kv_acc = kv * a / e
     if rotate == "allgather":
         # The packed input; on gloo the all-gather runs as an all-to-all of
-        # the input repeated N times (cplib/comm/native.py), a second copy.
+        # the input repeated N times (cplib/comm/collectives.py), a second copy.
         blocks = size * kv + kv + (size * kv if w.device_type == "cpu" else 0)
         if not w.backward:
             return out * a / e + blocks

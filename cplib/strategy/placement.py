@@ -1,7 +1,7 @@
 """The document placement as a candidate (issue 36's
 ``DocumentPlacementLoadBalancer``: short documents whole on one rank, only
 the rows of documents that span ranks exchanged), added through the
-registry's hooks: a layout the ring knows (``placement=True``, sharded by
+registry's hooks: a layout the ring runs (``placement=True``, sharded by
 ``context_parallel(load_balance="placement")``, ring only) and a source that
 yields the ring with each rotation on it where the call has documents and
 its layout is still free (or is the placement already). The ring family
@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from ..ring.names import Layout
 from .candidates import ROTATIONS, Candidate, register_candidates
 from .plan import register_layout
 from .workload import Workload
 
 __all__ = ["PLACEMENT"]
 
-PLACEMENT = "placement"
+PLACEMENT = str(Layout.PLACEMENT)
 
 
 def _placement(w: Workload) -> Iterable[Candidate]:
@@ -28,6 +29,5 @@ def _placement(w: Workload) -> Iterable[Candidate]:
         yield Candidate("ring", rotate, 1, PLACEMENT)
 
 
-register_layout(PLACEMENT, {"load_balanced": True, "placement": True}, load_balance=PLACEMENT,
-                ulysses=False)
+register_layout(PLACEMENT, PLACEMENT, load_balance=PLACEMENT, ulysses=False)
 register_candidates(PLACEMENT, _placement)

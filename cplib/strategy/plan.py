@@ -8,43 +8,41 @@ exactly what the op computes and sends (windows, documents, the document
 placement, blocks nobody needs, rows nobody reads).
 
 Layouts are named: "head_tail", "sequential" and "per_document" are the
-ring's own; :func:`register_layout` adds one the ring knows by its flags
-(the document placement: cplib/strategy/placement.py)."""
+ring's own (cplib.ring.names.LAYOUTS); :func:`register_layout` adds one the
+ring runs (the document placement: cplib/strategy/placement.py)."""
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Mapping
 
-__all__ = ["register_layout", "layout_load_balance", "layout_args", "layout_allows_ulysses", "StepWork", "RingSchedule",
-           "ring_schedule", "FULL", "CAUSAL", "PARTIAL"]
+from ..ring.names import LAYOUTS, Layout
+
+__all__ = ["register_layout", "layout_load_balance", "ring_layout", "layout_allows_ulysses",
+           "StepWork", "RingSchedule", "ring_schedule", "FULL", "CAUSAL", "PARTIAL"]
 
 # Call kinds (the ring's Visibility codes, csrc/torch/ring/ring_mask.h).
 FULL, CAUSAL, PARTIAL = 1, 2, 3
 
-_FLAGS = ("load_balanced", "per_document", "placement")
-_layouts: dict[str, dict[str, bool]] = {}
+_layouts: dict[str, str] = {}
 _load_balance: dict[str, object] = {}
 _ring_only: set[str] = set()
 
 
-def register_layout(name: str, ring_args: Mapping[str, bool], load_balance: object = None,
+def register_layout(name: str, ring: str, load_balance: object = None,
                     ulysses: bool = True) -> None:
-    """Adds a sequence layout the model can cost: ``ring_args`` are the
-    ring's layout flags that describe it (``load_balanced``,
-    ``per_document``, ``placement``; absent ones False), as ``ring_sdpa``
-    takes them. A candidate naming it in ``Candidate.layout`` is costed on
-    the ring's plan for it. ``load_balance``: the value of
+    """Adds a sequence layout the model can cost: ``ring`` is the ring's
+    layout that runs it (one of cplib.ring.names.LAYOUTS, as ``ring_sdpa``
+    runs it). A candidate naming it in ``Candidate.layout`` is costed on the
+    ring's plan for it. ``load_balance``: the value of
     ``context_parallel(load_balance=...)`` that shards the buffers in this
     layout, for a choice made on entry; ``ulysses``: whether USP runs in it
     (False: a ring-only layout, so neither Ulysses nor USP is a candidate
     where the data is in it)."""
-    unknown = set(ring_args) - set(_FLAGS)
-    if unknown:
-        raise ValueError(f"cplib.strategy: register_layout({name!r}): unknown flags "
-                         f"{sorted(unknown)}; known: {list(_FLAGS)}")
-    _layouts[name] = {f: bool(ring_args.get(f, False)) for f in _FLAGS}
+    if ring not in LAYOUTS:
+        raise ValueError(f"cplib.strategy: register_layout({name!r}): {ring!r} is not one of "
+                         f"the ring's layouts {list(LAYOUTS)}")
+    _layouts[name] = ring
     if load_balance is not None:
         _load_balance[name] = load_balance
     if not ulysses:
@@ -63,15 +61,18 @@ def layout_load_balance(name: str) -> object:
     return _load_balance.get(name)
 
 
-def layout_args(name: str) -> dict[str, bool]:
+def ring_layout(name: str) -> str:
+    """The ring's layout that runs the registered layout ``name``."""
     if name not in _layouts:
         raise ValueError(f"cplib.strategy: unknown layout {name!r}; known: {sorted(_layouts)}")
     return _layouts[name]
 
 
-register_layout("sequential", {})
-register_layout("head_tail", {"load_balanced": True})
-register_layout("per_document", {"load_balanced": True, "per_document": True})
+# The ring's layouts by their own names; the document placement registers
+# itself with its load balance and as a ring-only layout (placement.py).
+for _layout in Layout:
+    if _layout is not Layout.PLACEMENT:
+        register_layout(str(_layout), str(_layout))
 
 
 @dataclass
@@ -158,13 +159,11 @@ def ring_schedule(seq_len: int, size: int, layout: str, causal: bool, left: int,
     blocks; "p2p" and "alltoall" only the rows a receiver reads)."""
     from ..comm.native import ops
 
-    flags = layout_args(layout)
+    ring = ring_layout(layout)
     docs = list(documents) if documents is not None and len(documents) > 2 else None
-    if docs is None and (flags["per_document"] or flags["placement"]):
+    if docs is None and ring in ("per_document", "placement"):
         docs = [0, seq_len]  # one document: what the ring does without cu_seqlens
     window = None
     if left < seq_len or right < seq_len:
         window = [min(left, seq_len), min(right, seq_len)]
-    code = {"p2p": 0, "alltoall": 1, "allgather": 2}[rotate]
-    return _parse(ops.ring_plan_summary(seq_len, size, causal, flags["load_balanced"], docs,
-                                       window, flags["per_document"], flags["placement"], code))
+    return _parse(ops.ring_plan_summary(seq_len, size, causal, ring, docs, window, rotate))

@@ -16,9 +16,8 @@ from .auto import AutoStrategy, choose_for_call, parse_strategy, workload_from_c
 from .candidates import Candidate, data_layout
 from .choice import agreed_choice, calibration_for
 from .explain import constraints_of, workload_of
-from .placement import PLACEMENT
 from .plan import layout_load_balance
-from ..ring.placement import DocumentPlacementLoadBalancer
+from ..ring.names import Layout
 
 __all__ = ["AutoStrategy", "parse_strategy", "strategy_entry", "context_strategy",
            "entry_choice", "routed_config"]
@@ -35,24 +34,24 @@ def context_strategy(auto: AutoStrategy | None, group_name: str, rotate: str | N
                        else None, group=group_name)
 
 
-def strategy_entry(auto: AutoStrategy | None, planned: tuple, plan: Callable[..., tuple],
+def strategy_entry(auto: AutoStrategy | None, planned: Any, plan: Callable[..., Any],
                    group_name: str, device_type: str, explicit_rotate: str | None,
                    ulysses_degree: int) -> tuple:
     """``context_parallel``'s strategy step, after its arguments are agreed:
     (the context's strategy, the strategy of its SDPA calls, the plan).
-    ``planned`` is ``_plan``'s result and ``plan(u, rotate)`` makes it again
-    for a chosen Ulysses degree and rotation; ``explicit_rotate``: the
-    rotation the caller set explicitly (it wins), or None."""
+    ``planned`` is ``_plan``'s result (cplib/frontend/context_parallel.py:
+    ContextPlan) and ``plan(u, rotate)`` makes it again for a chosen Ulysses
+    degree and rotation; ``explicit_rotate``: the rotation the caller set
+    explicitly (it wins), or None."""
     if auto is None:
         return None, None, planned
     auto = context_strategy(auto, group_name, explicit_rotate, ulysses_degree)
-    ring_degree, per_document, balanced, seq_len, documents, sides, balancer = (
-        planned[3], planned[4], planned[5], planned[6], planned[8], planned[9], planned[10])
-    layout = ("per_document" if per_document else PLACEMENT if
-              isinstance(balancer, DocumentPlacementLoadBalancer) else None if balanced
-              else "sequential")
-    chosen = entry_choice(auto, group_name, ring_degree * ulysses_degree, seq_len, documents,
-                          sides, device_type, layout)
+    # Head-tail (the default balancing) leaves the layout to the model; any
+    # other is fixed.
+    layout = None if planned.layout == Layout.HEAD_TAIL else str(planned.layout)
+    chosen = entry_choice(auto, group_name, planned.ring_degree * ulysses_degree,
+                          planned.seq_len, planned.documents, planned.window, device_type,
+                          layout)
     if chosen is None:
         return auto, auto, planned
     # A registered layout (a document placement) shards by its own load_balance.
@@ -99,8 +98,7 @@ def routed_config(config: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         return config
     from ..ring.args import window_arg
 
-    layout = ("per_document" if config.per_document else PLACEMENT if config.placement
-              else "head_tail" if config.load_balanced else "sequential")
+    layout = str(config.layout)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     # q is this rank's shard of S / N rows for every head (before Ulysses).
     w = workload_from_call(q, k, v, n, is_causal=is_causal, window=window_arg(window),

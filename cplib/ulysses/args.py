@@ -10,6 +10,7 @@ import torch
 from ..comm.handshake import can_handshake, handshake
 from ..comm.native import group_size, ops
 from ..ring.args import _group_rank, check_inputs, check_sinks
+from ..ring.call import RingCall
 from ..ring.check import _check
 
 __all__ = ["check_heads", "kv_head_repeat", "exchange_to_heads"]
@@ -146,7 +147,7 @@ def _degree(group_name: str) -> int:
 
 def _check_local(op: str, q, k, v, is_causal, scale, backend) -> None:
     # ring_sdpa's checks minus the ring's (rotation, load balance, group).
-    _check(op, q, k, v, None, is_causal, False, scale, backend, 0)
+    _check(op, q, k, v, RingCall(None, bool(is_causal), scale=scale, backend=backend))
 
 
 @torch.compiler.assume_constant_result

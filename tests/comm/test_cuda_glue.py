@@ -79,6 +79,7 @@ SYM_ARGUMENTS: dict[str, set[str]] = {
     "cplib_c::_schema_arguments": set(),
     "cplib_c::c10d_all_gather": set(),
     "cplib_c::c10d_all_to_all": set(),
+    "cplib_c::c10d_send_recv": set(),
     "cplib_c::c10d_reduce_scatter_sum": set(),
     "cplib_c::group_info": set(),
 }
@@ -186,7 +187,6 @@ def test_flash_forward_gets_the_running_schemas_arguments_in_order():
             f"passes {FLASH_ARGUMENT_TYPES.get(name)}")
 
 
-BACKENDS = {"auto": -1, "flash": 1, "efficient": 2, "cudnn": 3}
 CASES = [("flash", False), ("efficient", False), ("cudnn", False), ("efficient", True)]
 # (q heads, k/v heads, q/k head dim, v head dim): MHA, GQA, MLA, and a head
 # dim that is not a multiple of 8.
@@ -211,7 +211,7 @@ def _inputs(shape: str, dtype, lq: int = 96, lk: int = 160):
                                                        for b, m in CASES])
 def test_block_forward_and_backward_on_meta(backend, masked, dtype, causal, shape):
     q, k, v = _inputs(shape, dtype)
-    out, lse, dq, dk, dv = ops._cuda_glue_probe(q, k, v, BACKENDS[backend], causal and not masked,
+    out, lse, dq, dk, dv = ops._cuda_glue_probe(q, k, v, backend, causal and not masked,
                                                 masked, True, 0.125)
     b, h, lq, _ = q.shape
     assert (out.shape, out.dtype, out.device.type) == ((b, h, lq, v.shape[3]), dtype, "meta")
@@ -232,7 +232,7 @@ def test_flash_pads_head_dims_to_a_multiple_of_8_at_the_call(scale):
     # the results back.
     q, k, v = _inputs("d60", torch.bfloat16, lq=32, lk=48)
     with torch.profiler.profile(record_shapes=True) as prof:
-        out, _, dq, dk, dv = ops._cuda_glue_probe(q, k, v, BACKENDS["flash"], False, False, True,
+        out, _, dq, dk, dv = ops._cuda_glue_probe(q, k, v, "flash", False, False, True,
                                                   *([] if scale is None else [scale]))
     calls = _flash_calls(prof)
     want = 60 ** -0.5 if scale is None else scale
@@ -250,7 +250,7 @@ def test_flash_pads_head_dims_to_a_multiple_of_8_at_the_call(scale):
 
 def test_block_forward_only_on_meta():
     q = _meta(1, 2, 32, 64, dtype=torch.bfloat16)
-    out, lse, dq, _, _ = ops._cuda_glue_probe(q, q, q, BACKENDS["flash"], True, False, False)
+    out, lse, dq, _, _ = ops._cuda_glue_probe(q, q, q, "flash", True, False, False)
     assert out.shape == q.shape and lse.shape == (1, 2, 32) and dq.numel() == 0
 
 
@@ -259,7 +259,7 @@ def test_auto_asks_sdpa_and_refuses_the_math_backend():
     # resolve_ring_backend) is the math backend, which returns no lse.
     q = _meta(1, 2, 32, 64, dtype=torch.bfloat16)
     with pytest.raises(NotImplementedError, match="would pick backend 0"):
-        ops._cuda_glue_probe(q, q, q, BACKENDS["auto"], True, False, True)
+        ops._cuda_glue_probe(q, q, q, "auto", True, False, True)
 
 
 # ---------------------------------------------------------------- on a GPU
@@ -282,7 +282,7 @@ def test_block_on_cuda_matches_fp64_math(backend, masked, causal):
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(2, 4, 128, 64, generator=g, dtype=torch.float64) for _ in range(3))
     dev = [t.to("cuda", torch.bfloat16) for t in (q, k, v)]
-    out, lse, dq, dk, dv = ops._cuda_glue_probe(*dev, BACKENDS[backend], causal, masked, True)
+    out, lse, dq, dk, dv = ops._cuda_glue_probe(*dev, backend, causal, masked, True)
     torch.cuda.synchronize()
     qr, kr, vr = (t.to(torch.bfloat16).double().requires_grad_(True) for t in (q, k, v))
     want, _ = torch.ops.aten._scaled_dot_product_attention_math(qr, kr, vr, None, 0.0, causal)

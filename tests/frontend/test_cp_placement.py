@@ -137,17 +137,51 @@ def _check_errors() -> list[str]:
     with pytest.raises(ValueError) as info:
         cplib.shard(mesh, [x], [2], cplib.DocumentPlacementLoadBalancer(cu, n, "cpu"))
     seen.append(str(info.value))
+    seen += _bad_document_lengths(mesh, x)
     _nobody_left_in_a_collective()
+    return seen
+
+
+def _bad_document_lengths(mesh: DeviceMesh, x: torch.Tensor) -> list[str]:
+    """Documents that do not sum to S (on every rank, on rank 1 only, with a
+    flex BlockMask) and a zero-length document (the balancer, the context):
+    each a ValueError, on every rank."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    n, rank, s = dist.get_world_size(), dist.get_rank(), x.shape[2]
+    short = [0, 5, s - 4]
+    placed = cplib.DocumentPlacementLoadBalancer
+    mask = create_block_mask(lambda b, h, q, k: q >= k, 1, 1, s, s, device="cpu", BLOCK_SIZE=4)
+    seen = []
+    for case in (lambda: cplib._context_parallel_shard(mesh, [x], [2], placed(short, n, "cpu")),
+                 lambda: cplib._context_parallel_shard(
+                     mesh, [x], [2], placed(short if rank == 1 else [0, 5, s], n, "cpu")),
+                 lambda: cplib._context_parallel_shard(mesh, [mask], [0],
+                                                       placed(short, n, "cpu")),
+                 lambda: placed([0, 5, 5, s], n, "cpu"),
+                 lambda: cplib.context_parallel(
+                     mesh, buffers=[x], buffer_seq_dims=[2], load_balance="placement",
+                     cu_seqlens=torch.tensor([0, 5, 5, s] if rank == 1 else [0, 5, s])
+                 ).__enter__()):
+        with pytest.raises(ValueError) as info:
+            case()
+        seen.append(str(info.value))
     return seen
 
 
 def test_placement_errors_on_every_rank(ranks):
     results = ranks(2).run(_check_errors)
     assert results[0] == results[1], results
-    no_docs, ulysses, differ = results[0]
+    no_docs, ulysses, differ, short, short_on_1, short_mask, zero, zero_on_1 = results[0]
     assert "load_balance='placement' needs the documents" in no_docs
     assert "ulysses_degree=2" in ulysses
     assert "document placement (hash)" in differ
+    # S = 32: the documents end at 28
+    assert "length 32 along seq_dim 2" in short and "seq_length=28" in short, short
+    assert "on rank 1" in short_on_1 and "seq_length=28" in short_on_1, short_on_1
+    assert "(1, 28)" in short_mask and "sequence length 32" in short_mask, short_mask
+    assert "cu_seqlens=[0, 5, 5, 32]" in zero and "document 1 ([5, 5)) has length 0" in zero
+    assert "on rank 1" in zero_on_1 and "got 5 then 5 at index 2" in zero_on_1, zero_on_1
 
 
 

@@ -4,10 +4,12 @@ Face causal LM (``attn_implementation="cplib"``) under
 and of every parameter gradient, equals the single-process loss and
 gradient (the same model in one process, fp64), with head-tail, sequential
 (uneven S) and document-placement layouts, packed documents, ``-100`` labels
-falling unevenly on the ranks, ``shift_labels=`` and ``num_items_in_batch=``
-given, and labels passed whole; labels of another length raise ValueError on
-every rank. (HF's own loss shifts inside each shard: without cplib.hf's
-loss the mean differs.)"""
+falling unevenly on the ranks, ``shift_labels=`` given, and labels passed
+whole. With ``num_items_in_batch=`` (Hugging Face's sign that the caller
+scales by its number of processes, as Trainer does) the sum over the ranks is
+the single-process loss instead. Labels of another length raise ValueError on
+every rank. (HF's own loss shifts inside each shard: without cplib.hf's loss
+the mean differs.)"""
 
 from __future__ import annotations
 
@@ -65,9 +67,10 @@ def _check(s: int, load_balance, documents: bool, mode: str = "labels") -> int:
     ref = _llama()
     model = copy.deepcopy(ref)
     kw = {}
-    if mode == "shift_labels":  # already shifted, listed as a buffer, and a global count
+    if mode in ("shift_labels", "num_items"):  # already shifted, listed as a buffer
         shifted = F.pad(labels[:, 1:], (0, 1), value=-100)
-        kw = {"num_items_in_batch": int((shifted != -100).sum())}
+        if mode == "num_items":  # and the global count
+            kw = {"num_items_in_batch": int((shifted != -100).sum())}
         # HF computes a loss only with labels; shift_labels then replaces them.
         want, want_grads = _single_process(ref, ids, pos, shifted, shift_labels=shifted, **kw)
     else:
@@ -78,20 +81,22 @@ def _check(s: int, load_balance, documents: bool, mode: str = "labels") -> int:
     docs = {"position_ids": pos.clone()} if documents else {}
     with cplib.context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1] * len(buffers),
                                 load_balance=load_balance, **docs):
-        if mode == "shift_labels":
+        if shifted is not None:
             loss = model(input_ids=ids, position_ids=pos, labels=shifted, shift_labels=shifted,
                          use_cache=False, **kw).loss
         else:  # "labels" (a buffer, sharded) or "full labels" (not a buffer)
             loss = model(input_ids=ids, position_ids=pos, labels=labels, use_cache=False).loss
         loss.backward()
     what = f"S={s} n={n} load_balance={load_balance} docs={documents} {mode}"
+    # num_items_in_batch: the caller (Trainer) multiplies by its process count.
+    scale = n if mode == "num_items" else 1
     mean = loss.detach().clone()
     dist.all_reduce(mean)
-    assert_close(mean / n, want, what=f"{what}: mean loss", **TOL)
+    assert_close(mean * scale / n, want, what=f"{what}: mean loss", **TOL)
     for name, p in model.named_parameters():
         g = p.grad.clone()
         dist.all_reduce(g)
-        assert_close(g / n, want_grads[name], what=f"{what}: mean grad of {name}", **TOL)
+        assert_close(g * scale / n, want_grads[name], what=f"{what}: mean grad of {name}", **TOL)
     return 1
 
 
@@ -99,14 +104,14 @@ def _check_hf_own_loss_differs() -> int:
     """HF's own loss (shifting inside each shard, a mean per rank) misses:
     what cplib.hf's loss fixes."""
     import cplib
-    from transformers.loss.loss_utils import LOSS_MAPPING
+    from transformers.loss.loss_utils import ForCausalLMLoss
 
     n = dist.get_world_size()
     s = 16 * n
     ids, pos, labels = _batch(s, [0, s])
     model = _llama()
     want, _ = _single_process(copy.deepcopy(model), ids, pos, labels)
-    model.loss_function = LOSS_MAPPING["ForCausalLM"].__cplib_wraps__
+    model.loss_function = ForCausalLMLoss  # a loss set on the model is used as it is
     with cplib.context_parallel(DeviceMesh("cpu", list(range(n))), buffers=[ids, pos, labels],
                                 buffer_seq_dims=[1, 1, 1], load_balance=True):
         loss = model(input_ids=ids, position_ids=pos, labels=labels, use_cache=False).loss
@@ -123,12 +128,13 @@ def _check_all() -> int:
     count += _check(16 * n + 1, "placement", True)
     count += _check(16 * n, True, True, mode="full labels")
     count += _check(16 * n, "placement", True, mode="shift_labels")
+    count += _check(16 * n, True, False, mode="num_items")
     return count
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_hf_loss_mean_over_ranks_is_single_process(ranks, world_size):
-    assert ranks(world_size).run(_check_all) == [6] * world_size
+    assert ranks(world_size).run(_check_all) == [7] * world_size
 
 
 def _check_bad_labels() -> list[str]:

@@ -13,7 +13,6 @@ import torch.distributed as dist
 
 import cplib
 from cplib.comm.native import ops
-from cplib.ring.args import ROTATE_CODES
 from cplib.ring.layout import layout_indices, local_length, shard_positions
 from ring_mask_cases import check_ring, local
 from ring_cases import global_tensor
@@ -72,7 +71,7 @@ def _check_opcheck_new_args() -> int:
                for i, h in enumerate((4, 2, 2)))
     cu = torch.tensor([0, 3, s - 2, s])
     for extras in ((cu, [2, 1], s), (None, None, s), (cu, None, s), (None, [1, 0], s)):
-        args = (dist.group.WORLD.group_name, True, True, None, -1, 0, *extras)
+        args = (dist.group.WORLD.group_name, True, "head_tail", None, "auto", "p2p", *extras)
         torch.library.opcheck(ops.ring_sdpa.default, (q, k, v, *args))
         with torch.no_grad():
             out, lse = ops.ring_sdpa(q, k, v, *args)
@@ -126,7 +125,7 @@ def _check_bad_lengths() -> int:
     with pytest.raises(ValueError, match=f"seq_len={n - 1} is shorter than the world size {n}"):
         cplib.ring_sdpa(q, q, q, g, seq_len=n - 1)
     with pytest.raises(ValueError, match=f"seq_len={n - 1} is shorter than the world size {n}"):
-        ops.ring_sdpa(q, q, q, g.group_name, False, False, None, -1, 0, None, None, n - 1)
+        ops.ring_sdpa(q, q, q, g.group_name, seq_len=n - 1)
     s = 4 * n + 1  # rank 0 holds 5 rows sequentially, the others 4
     wrong = torch.randn(1, 2, 6, 4)
     # Every rank's shard is wrong: every rank raises the same error, the first rank's.

@@ -134,7 +134,7 @@ def _check_bad_documents() -> int:
             cplib.ring_sdpa(q, q, q, g, is_causal=True, cu_seqlens=cu)
         # the raw op (C++ checks) raises the same
         with pytest.raises(ValueError, match=match):
-            ops.ring_sdpa(q, q, q, g.group_name, True, False, None, -1, 0, cu, None, None)
+            ops.ring_sdpa(q, q, q, g.group_name, True, cu_seqlens=cu)
     with pytest.raises(ValueError, match="per_document=True .* needs cu_seqlens and seq_len"):
         cplib.ring_sdpa(q, q, q, g, cu_seqlens=torch.tensor([0, s]), per_document=True)
     t = torch.ones(1)

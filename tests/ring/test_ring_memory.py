@@ -21,8 +21,9 @@ L = 256  # rows per rank
 # p2p's peak beyond the inputs, in k blocks of one rank: out, grad_out, dq
 # (three), the block kernel's gradients (up to three) and its work space,
 # two K/V blocks (four), our own dK/dV (two) and one dK/dV in flight (two).
-# Measured 14.2 (allgather: 30.3 on the ATen ABI, 26.3 since its gather
-# output is the functional collective's own tensor); holding one more
+# Measured 14.2 (allgather: 30.3 on the ATen ABI, 26.3 once its gather
+# output was the functional collective's own tensor, 33.3 since its packed,
+# padded input is a copy; p2p 12.3-14.1 on 2026-11-27); holding one more
 # gradient pair through the kernels, as the schedule once did, reads 16.2,
 # and two more 20.2. Through the functional collectives the measured peak
 # is 14.2 or 15.2 from run to run: the backend's work may still hold the last

@@ -287,14 +287,13 @@ def _check_op() -> int:
     q, k, v = (global_tensor((1, h, s, 8), torch.float64, i)[:, :, pos].requires_grad_(True)
                for i, h in enumerate((4, 2, 2)))
     cut = torch.tensor(cu)
-    args = (dist.group.WORLD.group_name, True, False, None, -1, 0, cut, None, s, False, None,
-            None, None, 0, True)
+    args = (dist.group.WORLD.group_name, True, "placement", None, "auto", "p2p", cut, None, s)
     torch.library.opcheck(ops.ring_sdpa.default, (q, k, v, *args))
     with torch.no_grad():
         out, lse = ops.ring_sdpa(q, k, v, *args)
     torch.library.opcheck(ops.ring_sdpa_backward.default,
                           (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse,
-                           *args[:10], *args[11:]))
+                           *args))
     torch._dynamo.reset()
     results = []
     for fn in (_attend, torch.compile(_attend, backend="aot_eager", fullgraph=True)):

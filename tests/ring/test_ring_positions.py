@@ -54,7 +54,7 @@ def check_case(p: int, t: int, *, hq: int = 2, hkv: int = 2, d: int = 8, causal:
     out, lse = cplib.ring_sdpa(ql, kl, vl, dist.group.WORLD, is_causal=causal, window=window,
                                cu_seqlens=cu, q_positions=qpos, kv_positions=kvpos,
                                ring_pass=ring_pass, rotate=rotate)
-    ran = "q" if ops.ring_debug_last_pass() == 1 else "kv"
+    ran = ops.ring_debug_last_pass()
     local = qpos - p
     assert_close(out, ref_out[:, :, local], **TOL, what="out")
     assert_close(lse, ref_lse[:, :, local], **TOL, what="lse")
@@ -162,13 +162,11 @@ def _check_bad_positions() -> int:
     _expect_value_error(call(load_balanced=True), "q_positions", "load_balanced")
     _expect_value_error(call(ring_pass="x"), "ring_pass")
     # the same checks inside the op (what a traced call or another binding reaches)
-    _expect_value_error(lambda: ops.ring_sdpa(q, kv, kv, g.group_name, True, False, None, -1, 0,
-                                              None, None, None, False, None, qpos.float(), kvpos,
-                                              0),
+    _expect_value_error(lambda: ops.ring_sdpa(q, kv, kv, g.group_name, True,
+                                              q_positions=qpos.float(), kv_positions=kvpos),
                         "q_positions", "integer")
-    _expect_value_error(lambda: ops.ring_sdpa(q, kv, kv, g.group_name, True, False, None, -1, 0,
-                                              None, None, None, False, None, qpos, kvpos[1:],
-                                              0),
+    _expect_value_error(lambda: ops.ring_sdpa(q, kv, kv, g.group_name, True, q_positions=qpos,
+                                              kv_positions=kvpos[1:]),
                         "kv_positions", "rows")
     qg, kg = q.clone().requires_grad_(True), kv.clone().requires_grad_(True)
     _expect_value_error(lambda: cplib.ring_sdpa(qg, kg, kg, g, q_positions=qpos,
@@ -188,9 +186,8 @@ def _check_compile() -> int:
     q = torch.randn(1, 2, qpos.numel(), 4, dtype=torch.float64)
     kv = torch.randn(1, 1, kvpos.numel(), 4, dtype=torch.float64)
     name = dist.group.WORLD.group_name
-    torch.library.opcheck(ops.ring_sdpa.default,
-                          (q, kv, kv, name, True, False, None, -1, 0, None, None, None, False,
-                           None, qpos, kvpos, 1))
+    torch.library.opcheck(ops.ring_sdpa.default, (q, kv, kv, name, True),
+                          dict(q_positions=qpos, kv_positions=kvpos, ring_pass="q"))
 
     def f(q, k, v):
         return cplib.ring_sdpa(q, k, v, name, is_causal=True, q_positions=qpos,

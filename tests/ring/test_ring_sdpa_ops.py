@@ -11,7 +11,6 @@ import torch.distributed as dist
 
 import cplib
 from cplib.comm.native import ops
-from cplib.ring.args import ROTATE_CODES
 from ring_cases import global_tensor, noncontiguous, shard_seq
 
 ROTATIONS = ["p2p", "alltoall", "allgather"]
@@ -39,7 +38,7 @@ def _check_opcheck() -> int:
         q, k, v = _local_inputs(2, heads[0], heads[1], 6, 16, torch.float64, lb)
         if noncontig:
             q, k, v = (noncontiguous(t.detach()).requires_grad_(True) for t in (q, k, v))
-        args = (_group(), causal, lb, 0.5, -1, ROTATE_CODES[rotate])
+        args = (_group(), causal, "head_tail" if lb else "sequential", 0.5, "auto", rotate)
         torch.library.opcheck(ops.ring_sdpa.default, (q, k, v, *args))
         with torch.no_grad():
             out, lse = ops.ring_sdpa(q, k, v, *args)
@@ -112,7 +111,7 @@ def _check_bad_input() -> int:
     calls = [
         (ValueError, "rotate='ring'", dict(rotate="ring")),
         (ValueError, "backend='fast'", dict(backend="fast")),
-        (ValueError, "backend=2 needs CUDA", dict(backend="efficient")),
+        (ValueError, "backend='efficient' needs CUDA", dict(backend="efficient")),
         (ValueError, "scale=-1", dict(scale=-1.0)),
         (ValueError, "scale=nan", dict(scale=float("nan"))),
     ]
@@ -140,14 +139,18 @@ def _check_bad_input() -> int:
     _expect(TypeError, "dropout_p", cplib.ring_sdpa, q, k, v, g, dropout_p=0.1)
     _expect(NotImplementedError, r"key-padding masks.*attn_mask \(got \(6, 6\)\)",
             cplib.ring_sdpa, q, k, v, g, attn_mask=torch.ones(6, 6, dtype=torch.bool))
-    # the raw ops check their integer codes too
-    _expect(ValueError, "rotate=7", ops.ring_sdpa, q, k, v, g, False, False, None, -1, 7)
-    _expect(ValueError, "backend=5", ops.ring_sdpa, q, k, v, g, False, False, None, 5, 0)
-    out, lse = ops.ring_sdpa(q, k, v, g, False, False, None, -1, 0)
+    # the raw ops check the names of their choices too
+    _expect(ValueError, "rotate='ring' is not one of 'p2p', 'alltoall', 'allgather'",
+            ops.ring_sdpa, q, k, v, g, rotate="ring")
+    _expect(ValueError, "backend='fast' is not one of", ops.ring_sdpa, q, k, v, g, backend="fast")
+    _expect(ValueError, "layout='zigzag' is not one of", ops.ring_sdpa, q, k, v, g,
+            layout="zigzag")
+    _expect(ValueError, "ring_pass='k' is not one of", ops.ring_sdpa, q, k, v, g, ring_pass="k")
+    out, lse = ops.ring_sdpa(q, k, v, g)
     _expect(ValueError, "lse must be Float of shape", ops.ring_sdpa_backward, out, q, k, v, out,
-            lse.double(), g, False, False, None, -1, 0)
+            lse.double(), g)
     _expect(ValueError, "grad_out .* must have shape", ops.ring_sdpa_backward, out[:, :1], q, k,
-            v, out, lse, g, False, False, None, -1, 0)
+            v, out, lse, g)
     # every rank raised before communicating: the group still works
     t = torch.ones(1)
     dist.all_reduce(t)

@@ -23,7 +23,6 @@ import torch.nn.functional as F
 
 import cplib
 from cplib.comm.native import ops
-from cplib.ring.args import BACKEND_CODES
 from ring_cases import ROTATIONS, _run_case, global_tensor, reference, shard_seq
 
 BACKENDS = ["flash", "efficient", "cudnn"]
@@ -31,7 +30,7 @@ HALF_DTYPES = [torch.bfloat16, torch.float16]
 
 
 def needs_cuda(test):
-    """A GPU test: marker `cuda` (make gpu-check runs exactly those), skipped without a GPU."""
+    """A GPU test: marker `cuda` (the GPU check, benchmarks/gpu/run.sh, runs exactly those), skipped without a GPU."""
     return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(),
                                                reason="needs a CUDA GPU (none visible)")(test))
 
@@ -300,8 +299,8 @@ def _check_steps(device: str, dtype: torch.dtype, backend: str | None) -> list[s
             acc = torch.float64 if dtype == torch.float64 else torch.float32
             got = ops.ring_sdpa_backward(
                 rows(to_dev(dout)), rows(to_dev(q)), kv(k).to(dev), kv(v).to(dev),
-                rows(to_dev(out)), rows(to_dev(lse, acc)), group.group_name, st.causal, False,
-                None, BACKEND_CODES[backend], 0)
+                rows(to_dev(out)), rows(to_dev(lse, acc)), group.group_name, st.causal,
+                backend=backend or "auto")
             where = (f"{dtype} {backend} n={n} causal={causal} lb={lb} rank {st.rank} step "
                      f"{st.i}: q rows {st.q_start}:{st.q_start + st.q_len} x kv rows "
                      f"{st.kv_start}:{st.kv_start + st.kv_len} of rank {st.src}"

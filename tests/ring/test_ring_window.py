@@ -102,9 +102,9 @@ def _check_bad_window() -> int:
         with pytest.raises(ValueError, match=match):
             cplib.ring_sdpa(q, q, q, g, window=window)
     with pytest.raises(ValueError, match=r"window=\[4, -2\] must be non-negative"):
-        ops.ring_sdpa(q, q, q, g.group_name, False, False, None, -1, 0, None, [4, -2], None)
+        ops.ring_sdpa(q, q, q, g.group_name, window=[4, -2])
     with pytest.raises(ValueError, match=r"window must be \(left, right\), got \[4\]"):
-        ops.ring_sdpa(q, q, q, g.group_name, False, False, None, -1, 0, None, [4], None)
+        ops.ring_sdpa(q, q, q, g.group_name, window=[4])
     t = torch.ones(1)
     dist.all_reduce(t)
     assert t.item() == dist.get_world_size()

@@ -147,12 +147,12 @@ def _check_ops() -> int:
     q, k, v, _, snk = _inputs(2, 4, 2, 6 * n, 12, 8, 70)
     ql, kl, vl = (local(t, 6 * n, True).requires_grad_(True) for t in (q, k, v))
     sl = snk.clone().requires_grad_(True)
-    args = (name, True, True, None, -1, 0, None, None, None, False, sl)
-    torch.library.opcheck(ops.ring_sdpa.default, (ql, kl, vl, *args))
+    torch.library.opcheck(ops.ring_sdpa.default, (ql, kl, vl, name, True, "head_tail"),
+                          {"sinks": sl})
     # Ulysses' local attention with sinks and MLA (a world of one: no group)
     torch.library.opcheck(ops.ulysses_local_sdpa.default,
                           (q.clone().requires_grad_(True), k.clone().requires_grad_(True),
-                           v.clone().requires_grad_(True), True, None, -1, sl))
+                           v.clone().requires_grad_(True), True, None, "auto", sl))
 
     def attend(a, b_, c, s_):
         out, lse = cplib.ring_sdpa(a, b_, c, name, is_causal=True, load_balanced=True, sinks=s_)
@@ -180,8 +180,7 @@ def _check_ops() -> int:
         with pytest.raises(ValueError, match=msg):
             cplib.ring_sdpa(ql, kl, vl, name, sinks=bad)
         with pytest.raises(ValueError, match=msg):
-            ops.ring_sdpa(ql, kl, vl, name, False, False, None, -1, 0, None, None, None, False,
-                          bad)
+            ops.ring_sdpa(ql, kl, vl, name, sinks=bad)
     return 4
 
 

@@ -150,9 +150,9 @@ def test_schedule_is_the_rings_plan_for_the_placement():
     assert sum(w.pairs for steps in one.work for w in steps if w) == 64 * 65 / 2
     # The op names what it cannot plan (no collective: it only plans).
     with pytest.raises(ValueError, match="cu_seqlens must be strictly increasing"):
-        ops.ring_plan_summary(64, 4, True, True, [0, 32, 32, 64], None, False, True, 0)
+        ops.ring_plan_summary(64, 4, True, "placement", [0, 32, 32, 64], None, "p2p")
     with pytest.raises(ValueError, match="seq_len=2 is shorter than the world size 4"):
-        ops.ring_plan_summary(2, 4, True, True, None, None, False, False, 0)
+        ops.ring_plan_summary(2, 4, True, "head_tail", None, None, "p2p")
 
 
 def test_placement_is_a_candidate_where_the_call_has_documents():

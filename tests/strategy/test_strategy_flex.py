@@ -1,8 +1,10 @@
 """strategy="auto" on ``_ContextParallel(seq_dim=2, AttentionType.FLEX)``
 (gloo, CPU): the flex ring and the flex all-gather as candidates priced from
-the flex plan. The predicted bytes each rank receives equal the flex ring's
-counter (``cplib_c::flex_ring_debug_bytes``) for causal, window and
-documents masks at N=2 and 4, forward and forward+backward; the choice is
+the flex plan. The predicted bytes each rank receives equal the bytes that
+crossed the process group into it (counted at torch's collectives,
+tests/support/wire_count.py, not from the plan) and a count made from the
+dense mask alone, for causal, window and documents masks at N=2 and 4,
+forward and forward+backward; the choice is
 one on every rank (measured calibrations differ per rank), made once per
 plan and logged once, its outputs and gradients equal single-process
 flex_attention, ``explain`` lists both candidates; a memory limit between
@@ -33,6 +35,7 @@ from cplib.strategy.flex_route import _workload, flex_stats
 from flex_cases import (Model, balancer, causal, cpu_flex_grads, document_causal,
                         document_lengths, flex_reference, mesh, randn, rotate, sliding_window)
 from harness import assert_close
+from wire_count import counting_wire
 
 DIM = 8
 TOL = dict(atol=2e-6, rtol=1e-5)  # fp32 CP against float64 truth (test_flex_ring.py)
@@ -63,18 +66,39 @@ def _case(kind: str, S: int, block: int, lb_kind: str, heads=(2, 2)):
     return (q, k, v, cot, full, lb), local
 
 
-def _model(strategy) -> torch.nn.Module:
-    return parallelize_module(Model(), mesh(), {"attn": cplib._ContextParallel(
-        seq_dim=2, attention_type=cplib._ContextParallel.AttentionType.FLEX,
-        strategy=strategy)})
+def _style(strategy) -> cplib._ContextParallel:
+    return cplib._ContextParallel(seq_dim=2, attention_type=cplib._ContextParallel.AttentionType.FLEX,
+                                  strategy=strategy)
+
+
+def _model(strategy, style: cplib._ContextParallel | None = None) -> torch.nn.Module:
+    return parallelize_module(Model(), mesh(), {"attn": style or _style(strategy)})
+
+
+def _needed_blocks(kind: str, S: int, block: int, lb_kind: str) -> torch.Tensor:
+    """``(N, N)``: how many key blocks of rank j rank i's queries see, from
+    the dense mask on the original positions and the balancer's permutation
+    alone (no BlockMask, no plan). The flex ring moves whole key blocks."""
+    n = dist.get_world_size()
+    mask_mod, lengths = _mask_mod(kind, S)
+    lb = balancer(lb_kind, S, None, lengths)
+    order = torch.arange(S) if lb is None else lb._generate_indices()[0]
+    pos = torch.arange(S)
+    dense = mask_mod(0, 0, pos[:, None], pos[None, :])[order][:, order]  # rearranged rows/keys
+    per_rank = S // n
+    sees = dense.view(n, per_rank, S // block, block).any(-1).any(1)  # (N, key blocks)
+    return sees.view(n, n, per_rank // block).sum(-1)
 
 
 def _check_bytes(cases) -> list[tuple[float, int]]:
-    """Per case: the predicted bytes this rank receives equal the ring's
-    counter after the forward, and for documents (the least regular plan)
-    after the backward too (the K/V rows again and the dK|dV sent back)."""
+    """Per case: the predicted bytes this rank receives equal those that
+    crossed the group into it and the dense mask's count, after the forward
+    (the key blocks our queries see, K and V), and for documents (the least
+    regular plan) after the backward too (those K/V rows again, and dK|dV of
+    our blocks that other ranks saw)."""
     got = []
     group = mesh().get_group().group_name
+    rank = dist.get_rank()
     with cpu_flex_grads(), rotate("p2p"):
         ring = _model(None)  # the flex ring, without a strategy
         for kind, S, block, lb_kind in cases:
@@ -82,17 +106,22 @@ def _check_bytes(cases) -> list[tuple[float, int]]:
             stats = flex_stats(getattr(mask, flex_plan.SHARD_ATTR), mask, q, group)
             lq, lk, lv = (t.clone().requires_grad_(True) for t in (q, k, v))
             w = _workload(stats, lq, lk, lv, CPU)
-            ring_bytes_received(reset=True)
-            out = ring(lq, lk, lv, block_mask=mask)
-            counts = [(False, ring_bytes_received())]
-            if kind == "documents":  # the backward's traffic too (flex's CPU backward is slow)
-                out.backward(cot)
-                counts.append((True, ring_bytes_received()))
-            for backward, counted in counts:
+            need = _needed_blocks(kind, S, block, lb_kind)
+            kv_block = 2 * block * lk.shape[1] * DIM * lk.element_size()  # K and V rows
+            others = [j for j in range(need.shape[0]) if j != rank]
+            fetched = sum(int(need[rank, j]) for j in others) * kv_block
+            returned = sum(int(need[j, rank]) for j in others) * kv_block
+            with counting_wire() as wire:
+                out = ring(lq, lk, lv, block_mask=mask)
+                counts = [(False, wire.received, fetched)]
+                if kind == "documents":  # the backward's traffic too (flex's CPU backward is slow)
+                    out.backward(cot)
+                    counts.append((True, wire.received, 2 * fetched + returned))
+            for backward, crossed, dense in counts:
                 want = predict(RING, replace(w, backward=backward),
-                               default_for("cpu")).received[dist.get_rank()]
-                assert counted == want, (kind, lb_kind, backward, counted, want)
-                got.append((want, counted))
+                               default_for("cpu")).received[rank]
+                assert crossed == want == dense, (kind, lb_kind, backward, crossed, want, dense)
+                got.append((want, crossed))
     return got
 
 
@@ -101,7 +130,7 @@ BYTES_CASES = [("causal", 256, 32, "none"), ("window", 256, 32, "none"),
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_predicted_bytes_equal_the_rings_counter(ranks, world):
+def test_predicted_bytes_equal_the_bytes_that_crossed(ranks, world):
     per_rank = ranks(world).run(_check_bytes, BYTES_CASES)
     # Something travelled on some rank in every case (the check is not 0 == 0).
     for i in range(len(BYTES_CASES) + 1):
@@ -155,8 +184,9 @@ def _predicted_peaks(kind: str) -> dict[str, float]:
 
 
 def _check_memory_limit() -> tuple[str, str]:
-    """A limit between the two predicted peaks picks the ring (which runs
-    and is exact); one below both raises before any exchange."""
+    """A limit between the two predicted peaks picks the ring (which runs,
+    exchanges on every rank and is exact); one below both raises before any
+    exchange."""
     peaks = _predicted_peaks("causal")
     assert peaks["p2p"] < peaks["allgather"], peaks
     (q, k, v, cot, full, lb), (lq, lk, lv, lcot, mask) = _case("causal", 256, 32, "none")
@@ -167,17 +197,20 @@ def _check_memory_limit() -> tuple[str, str]:
             ref = flex_reference(q, k, v, full, None, False, cot, torch.zeros(q.shape[:3]))
             want = cplib.shard(mesh(), [ref[0], ref[2], ref[3], ref[4]], [2] * 4, lb)
             a, b, c = (t.clone().requires_grad_(True) for t in (lq, lk, lv))
-            ring_bytes_received(reset=True)
-            out = _model(between)(a, b, c, block_mask=mask)
-            out.backward(lcot)
+            style = _style(between)
+            with counting_wire() as wire:
+                out = _model(None, style)(a, b, c, block_mask=mask)
+                out.backward(lcot)
             for name, g, e in zip(("out", "dq", "dk", "dv"), (out, a.grad, b.grad, c.grad),
                                   want):
                 assert_close(g.detach().double(), e.double(), what=f"limit: {name}", **TOL)
-            ran_ring = ring_bytes_received(reset=True) > 0 or dist.get_rank() == 0
+            # Causal over 2 ranks: rank 0 sends its K/V and gets their dK|dV back,
+            # rank 1 the other way round. No rank is excused.
+            assert [c.chosen for c in cplib.explain(style)] == [RING], cplib.explain(style)
+            assert wire.sent > 0 and wire.received > 0, (wire.sent, wire.received)
             below = cplib.AutoStrategy(calibration="cpu", memory_limit=int(peaks["p2p"] / 2))
             with pytest.raises(ValueError) as info:
                 _model(below)(lq, lk, lv, block_mask=mask)
-        assert ran_ring
         return str(info.value), "ok"
     finally:
         choice_mod.clear_caches()

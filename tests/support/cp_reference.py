@@ -1,9 +1,11 @@
-"""A slow, obviously-correct stand-in for ``cplib.ring.op.ring_sdpa`` (same
-signature): all-gather K/V with cplib's differentiable all-gather, then masked
-attention of the local queries against the whole sequence, the causal mask
-built from the global positions of the shard layout. Tests use it to check
-the front end (sharding, layout flags, dispatch, gradients) independently of
-the native ring; ``use_ring("native")`` selects the real op."""
+"""A slow, obviously-correct stand-in for ``cplib.ring.op.ring_sdpa`` and
+``ring_attention`` (same signatures; the front end's routed SDPA calls take
+``ring_attention`` with the call's record): all-gather K/V with cplib's
+differentiable all-gather, then masked attention of the local queries against
+the whole sequence, the causal mask built from the global positions of the
+shard layout. Tests use it to check the front end (sharding, layout flags,
+dispatch, gradients) independently of the native ring; ``use_ring("native")``
+selects the real op."""
 
 from __future__ import annotations
 
@@ -50,6 +52,20 @@ def reference_ring_sdpa(q, k, v, group, *, is_causal=False, load_balanced=False,
     return out.to(q.dtype), lse
 
 
+def reference_ring_attention(q, k, v, call, *, sinks=None, attn_mask=None, auto_rotate=False):
+    """``ring_attention`` of a call the stand-in computes (no documents,
+    windows, uneven lengths, masks or sinks), recorded as ``ring_sdpa``'s
+    keywords."""
+    unsupported = dict(cu_seqlens=call.cu_seqlens, window=call.window, seq_len=call.seq_len,
+                       sinks=sinks, attn_mask=attn_mask)
+    assert all(x is None for x in unsupported.values()) and not auto_rotate, unsupported
+    assert call.layout in ("sequential", "head_tail"), call.layout
+    return reference_ring_sdpa(q, k, v, call.group_name, is_causal=call.is_causal,
+                               load_balanced=call.layout == "head_tail", scale=call.scale,
+                               rotate=call.rotate,
+                               backend=None if call.backend == "auto" else call.backend)
+
+
 def use_ring(impl: str) -> None:
     """Selects what ``cplib.ring.op`` is for this process: the native ring op
     ("native", must be importable) or the reference above ("reference")."""
@@ -64,6 +80,7 @@ def use_ring(impl: str) -> None:
         mod = types.ModuleType("cplib.ring.op")
         mod.__dict__.update({k: v for k, v in vars(native).items() if not k.startswith("__")})
         mod.ring_sdpa = reference_ring_sdpa
+        mod.ring_attention = reference_ring_attention
         sys.modules["cplib.ring.op"] = mod
     elif impl == "native":
         if _saved_native:

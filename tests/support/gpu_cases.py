@@ -2,7 +2,7 @@
 ``cuda`` mark, fp64 truth with any mask, the single-device run and the
 judgement "at most 1.5x the single-device error".
 
-Every GPU test carries the ``cuda`` marker (``make gpu-check`` selects them
+Every GPU test carries the ``cuda`` marker (``benchmarks/gpu/run.sh`` selects them
 with ``-m cuda``) and runs several ranks on one GPU through the threaded
 process group. Where no GPU is visible they skip, unless
 ``CPLIB_GPU_TESTS_ON_CPU=1``: then the same bodies run on the CPU (same

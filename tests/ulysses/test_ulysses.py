@@ -217,7 +217,7 @@ def _check_opcheck() -> int:
     for causal, hq, hkv in ((True, 4, 2), (False, 2, 2)):
         q, k, v = (global_tensor((2, h, 6, 8), torch.float64, i).requires_grad_(True)
                    for i, h in enumerate((hq, hkv, hkv)))
-        args = (causal, 0.5, -1)
+        args = (causal, 0.5, "auto")
         torch.library.opcheck(ops.ulysses_local_sdpa.default, (q, k, v, *args))
         with torch.no_grad():
             out, lse = ops.ulysses_local_sdpa(q, k, v, *args)

@@ -36,15 +36,22 @@ Tensor all_to_all_split(const Group& g, const Tensor& in, const std::vector<int6
   return ret<Tensor>(stack[0]);
 }
 
+Tensor send_recv(const Group& g, const Tensor& in, int64_t dst, int64_t recv_numel, int64_t src) {
+  auto stack = call("cplib_c::c10d_send_recv", "", in, dst, recv_numel, src, g.name);
+  return ret<Tensor>(stack[0]);
+}
+
 void wait(const Tensor& t) {
   // The op returns an alias of `t`: take it, so that its handle is released.
   auto stack = call("_c10d_functional::wait_tensor", "", t);
   (void)ret<Tensor>(stack[0]);
 }
 
-// torch's functional collectives take the group as `Any` from torch 2.13 on,
-// a type the stable dispatcher call cannot pass; these ops take it as `str`
-// and are implemented in Python (cplib/comm/native.py) by calling them.
+// The stable ABI has no process-group API, and torch's functional
+// collectives take the group as `Any` from torch 2.13 on, a type the stable
+// dispatcher call cannot pass; these ops take it as `str` and are
+// implemented in Python (cplib/comm/native.py: group_info; the others in
+// cplib/comm/collectives.py), on the group's own calls.
 STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
   // [rank, size, NCCL?, token] of a group, or [] for an unknown name.
   m.def("group_info(str group_name) -> int[]");
@@ -53,6 +60,9 @@ STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
   m.def(
       "c10d_all_to_all(Tensor input, int[] output_split_sizes, int[] input_split_sizes, "
       "str group_name) -> Tensor");
+  m.def(
+      "c10d_send_recv(Tensor input, int dst, int recv_numel, int src, str group_name) "
+      "-> Tensor");
 }
 
 }  // namespace cplib

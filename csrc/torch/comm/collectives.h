@@ -1,10 +1,11 @@
 // Process groups and collectives on the stable ABI: a group is its registered
 // name (with its rank and size, asked of the Python side once per call), and
-// every collective is one of torch's functional collectives
-// (_c10d_functional::*), reached through cplib_c::c10d_* (see
-// collectives.cpp for why). They work with every registered group, the
-// threaded test group included. Each returns its output unwaited: call wait()
-// before reading it, and overlap compute in between.
+// every collective is a call of the process group's own (torch's functional
+// collectives on torch's threaded test group), reached through
+// cplib_c::c10d_* (see collectives.cpp for why) and registered with torch's
+// work registry, so that _c10d_functional::wait_tensor waits for it. They
+// work with every registered group. Each returns its output unwaited: call
+// wait() before reading it, and overlap compute in between.
 #pragma once
 
 #include <cstdint>
@@ -34,11 +35,18 @@ Tensor all_gather_dim0(const Group& g, const Tensor& in);
 Tensor reduce_scatter_sum_dim0(const Group& g, const Tensor& in);
 Tensor all_to_all_dim0(const Group& g, const Tensor& in);
 // Rows per peer (dim 0): `in_splits[r]` rows go to rank r, `out_splits[r]`
-// come from it. One non-empty peer each way is a point-to-point exchange:
-// the ring's shift, on every torch and every group (functional send/recv
-// ops only exist from torch 2.13, and the threaded group has no send/recv).
+// come from it. Every rank of the group joins it.
 Tensor all_to_all_split(const Group& g, const Tensor& in, const std::vector<int64_t>& out_splits,
                         const std::vector<int64_t>& in_splits);
+// A neighbour exchange: the flat `in` (may be empty) to rank `dst`, and
+// `recv_numel` elements of its dtype, on its device, from rank `src` (a flat
+// output; empty when 0). Where the group has point-to-point calls (gloo,
+// NCCL) it is one send and one receive, batched, that no other rank takes
+// part in; on a group without them (torch's threaded test group), and for a
+// group's first exchange (NCCL creates its communicator with every rank),
+// the same split all-to-all with those two peers. Every rank of the group
+// calls it at the same point, with nothing to send or receive too.
+Tensor send_recv(const Group& g, const Tensor& in, int64_t dst, int64_t recv_numel, int64_t src);
 
 // Waits for the collective that produced `t` (a no-op for any other tensor).
 void wait(const Tensor& t);

@@ -77,32 +77,32 @@ void unpack_slab(Tensor& t, int64_t dim, int64_t start, const Tensor& buf) {
   }
 }
 
-NeighbourExchange::NeighbourExchange(const Group& g, const TpConvPlan& p, const Tensor& like,
+NeighbourExchange::NeighbourExchange(const Group& g, int64_t dim, const Tensor& like,
                                      const Slab& send_left, const Slab& send_right,
                                      int64_t recv_left_width, int64_t recv_right_width,
                                      int64_t leftward, int64_t rightward) {
   // Every rank takes part in the all-to-all, or none does.
   if (leftward == 0 && rightward == 0) return;
-  left_shape_ = slab_shape(like, p.dim, recv_left_width);
-  right_shape_ = slab_shape(like, p.dim, recv_right_width);
-  const int64_t to_left = send_left.width ? numel_of(slab_shape(like, p.dim, send_left.width)) : 0;
+  left_shape_ = slab_shape(like, dim, recv_left_width);
+  right_shape_ = slab_shape(like, dim, recv_right_width);
+  const int64_t to_left = send_left.width ? numel_of(slab_shape(like, dim, send_left.width)) : 0;
   const int64_t to_right =
-      send_right.width ? numel_of(slab_shape(like, p.dim, send_right.width)) : 0;
+      send_right.width ? numel_of(slab_shape(like, dim, send_right.width)) : 0;
   // One flat buffer each way, in rank order: [to rank - 1 | to rank + 1].
   sent_ = torch::stable::new_empty(like, std::vector<int64_t>{to_left + to_right});
   char* base = static_cast<char*>(sent_.mutable_data_ptr());
-  if (to_left) pack_into(send_left.src, p.dim, send_left.start, send_left.width, base);
+  if (to_left) pack_into(send_left.src, dim, send_left.start, send_left.width, base);
   if (to_right)
-    pack_into(send_right.src, p.dim, send_right.start, send_right.width,
+    pack_into(send_right.src, dim, send_right.start, send_right.width,
               base + to_left * static_cast<int64_t>(like.element_size()));
   std::vector<int64_t> in_splits(static_cast<size_t>(g.size), 0), out_splits = in_splits;
-  if (p.rank > 0) {
-    in_splits[p.rank - 1] = to_left;
-    out_splits[p.rank - 1] = numel_of(left_shape_);
+  if (g.rank > 0) {
+    in_splits[g.rank - 1] = to_left;
+    out_splits[g.rank - 1] = numel_of(left_shape_);
   }
-  if (p.rank + 1 < g.size) {
-    in_splits[p.rank + 1] = to_right;
-    out_splits[p.rank + 1] = numel_of(right_shape_);
+  if (g.rank + 1 < g.size) {
+    in_splits[g.rank + 1] = to_right;
+    out_splits[g.rank + 1] = numel_of(right_shape_);
   }
   received_ = all_to_all_split(g, sent_, out_splits, in_splits);
   pending_ = true;
@@ -130,7 +130,7 @@ NeighbourExchange::~NeighbourExchange() {
 std::unique_ptr<NeighbourExchange> exchange_input_halos(const Group& g, const TpConvPlan& p,
                                                        const Tensor& x) {
   return std::make_unique<NeighbourExchange>(
-      g, p, x, Slab{x, 0, p.send_left}, Slab{x, p.width - p.send_right, p.send_right},
+      g, p.dim, x, Slab{x, 0, p.send_left}, Slab{x, p.width - p.send_right, p.send_right},
       p.halo_left, p.halo_right, p.rh, p.lh);
 }
 
@@ -138,7 +138,7 @@ std::unique_ptr<NeighbourExchange> return_halo_grads(const Group& g, const TpCon
                                                      const Tensor& like,
                                                      const Slab& grad_halo_left,
                                                      const Slab& grad_halo_right) {
-  return std::make_unique<NeighbourExchange>(g, p, like, grad_halo_left, grad_halo_right,
+  return std::make_unique<NeighbourExchange>(g, p.dim, like, grad_halo_left, grad_halo_right,
                                              p.send_left, p.send_right, p.lh, p.rh);
 }
 

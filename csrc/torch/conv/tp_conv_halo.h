@@ -1,6 +1,7 @@
-// Halo exchange for tp_convolution: the neighbour messages (both directions
-// in one all-to-all, in flight while the caller computes) and slab packing
-// through the C core (csrc/core/halo.c, csrc/cuda/halo.cu).
+// Halo exchange: the neighbour messages (both directions in one all-to-all,
+// in flight while the caller computes) and slab packing through the C core
+// (csrc/core/halo.c, csrc/cuda/halo.cu). tp_convolution's spatial halos and
+// seq_halo's sequence halos (conv/seq_halo.cpp) both travel this way.
 #pragma once
 
 #include <memory>
@@ -27,8 +28,9 @@ struct Slab {
   int64_t start = 0, width = 0;
 };
 
-// Messages to and from the two neighbours: packed into one buffer and sent
-// as one all-to-all (non-empty only towards the neighbours) on construction,
+// Messages to and from the two neighbours (group ranks g.rank - 1 and
+// g.rank + 1), slabs along `dim`: packed into one buffer and sent as one
+// all-to-all (non-empty only towards the neighbours) on construction,
 // completed by wait() or the destructor.
 class NeighbourExchange {
  public:
@@ -36,7 +38,7 @@ class NeighbourExchange {
   // (0: none). Every leftward message of this pass is `leftward` columns wide
   // on the ranks that send one, every rightward one `rightward`: when both are
   // 0 no rank has anything to send, and the collective is skipped everywhere.
-  NeighbourExchange(const Group& g, const TpConvPlan& plan, const Tensor& like,
+  NeighbourExchange(const Group& g, int64_t dim, const Tensor& like,
                     const Slab& send_left, const Slab& send_right, int64_t recv_left_width,
                     int64_t recv_right_width, int64_t leftward, int64_t rightward);
   NeighbourExchange(const NeighbourExchange&) = delete;

@@ -11,7 +11,7 @@
 // GPU, which is where the H100 run of a24d28d failed ("Expected Tensor but
 // got Int" for ops returning SymInts): tests/comm/test_cuda_glue.py runs it on
 // CPU-only machines, for every backend.
-// `backend`: the ring's codes (ring.h); auto (-1) resolves as the ring does.
+// `backend`: by name (ring_call.h); "auto" resolves as the ring does.
 // `masked`: the windows/documents path (an all-zero additive mask).
 // Without `backward`, dq/dk/dv come back empty.
 #include <cmath>
@@ -37,15 +37,16 @@ Config probe_config(const Tensor& q, const Tensor& k, const Tensor& v, int64_t b
   // As check_args fixes it for MLA (the kernels may see padded head dims).
   if (!scale && q.size(3) != v.size(3)) scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
   cfg.scale = scale;
-  cfg.q_layout = {q.size(2), 1, false, {}, {}, {}};
-  cfg.kv_layout = {k.size(2), 1, false, {}, {}, {}};
+  cfg.q_layout = {q.size(2), 1, false, {}, {}, {}, {}};
+  cfg.kv_layout = {k.size(2), 1, false, {}, {}, {}, {}};
   cfg.backend = resolve_ring_backend(cfg, q, k, v);
   return cfg;
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> cuda_glue_probe(
-    const Tensor& q, const Tensor& k, const Tensor& v, int64_t backend, bool is_causal,
-    bool masked, bool backward, std::optional<double> scale) {
+    const Tensor& q, const Tensor& k, const Tensor& v, const std::string& backend_name,
+    bool is_causal, bool masked, bool backward, std::optional<double> scale) {
+  const int64_t backend = backend_code("_cuda_glue_probe", backend_name);
   aten::NoGradGuard no_grad;
   CPLIB_CHECK_VALUE(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k.size(1) > 0 &&
                         q.size(1) % k.size(1) == 0,
@@ -96,7 +97,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> cuda_glue_probe(
 
 STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
   m.def(
-      "_cuda_glue_probe(Tensor q, Tensor k, Tensor v, int backend, bool is_causal, bool masked, "
+      "_cuda_glue_probe(Tensor q, Tensor k, Tensor v, str backend, bool is_causal, bool masked, "
       "bool backward, float? scale=None) -> (Tensor out, Tensor lse, Tensor dq, Tensor dk, "
       "Tensor dv)");
   // The argument names cplib passes to aten::_flash_attention_forward, in

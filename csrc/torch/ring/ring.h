@@ -1,16 +1,5 @@
 // Ring scaled-dot-product attention: shared types of the ring_*.cpp files.
-//
-// Integer codes (also used by cplib/ring/args.py):
-//   rotate:  0 = "p2p", 1 = "alltoall": each step's block comes from its
-//            owner through a split all-to-all with one non-empty peer each
-//            way, double-buffered (both names run that exchange: torch 2.11's
-//            functional collectives have no send/recv); 2 = "allgather" (one
-//            gather up front).
-//   backend: -1 = auto (chosen as scaled_dot_product_attention would, so
-//            torch.nn.attention.sdpa_kernel is honoured), 1 = flash,
-//            2 = efficient, 3 = cuDNN (the values of at::SDPBackend).
-//            CPU always runs _scaled_dot_product_flash_attention_for_cpu and
-//            accepts only -1 and 1.
+// The call's arguments and the names of its choices are in ring_call.h.
 #pragma once
 
 #include <optional>
@@ -18,6 +7,7 @@
 
 #include "comm/collectives.h"
 #include "common/stable.h"
+#include "ring/ring_call.h"
 #include "ring/ring_layout.h"
 #include "ring/ring_mask.h"
 
@@ -26,18 +16,12 @@
 
 namespace cplib::ring {
 
-enum class Rotate : int64_t { p2p = 0, alltoall = 1, allgather = 2 };
-
-constexpr int64_t kBackendAuto = -1;
-constexpr int64_t kBackendFlash = 1;
-constexpr int64_t kBackendEfficient = 2;
-constexpr int64_t kBackendCudnn = 3;
-
 // Everything a ring pass needs besides the tensors; built by check_args.
 struct Config {
   Group group;
   int64_t rank = 0, size = 1;
-  bool causal = false, load_balanced = false;
+  bool causal = false;
+  SeqLayout layout = SeqLayout::sequential;
   std::optional<double> scale;
   int64_t backend = kBackendAuto;
   Rotate rotate = Rotate::p2p;
@@ -50,58 +34,22 @@ struct Config {
   bool cuda = false;
 };
 
-// ring_pass codes: 0 = "kv" (k/v travel), 1 = "q" (queries travel and the
-// partial (out, lse) return), 2 = "auto" (the one that moves fewer bytes).
-constexpr int64_t kPassKV = 0;
-constexpr int64_t kPassQ = 1;
-constexpr int64_t kPassAuto = 2;
-
-// The values of the integer tensors a ring plans with, on the host: each
-// read at most once per op (for a tensor on the GPU, one device-to-host copy;
-// cplib's Python layer passes host copies, read once per tensor version), or
-// for a backward that its forward's handshake covers, the forward's own
-// (Agreed, ring_agreed.h): it reads none.
-struct HostValues {
-  std::optional<std::vector<int64_t>> cu_seqlens, q_positions, kv_positions;
-};
-
-// The optional arguments of the ops (documents, window, global length).
-struct Extras {
-  std::optional<Tensor> cu_seqlens;
-  std::optional<std::vector<int64_t>> window;
-  std::optional<int64_t> seq_len;
-  bool per_document = false;  // shards cut head-tail inside every document
-  bool placement = false;     // shards in the document placement (ring_placement.h)
-  // Explicit global positions of this rank's q rows and k/v rows (both or neither).
-  std::optional<Tensor> q_positions, kv_positions;
-  int64_t ring_pass = kPassKV;
-  bool has_positions() const { return q_positions.has_value() || kv_positions.has_value(); }
-  // The values of cu_seqlens / q_positions / kv_positions, read on first use
-  // (call after their dtype and shape were checked).
-  const std::vector<int64_t>& cu_seqlens_values() const;
-  const std::vector<int64_t>& q_positions_values() const;
-  const std::vector<int64_t>& kv_positions_values() const;
-  mutable HostValues host;
-};
-
 // Validates every argument (ValueError naming the value) against the group,
 // resolved once per op by the caller (each resolution is a call into
 // Python); nothing is communicated, so every rank fails the same way.
 Config check_args(const char* op, const Tensor& q, const Tensor& k, const Tensor& v,
-                  const Group& group, bool is_causal, bool load_balanced,
-                  std::optional<double> scale, int64_t backend, int64_t rotate,
-                  const Extras& extras = {});
+                  const Group& group, const RingCall& call);
 
 // cu_seqlens' values checked: [0, ..., seq_len], strictly increasing
 // (ValueError naming them).
 void check_bounds(const char* op, const std::vector<int64_t>& bounds, int64_t seq_len);
 
 // The q and k/v layouts and the mask of a ring over cfg.size ranks of sq
-// query and sk key tokens, from cfg.load_balanced, cfg.causal and the
-// documents in cfg.mask.bounds (checked): what check_args builds, and what
+// query and sk key tokens, from cfg.layout, cfg.causal and the documents in
+// cfg.mask.bounds (checked): what check_args builds, and what
 // ring_plan_summary (ring_plan_summary.cpp) plans with.
-void lay_out(const char* op, Config& cfg, int64_t sq, int64_t sk, bool per_document,
-             bool placement, const std::optional<std::vector<int64_t>>& window);
+void lay_out(const char* op, Config& cfg, int64_t sq, int64_t sk,
+             const std::optional<std::vector<int64_t>>& window);
 
 // ring_pass="auto": "q" (true) when passing the queries and returning the
 // partial (out, lse) moves fewer bytes than passing k and v, from the global

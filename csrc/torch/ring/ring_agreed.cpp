@@ -10,11 +10,11 @@
 namespace cplib::ring {
 namespace {
 
-std::atomic<int64_t> g_last_pass{kPassKV};
+std::atomic<Pass> g_last_pass{Pass::kv};
 // What the last finish_config of this thread resolved its backend from.
 thread_local std::vector<int64_t> t_last_shape;
 
-constexpr int64_t kRecordMagic = 0x63706c6961677231;  // "cplagr1"
+constexpr int64_t kRecordMagic = 0x63706c6961677232;  // "cplagr2"
 
 void put(std::vector<int64_t>& out, const std::vector<int64_t>& v) {
   out.push_back(static_cast<int64_t>(v.size()));
@@ -48,7 +48,7 @@ class Reader {
 
 // Every rank's explicit positions: one all-gather in host memory of each
 // rank's [q positions | k/v positions], each padded to the longest.
-void gather_positions(Config& cfg, const Extras& ex, const Tensor& q, const Tensor& k,
+void gather_positions(Config& cfg, const RingCall& call, const Tensor& q, const Tensor& k,
                       std::vector<int64_t> lengths) {
   const int64_t n = cfg.size;
   if (static_cast<int64_t>(lengths.size()) != 2 * n)
@@ -56,8 +56,8 @@ void gather_positions(Config& cfg, const Extras& ex, const Tensor& q, const Tens
   int64_t wq = 1, wk = 1;
   for (int64_t r = 0; r < n; ++r) wq = std::max(wq, lengths[2 * r]), wk = std::max(wk, lengths[2 * r + 1]);
   std::vector<int64_t> mine(wq + wk, -1);
-  const std::vector<int64_t>& qp = ex.q_positions_values();
-  const std::vector<int64_t>& kp = ex.kv_positions_values();
+  const std::vector<int64_t>& qp = call.q_positions_values();
+  const std::vector<int64_t>& kp = call.kv_positions_values();
   std::copy(qp.begin(), qp.end(), mine.begin());
   std::copy(kp.begin(), kp.end(), mine.begin() + wq);
   const std::vector<int64_t> all = gather_local_lengths(cfg.group, mine, q.device());
@@ -75,7 +75,7 @@ void gather_positions(Config& cfg, const Extras& ex, const Tensor& q, const Tens
 }  // namespace
 
 Tensor Agreed::to_record() const {
-  std::vector<int64_t> r{kRecordMagic, backend, has_bounds ? 1 : 0};
+  std::vector<int64_t> r{kRecordMagic, rank, size, nccl, token, backend, has_bounds ? 1 : 0};
   put(r, lengths);
   put(r, bounds);
   r.push_back(static_cast<int64_t>(q_positions.size()));
@@ -100,6 +100,10 @@ Agreed Agreed::from_record(const Tensor& record) {
   CPLIB_CHECK_VALUE(in.next() == kRecordMagic, "cplib.ring_sdpa_backward_covered: agreed is not "
                     "a record of ring_sdpa's forward (an internal op)");
   Agreed a;
+  a.rank = in.next();
+  a.size = in.next();
+  a.nccl = in.next();
+  a.token = in.next();
   a.backend = in.next();
   a.has_bounds = in.next() != 0;
   a.lengths = in.list();
@@ -134,9 +138,9 @@ int64_t resolve_ring_backend(const Config& cfg, const Tensor& q, const Tensor& k
 
 std::vector<int64_t> last_block_shape() { return t_last_shape; }
 
-void finish_config(Config& cfg, const Extras& ex, const Tensor& q, const Tensor& k,
+void finish_config(Config& cfg, const RingCall& call, const Tensor& q, const Tensor& k,
                    const Tensor& v, std::vector<int64_t> lengths, const Agreed* agreed) {
-  if (ex.has_positions()) {
+  if (call.has_positions()) {
     if (agreed) {
       cfg.q_layout = Layout{};
       cfg.kv_layout = Layout{};
@@ -144,7 +148,7 @@ void finish_config(Config& cfg, const Extras& ex, const Tensor& q, const Tensor&
       cfg.q_layout.positions = agreed->q_positions;
       cfg.kv_layout.positions = agreed->kv_positions;
     } else {
-      gather_positions(cfg, ex, q, k, std::move(lengths));
+      gather_positions(cfg, call, q, k, std::move(lengths));
     }
     int64_t top = 0;
     for (const Layout* l : {&cfg.q_layout, &cfg.kv_layout})
@@ -153,37 +157,41 @@ void finish_config(Config& cfg, const Extras& ex, const Tensor& q, const Tensor&
     Mask& m = cfg.mask;
     m.seq_len = std::max<int64_t>({top, m.bounds.empty() ? 0 : m.bounds.back(), 1});
     m.left = m.right = m.seq_len;
-    if (ex.window) {
-      m.left = std::min((*ex.window)[0], m.seq_len);
-      m.right = std::min((*ex.window)[1], m.seq_len);
+    if (call.window) {
+      m.left = std::min((*call.window)[0], m.seq_len);
+      m.right = std::min((*call.window)[1], m.seq_len);
     }
     if (cfg.causal) m.right = 0;
   }
   const BlockShape s = ring_block_shape(cfg, q, k, v);
   t_last_shape = {s.batch, s.heads, s.q_len, s.kv_len, s.head_dim, s.v_head_dim};
   cfg.backend = agreed ? agreed->backend : resolve_ring_backend(cfg, q, k, v);
-  int64_t pass = ex.ring_pass;
-  if (pass == kPassAuto) {
+  Pass pass = call.ring_pass;
+  if (pass == Pass::fewer_bytes) {
     int64_t tq = 0, tk = 0;
     for (int64_t r = 0; r < cfg.size; ++r)
       tq += cfg.q_layout.local_len(r), tk += cfg.kv_layout.local_len(r);
     pass = pass_q_moves_less(tq, tk, q.size(1), k.size(1), q.size(3), v.size(3),
                              static_cast<int64_t>(q.element_size()),
                              acc_dtype(q) == ScalarType::Double ? 8 : 4)
-               ? kPassQ
-               : kPassKV;
+               ? Pass::q
+               : Pass::kv;
   }
-  cfg.pass_q = pass == kPassQ;
+  cfg.pass_q = pass == Pass::q;
   g_last_pass = pass;
 }
 
-int64_t last_ring_pass() { return g_last_pass.load(); }
+Pass last_ring_pass() { return g_last_pass.load(); }
 
-Agreed agreed_of(const Config& cfg, const Extras& ex, std::vector<int64_t> lengths) {
+Agreed agreed_of(const Config& cfg, const RingCall& call, std::vector<int64_t> lengths) {
   Agreed a;
+  a.rank = cfg.group.rank;
+  a.size = cfg.group.size;
+  a.nccl = cfg.group.nccl ? 1 : 0;
+  a.token = cfg.group.token;
   a.backend = cfg.backend;
   a.lengths = std::move(lengths);
-  a.has_bounds = ex.cu_seqlens.has_value();
+  a.has_bounds = call.cu_seqlens.has_value();
   a.bounds = cfg.mask.bounds;
   if (cfg.q_layout.is_explicit()) {
     a.q_positions = cfg.q_layout.positions;

@@ -19,6 +19,9 @@
 namespace cplib::ring {
 
 struct Agreed {
+  // The group as the forward resolved it (its rank, size, backend and
+  // token): the backward asks Python for none of it again.
+  int64_t rank = 0, size = 1, nccl = 0, token = 0;
   int64_t backend = kBackendAuto;   // as resolved (auto on CPU)
   std::vector<int64_t> lengths;     // rank-major {q rows, k/v rows}; empty when not exchanged
   bool has_bounds = false;
@@ -29,6 +32,8 @@ struct Agreed {
   // As a 1-D int64 CPU tensor (what autograd keeps between the two ops), and back.
   Tensor to_record() const;
   static Agreed from_record(const Tensor& record);
+  // The group named `name` as the forward resolved it.
+  Group group(const std::string& name) const { return Group{name, rank, size, nccl != 0, token}; }
 };
 
 // After check_args, before the ring: with explicit positions gathers every
@@ -39,9 +44,9 @@ struct Agreed {
 // (resolve_ring_backend) and ring_pass ("auto" from the global counts).
 // With `agreed` (a covered backward) all of that is the forward's. The pass
 // of the last call is kept for ring_debug_last_pass.
-void finish_config(Config& cfg, const Extras& extras, const Tensor& q, const Tensor& k,
+void finish_config(Config& cfg, const RingCall& call, const Tensor& q, const Tensor& k,
                    const Tensor& v, std::vector<int64_t> lengths, const Agreed* agreed = nullptr);
-int64_t last_ring_pass();
+Pass last_ring_pass();
 
 // The backend of every block of this ring: `cfg.backend` itself, or for auto
 // (CUDA) the one scaled_dot_product_attention would pick for blocks of the
@@ -59,7 +64,7 @@ BlockShape ring_block_shape(const Config& cfg, const Tensor& q, const Tensor& k,
 std::vector<int64_t> last_block_shape();
 
 // What finish_config agreed, for the record.
-Agreed agreed_of(const Config& cfg, const Extras& extras, std::vector<int64_t> lengths);
+Agreed agreed_of(const Config& cfg, const RingCall& call, std::vector<int64_t> lengths);
 
 }  // namespace cplib::ring
 

@@ -2,6 +2,7 @@
 // communication and reads nothing another rank could see differently, except
 // cu_seqlens (the same on every rank by contract).
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <sstream>
 
@@ -79,26 +80,27 @@ void check_bounds(const char* op, const std::vector<int64_t>& b, int64_t seq_len
 
 namespace {
 
-// cu_seqlens as host integers (read once, Extras), checked: [0, ..., S],
+// cu_seqlens as host integers (read once, RingCall), checked: [0, ..., S],
 // strictly increasing.
-const std::vector<int64_t>& document_bounds(const char* op, const Extras& ex, int64_t seq_len) {
-  const Tensor& cu = *ex.cu_seqlens;
+const std::vector<int64_t>& document_bounds(const char* op, const RingCall& call,
+                                            int64_t seq_len) {
+  const Tensor& cu = *call.cu_seqlens;
   CPLIB_CHECK_VALUE(is_integer(cu.scalar_type()),
                     "cplib.", op, ": cu_seqlens must be an integer tensor, got dtype ",
                     cu.scalar_type());
   CPLIB_CHECK_VALUE(cu.dim() == 1 && cu.numel() >= 2, "cplib.", op,
                     ": cu_seqlens must be 1-D with at least 2 entries [0, ..., S], got shape ",
                     cu.sizes());
-  const std::vector<int64_t>& b = ex.cu_seqlens_values();
+  const std::vector<int64_t>& b = call.cu_seqlens_values();
   check_bounds(op, b, seq_len);
   return b;
 }
 
 // Explicit positions: 1-D integers, one per row, non-negative, inside the
-// documents if any. Reads only this rank's values (once, Extras).
+// documents if any. Reads only this rank's values (once, RingCall).
 void check_positions(const char* op, const char* name, const std::optional<Tensor>& pos,
-                     const std::vector<int64_t>& (Extras::*values)() const, const Extras& ex,
-                     int64_t rows, const char* rows_of) {
+                     const std::vector<int64_t>& (RingCall::*values)() const,
+                     const RingCall& call, int64_t rows, const char* rows_of) {
   CPLIB_CHECK_VALUE(pos.has_value(), "cplib.", op, ": ", name,
                     " is missing: give q_positions and kv_positions together, or neither");
   const Tensor& p = *pos;
@@ -110,37 +112,38 @@ void check_positions(const char* op, const char* name, const std::optional<Tenso
   CPLIB_CHECK_VALUE(p.numel() == rows, "cplib.", op, ": ", name, " has ", p.numel(),
                     " positions but ", rows_of, " has ", rows, " rows");
   if (rows > 0) {
-    const std::vector<int64_t>& v = (ex.*values)();
+    const std::vector<int64_t>& v = (call.*values)();
     const int64_t lo = *std::min_element(v.begin(), v.end());
     CPLIB_CHECK_VALUE(lo >= 0, "cplib.", op, ": ", name, " must be non-negative, got ", lo);
   }
 }
 
 // cu_seqlens' last entry (its shape checked), from the values read once.
-int64_t documents_end(const char* op, const Extras& ex) {
-  const Tensor& cu = *ex.cu_seqlens;
+int64_t documents_end(const char* op, const RingCall& call) {
+  const Tensor& cu = *call.cu_seqlens;
   CPLIB_CHECK_VALUE(cu.dim() == 1 && cu.numel() >= 2, "cplib.", op,
                     ": cu_seqlens must be 1-D with at least 2 entries [0, ..., S], got shape ",
                     cu.sizes());
   CPLIB_CHECK_VALUE(is_integer(cu.scalar_type()),
                     "cplib.", op, ": cu_seqlens must be an integer tensor, got dtype ",
                     cu.scalar_type());
-  return ex.cu_seqlens_values().back();
+  return call.cu_seqlens_values().back();
 }
 
-void check_explicit(const char* op, const Config& cfg, const Tensor& q, const Tensor& k,
-                    const Extras& ex) {
-  check_positions(op, "q_positions", ex.q_positions, &Extras::q_positions_values, ex, q.size(2),
-                  "q");
-  check_positions(op, "kv_positions", ex.kv_positions, &Extras::kv_positions_values, ex,
+void check_explicit(const char* op, const Tensor& q, const Tensor& k, const RingCall& call) {
+  check_positions(op, "q_positions", call.q_positions, &RingCall::q_positions_values, call,
+                  q.size(2), "q");
+  check_positions(op, "kv_positions", call.kv_positions, &RingCall::kv_positions_values, call,
                   k.size(2), "k/v");
-  CPLIB_CHECK_VALUE(!cfg.load_balanced && !ex.seq_len && !ex.per_document && !ex.placement,
-                    "cplib.", op, ": q_positions/kv_positions describe the layout themselves: "
-                    "they exclude load_balanced, seq_len, per_document and placement");
-  if (ex.cu_seqlens) {
-    const int64_t end = documents_end(op, ex);
+  CPLIB_CHECK_VALUE(call.layout == SeqLayout::sequential && !call.seq_len, "cplib.", op,
+                    ": q_positions/kv_positions describe the layout themselves: they exclude "
+                    "seq_len and layout='", kLayoutNames[static_cast<size_t>(call.layout)],
+                    "' (load_balanced, per_document and placement)");
+  if (call.cu_seqlens) {
+    const int64_t end = documents_end(op, call);
     for (const bool is_q : {true, false}) {
-      const std::vector<int64_t>& v = is_q ? ex.q_positions_values() : ex.kv_positions_values();
+      const std::vector<int64_t>& v =
+          is_q ? call.q_positions_values() : call.kv_positions_values();
       if (v.empty()) continue;
       const int64_t hi = *std::max_element(v.begin(), v.end());
       CPLIB_CHECK_VALUE(hi < end, "cplib.", op, ": ", is_q ? "q_positions" : "kv_positions",
@@ -151,51 +154,57 @@ void check_explicit(const char* op, const Config& cfg, const Tensor& q, const Te
 
 // Layouts and mask from the optional arguments.
 void check_extras(const char* op, Config& cfg, const Tensor& q, const Tensor& k,
-                  const Extras& ex) {
+                  const RingCall& call) {
   const int64_t n = cfg.size, lq = q.size(2), lk = k.size(2);
   int64_t sq = lq * n, sk = lk * n;
-  if (ex.seq_len) {
-    const int64_t s = *ex.seq_len;
+  if (call.seq_len) {
+    const int64_t s = *call.seq_len;
     CPLIB_CHECK_VALUE(s >= n, "cplib.", op, ": seq_len=", s,
                       " is shorter than the world size ", n, " (every rank needs a token)");
     sq = sk = s;
   }
-  if (ex.has_positions()) {
-    check_explicit(op, cfg, q, k, ex);
-    if (ex.cu_seqlens) sq = sk = documents_end(op, ex);
+  if (call.has_positions()) {
+    check_explicit(op, q, k, call);
+    if (call.cu_seqlens) sq = sk = documents_end(op, call);
   }
-  const bool masked = ex.cu_seqlens.has_value() || ex.window.has_value();
-  CPLIB_CHECK_VALUE(!masked || sq == sk || ex.has_positions(), "cplib.", op, ": cu_seqlens and window need q and k/v "
-                    "of one global length, got q ", sq, " and kv ", sk);
-  CPLIB_CHECK_VALUE(!ex.per_document || (ex.cu_seqlens && ex.seq_len), "cplib.", op,
-                    ": per_document=True (head-tail inside every document) needs cu_seqlens and "
-                    "seq_len");
-  CPLIB_CHECK_VALUE(!ex.placement || (ex.cu_seqlens && ex.seq_len && !ex.per_document), "cplib.",
-                    op, ": placement=True (documents placed across the ranks) needs cu_seqlens "
-                    "and seq_len, and excludes per_document");
-  if (ex.cu_seqlens) cfg.mask.bounds = document_bounds(op, ex, sq);
-  lay_out(op, cfg, sq, sk, ex.per_document, ex.placement, ex.window);
-  if (ex.seq_len || ex.per_document) {
+  const bool masked = call.cu_seqlens.has_value() || call.window.has_value();
+  CPLIB_CHECK_VALUE(!masked || sq == sk || call.has_positions(), "cplib.", op,
+                    ": cu_seqlens and window need q and k/v of one global length, got q ", sq,
+                    " and kv ", sk);
+  const bool documented = call.layout == SeqLayout::per_document ||
+                          call.layout == SeqLayout::placement;
+  CPLIB_CHECK_VALUE(call.layout != SeqLayout::per_document || (call.cu_seqlens && call.seq_len),
+                    "cplib.", op, ": per_document=True (head-tail inside every document) needs "
+                    "cu_seqlens and seq_len");
+  CPLIB_CHECK_VALUE(call.layout != SeqLayout::placement || (call.cu_seqlens && call.seq_len),
+                    "cplib.", op, ": placement=True (documents placed across the ranks) needs "
+                    "cu_seqlens and seq_len");
+  if (call.cu_seqlens) cfg.mask.bounds = document_bounds(op, call, sq);
+  lay_out(op, cfg, sq, sk, call.window);
+  if (call.seq_len || documented) {
+    static constexpr std::array<const char*, 4> kWords{"sequential", "head-tail",
+                                                      "per-document head-tail",
+                                                      "document placement"};
     const int64_t want = cfg.q_layout.local_len(cfg.rank);
     CPLIB_CHECK_VALUE(lq == want && lk == want, "cplib.", op, ": seq_len=", sq, " over ", n,
-                      " ranks (", ex.placement ? "document placement"
-                      : ex.per_document ? "per-document head-tail"
-                      : cfg.load_balanced ? "head-tail" : "sequential",
-                      " layout) gives rank ", cfg.rank, " ", want, " rows, but q has ", lq,
-                      " and k/v ", lk);
+                      " ranks (", kWords[static_cast<size_t>(cfg.layout)], " layout) gives rank ",
+                      cfg.rank, " ", want, " rows, but q has ", lq, " and k/v ", lk);
   }
 }
 
 }  // namespace
 
-void lay_out(const char* op, Config& cfg, int64_t sq, int64_t sk, bool per_document,
-             bool placement, const std::optional<std::vector<int64_t>>& window) {
+void lay_out(const char* op, Config& cfg, int64_t sq, int64_t sk,
+             const std::optional<std::vector<int64_t>>& window) {
   const int64_t n = cfg.size;
   Mask& m = cfg.mask;
-  cfg.q_layout = {sq, n, cfg.load_balanced, {}, {}, {}};
-  cfg.kv_layout = {sk, n, cfg.load_balanced, {}, {}, {}};
-  if (per_document) cfg.q_layout.documents = cfg.kv_layout.documents = m.bounds;
-  if (placement) cfg.q_layout.placed = cfg.kv_layout.placed = document_placement(m.bounds, n);
+  const bool head_tail = cfg.layout == SeqLayout::head_tail;
+  cfg.q_layout = {sq, n, head_tail, {}, {}, {}, {}};
+  cfg.kv_layout = {sk, n, head_tail, {}, {}, {}, {}};
+  if (cfg.layout == SeqLayout::per_document)
+    cfg.q_layout.documents = cfg.kv_layout.documents = m.bounds;
+  if (cfg.layout == SeqLayout::placement)
+    cfg.q_layout.placed = cfg.kv_layout.placed = document_placement(m.bounds, n);
   m.causal = cfg.causal;
   m.seq_len = std::max(sq, sk);
   m.left = m.right = m.seq_len;
@@ -216,12 +225,11 @@ namespace {
 Config check_local(const char* op, const Tensor& q, const Tensor& k, const Tensor& v,
                    bool is_causal, std::optional<double> scale, int64_t backend, bool positions) {
   check_tensors(op, q, k, v, positions);
-  CPLIB_CHECK_VALUE(backend == kBackendAuto || backend == kBackendFlash ||
-                        backend == kBackendEfficient || backend == kBackendCudnn,
-                    "cplib.", op, ": backend=", backend,
-                    " is not a backend (-1 = auto, 1 = flash, 2 = efficient, 3 = cudnn)");
+  CPLIB_CHECK_VALUE(backend_name(backend) != "?", "cplib.", op, ": backend=", backend,
+                    " is not a backend code");
   CPLIB_CHECK_VALUE(q.is_cuda() || backend == kBackendAuto || backend == kBackendFlash, "cplib.",
-                    op, ": backend=", backend, " needs CUDA; CPU tensors always use flash (1)");
+                    op, ": backend='", backend_name(backend),
+                    "' needs CUDA; CPU tensors always use 'flash'");
   CPLIB_CHECK_VALUE(!scale || (std::isfinite(*scale) && *scale > 0.0), "cplib.", op, ": scale=",
                     scale ? *scale : 0.0, " must be a finite positive number or None");
   CPLIB_CHECK_VALUE(!is_causal || positions || q.size(2) == k.size(2), "cplib.", op,
@@ -252,35 +260,14 @@ Config check_local_args(const char* op, const Tensor& q, const Tensor& k,
   return cfg;
 }
 
-const std::vector<int64_t>& Extras::cu_seqlens_values() const {
-  if (!host.cu_seqlens) host.cu_seqlens = aten::to_host(*cu_seqlens);
-  return *host.cu_seqlens;
-}
-
-const std::vector<int64_t>& Extras::q_positions_values() const {
-  if (!host.q_positions) host.q_positions = aten::to_host(*q_positions);
-  return *host.q_positions;
-}
-
-const std::vector<int64_t>& Extras::kv_positions_values() const {
-  if (!host.kv_positions) host.kv_positions = aten::to_host(*kv_positions);
-  return *host.kv_positions;
-}
-
 Config check_args(const char* op, const Tensor& q, const Tensor& k, const Tensor& v,
-                  const Group& group, bool is_causal, bool load_balanced,
-                  std::optional<double> scale, int64_t backend, int64_t rotate,
-                  const Extras& extras) {
-  CPLIB_CHECK_VALUE(rotate >= 0 && rotate <= 2, "cplib.", op, ": rotate=", rotate,
-                    " is not a rotation (0 = p2p, 1 = alltoall, 2 = allgather)");
-  CPLIB_CHECK_VALUE(extras.ring_pass >= kPassKV && extras.ring_pass <= kPassAuto, "cplib.", op,
-                    ": ring_pass=", extras.ring_pass,
-                    " is not a ring pass (0 = kv, 1 = q, 2 = auto)");
-  Config cfg = check_local(op, q, k, v, is_causal, scale, backend, extras.has_positions());
+                  const Group& group, const RingCall& call) {
+  CPLIB_CHECK_VALUE(call.unknown.empty(), "cplib.", op, ": ", call.unknown);
+  Config cfg = check_local(op, q, k, v, call.causal, call.scale, call.backend,
+                           call.has_positions());
   // Without seq_len the global length is N times the local one, two equal
   // chunks per rank when load balanced.
-  CPLIB_CHECK_VALUE(extras.seq_len || extras.per_document || !load_balanced ||
-                        extras.has_positions() ||
+  CPLIB_CHECK_VALUE(call.seq_len || !call.head_tail() || call.has_positions() ||
                         (q.size(2) % 2 == 0 && k.size(2) % 2 == 0),
                     "cplib.", op,
                     ": load_balanced needs even local lengths (two chunks per rank), got q ",
@@ -288,9 +275,9 @@ Config check_args(const char* op, const Tensor& q, const Tensor& k, const Tensor
   cfg.group = group;
   cfg.rank = cfg.group.rank;
   cfg.size = cfg.group.size;
-  cfg.load_balanced = load_balanced;
-  cfg.rotate = static_cast<Rotate>(rotate);
-  check_extras(op, cfg, q, k, extras);
+  cfg.layout = call.layout;
+  cfg.rotate = call.rotate;
+  check_extras(op, cfg, q, k, call);
   return cfg;
 }
 

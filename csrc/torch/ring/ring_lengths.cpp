@@ -39,8 +39,8 @@ std::vector<int64_t> gather_local_lengths(const Group& group, const std::vector<
 }
 
 void learn_local_lengths(const char* op, Config& cfg, const Tensor& q, const Tensor& k,
-                         const Extras& ex, std::vector<int64_t>& table) {
-  if (ex.seq_len || ex.per_document || cfg.size == 1) {
+                         const RingCall& call, std::vector<int64_t>& table) {
+  if (call.seq_len || call.layout == SeqLayout::per_document || cfg.size == 1) {
     table.clear();
     return;
   }
@@ -50,12 +50,13 @@ void learn_local_lengths(const char* op, Config& cfg, const Tensor& q, const Ten
   std::vector<int64_t> lq(n), lk(n);
   for (int64_t r = 0; r < n; ++r) lq[r] = table[2 * r], lk[r] = table[2 * r + 1];
   if (all_equal(lq) && all_equal(lk)) return;
-  const bool positional = cfg.causal || cfg.load_balanced || ex.cu_seqlens || ex.window;
+  const bool positional =
+      cfg.causal || cfg.layout != SeqLayout::sequential || call.cu_seqlens || call.window;
   CPLIB_CHECK_VALUE(!positional, "cplib.", op, ": the ranks' local lengths differ (q ", list(lq),
                     ", k/v ", list(lk), "), which only non-causal attention without documents, "
                     "windows or load balancing accepts; pass seq_len for a layout cplib derives");
-  cfg.q_layout = {0, n, false, {}, lq, {}};
-  cfg.kv_layout = {0, n, false, {}, lk, {}};
+  cfg.q_layout = {0, n, false, {}, lq, {}, {}};
+  cfg.kv_layout = {0, n, false, {}, lk, {}, {}};
   for (int64_t r = 0; r < n; ++r) cfg.q_layout.seq_len += lq[r], cfg.kv_layout.seq_len += lk[r];
   Mask& m = cfg.mask;
   m.seq_len = std::max(cfg.q_layout.seq_len, cfg.kv_layout.seq_len);

@@ -30,7 +30,7 @@ std::vector<int64_t> gather_local_lengths(const Group& group, const std::vector<
 // load balancing need global positions, so they raise ValueError naming the
 // lengths and seq_len, alike on every rank).
 void learn_local_lengths(const char* op, Config& cfg, const Tensor& q, const Tensor& k,
-                         const Extras& ex, std::vector<int64_t>& table);
+                         const RingCall& call, std::vector<int64_t>& table);
 
 }  // namespace cplib::ring
 

@@ -1,5 +1,6 @@
 // cplib_c::ring_sdpa / ring_sdpa_backward: ring attention over a process
-// group (codes for `rotate` and `backend` are documented in ring.h), and a
+// group. Each op's schema is its tensors plus the ring call's arguments
+// (ring_call.h), read once into a RingCall that the ring takes down; and a
 // debug counter of the bytes the rings have sent.
 #include <initializer_list>
 
@@ -14,64 +15,65 @@
 namespace cplib::ring {
 namespace {
 
-Extras extras(const std::optional<Tensor>& cu_seqlens,
-              const std::optional<std::vector<int64_t>>& window, std::optional<int64_t> seq_len,
-              bool per_document, const std::optional<Tensor>& q_positions = std::nullopt,
-              const std::optional<Tensor>& kv_positions = std::nullopt,
-              int64_t ring_pass = kPassKV, bool placement = false) {
-  Extras e;
-  e.placement = placement;
-  e.q_positions = q_positions;
-  e.kv_positions = kv_positions;
-  e.ring_pass = ring_pass;
-  e.per_document = per_document;
-  e.cu_seqlens = cu_seqlens;
-  e.window = window;
-  e.seq_len = seq_len;
-  return e;
+using NamedTensors = std::initializer_list<std::pair<const char*, const Tensor*>>;
+
+// "layout (0 = sequential, 1 = head_tail, ...)": a choice's field in the
+// handshake, named with its values' meanings for the error message.
+template <class Names, class Codes>
+std::string legend(const char* what, const Names& names, const Codes& codes) {
+  std::string out = str(what, " (");
+  for (size_t i = 0; i < names.size(); ++i) out += str(i ? ", " : "", codes[i], " = ", names[i]);
+  return out + ")";
+}
+
+template <size_t N>
+std::array<int64_t, N> indices() {
+  std::array<int64_t, N> out{};
+  for (size_t i = 0; i < N; ++i) out[i] = static_cast<int64_t>(i);
+  return out;
 }
 
 // What every rank of the ring must agree on, one line per argument. With
-// seq_len, per_document, explicit positions or no causal mask the local
+// seq_len, a document layout, explicit positions or no causal mask the local
 // lengths may differ by design (uneven shards, joint text+image streams), so
 // dim 2 is left out: the local checks and learn_local_lengths cover it.
 // `bounds`: cu_seqlens as the checks already read them to the host (no
 // second read of a device tensor); null where they were not read (meta).
-void describe(CallSignature& sig,
-              std::initializer_list<std::pair<const char*, const Tensor*>> tensors,
-              bool is_causal, bool load_balanced, std::optional<double> scale, int64_t backend,
-              int64_t rotate, const Extras& ex, const std::vector<int64_t>* bounds,
-              const Placement* placed = nullptr) {
+void describe(CallSignature& sig, NamedTensors tensors, const RingCall& call,
+              const std::vector<int64_t>* bounds, const Placement* placed = nullptr) {
+  static const std::string kLayout = legend("layout", kLayoutNames, indices<4>());
+  static const std::string kRotate = legend("rotate", kRotateNames, indices<3>());
+  static const std::string kPass = legend("ring_pass", kPassNames, indices<3>());
+  static const std::string kBackend = legend("backend", kBackendNames, kBackendCodes);
   // The device first: a rank on other tensors (meta beside CPU, say) differs
   // in everything after it, and this names the cause.
   const Tensor& q = *tensors.begin()->second;
   sig.add("q.device type", static_cast<int64_t>(q.device().type()), FieldKind::device);
-  sig.add("seq_len", ex.seq_len.value_or(-1));
-  sig.add_flag("window is not None", ex.window.has_value());
-  for (size_t i = 0; ex.window && i < ex.window->size(); ++i)
-    sig.add("window[" + std::to_string(i) + "]", (*ex.window)[i]);
-  sig.add_flag("per_document", ex.per_document);
-  sig.add_flag("placement", ex.placement);
-  sig.add_flag("cu_seqlens is not None", ex.cu_seqlens.has_value());
-  if (ex.cu_seqlens) {
+  sig.add("seq_len", call.seq_len.value_or(-1));
+  sig.add_flag("window is not None", call.window.has_value());
+  for (size_t i = 0; call.window && i < call.window->size(); ++i)
+    sig.add("window[" + std::to_string(i) + "]", (*call.window)[i]);
+  sig.add(kLayout, static_cast<int64_t>(call.layout));
+  sig.add_flag("cu_seqlens is not None", call.cu_seqlens.has_value());
+  if (call.cu_seqlens) {
     if (bounds)
       sig.add_values_hash("cu_seqlens", *bounds);
     else
-      sig.add_values_hash("cu_seqlens", *ex.cu_seqlens);
+      sig.add_values_hash("cu_seqlens", *call.cu_seqlens);
   }
   // The placement each rank computed (the same function of cu_seqlens and N
   // everywhere, unless the ranks run different builds).
   if (placed) sig.add_values_hash("document placement", flatten(*placed));
-  sig.add_flag("q_positions is not None", ex.q_positions.has_value());
-  sig.add_flag("kv_positions is not None", ex.kv_positions.has_value());
-  sig.add("ring_pass", ex.ring_pass);
-  sig.add_flag("is_causal", is_causal);
-  sig.add_flag("load_balanced", load_balanced);
-  sig.add_optional_float("scale", scale);
-  sig.add("backend", backend);
-  sig.add("rotate", rotate);
+  sig.add_flag("q_positions is not None", call.q_positions.has_value());
+  sig.add_flag("kv_positions is not None", call.kv_positions.has_value());
+  sig.add(kPass, static_cast<int64_t>(call.ring_pass));
+  sig.add_flag("is_causal", call.causal);
+  sig.add_optional_float("scale", call.scale);
+  sig.add(kBackend, call.backend);
+  sig.add(kRotate, static_cast<int64_t>(call.rotate));
   // The tensors last: a flag that differs is named before the shapes it implies.
-  const bool uneven = ex.seq_len || ex.per_document || ex.has_positions() || !is_causal;
+  const bool uneven = call.seq_len || call.layout == SeqLayout::per_document ||
+                      call.has_positions() || !call.causal;
   for (const auto& [name, t] : tensors) sig.add_meta(name, *t, uneven ? 2 : -1);
 }
 
@@ -84,31 +86,29 @@ thread_local Agreed t_agreed;
 // Local validation, then the handshake: every rank raises alike or none does.
 // `more_checks` are the backward's own checks. With `covered` (what the
 // forward whose handshake covers this call agreed: the backward through
-// autograd) there is no handshake, and the checks run on the forward's
-// values (its documents and positions, as it read them), which passed its
-// handshake on every rank: nothing is re-read that could fail on one rank
-// alone. `learned`: every rank's {q rows, k/v rows}, when exchanged.
+// autograd) there is no handshake, the group is the forward's, and the
+// checks run on the forward's values (its documents and positions, as it
+// read them), which passed its handshake on every rank: nothing is re-read
+// that could fail on one rank alone. `learned`: every rank's {q rows, k/v
+// rows}, when exchanged.
 template <class F>
-Config agreed_config(const char* op, std::string_view group_name,
-                     std::initializer_list<std::pair<const char*, const Tensor*>> tensors,
-                     bool is_causal, bool load_balanced, std::optional<double> scale,
-                     int64_t backend, int64_t rotate, const Extras& ex, F&& more_checks,
-                     const Agreed* covered, std::vector<int64_t>& learned) {
-  const Group group = resolve_group(group_name);
+Config agreed_config(const char* op, const RingCall& call, NamedTensors tensors,
+                     F&& more_checks, const Agreed* covered, std::vector<int64_t>& learned) {
+  const Group group = covered ? covered->group(call.group_name) : resolve_group(call.group_name);
   const Tensor& q = *tensors.begin()->second;
   const Tensor& k = *(tensors.begin() + 1)->second;
   const Tensor& v = *(tensors.begin() + 2)->second;
   Config cfg;
   auto checks = [&] {
     more_checks();
-    cfg = check_args(op, q, k, v, group, is_causal, load_balanced, scale, backend, rotate, ex);
+    cfg = check_args(op, q, k, v, group, call);
   };
   std::vector<int64_t> table;  // rank-major {q rows, k/v rows}, when exchanged
   if (covered) {
-    if (covered->has_bounds) ex.host.cu_seqlens = covered->bounds;
+    if (covered->has_bounds) call.host.cu_seqlens = covered->bounds;
     if (static_cast<int64_t>(covered->q_positions.size()) > group.rank) {
-      ex.host.q_positions = covered->q_positions[group.rank];
-      ex.host.kv_positions = covered->kv_positions[group.rank];
+      call.host.q_positions = covered->q_positions[group.rank];
+      call.host.kv_positions = covered->kv_positions[group.rank];
     }
     checks();
     table = covered->lengths;
@@ -116,8 +116,7 @@ Config agreed_config(const char* op, std::string_view group_name,
     Handshake hs(op);
     hs.validate([&] {
       checks();
-      describe(hs.sig(), tensors, is_causal, load_balanced, scale, backend, rotate, ex,
-               &cfg.mask.bounds, cfg.q_layout.placed.get());
+      describe(hs.sig(), tensors, call, &cfg.mask.bounds, cfg.q_layout.placed.get());
       hs.set_lengths({q.size(2), k.size(2)});
     });
     hs.exchange(group);
@@ -127,68 +126,28 @@ Config agreed_config(const char* op, std::string_view group_name,
     }
   }
   // Explicit positions keep the table for gathering them (finish_config).
-  if (!ex.has_positions()) learn_local_lengths(op, cfg, q, k, ex, table);
+  if (!call.has_positions()) learn_local_lengths(op, cfg, q, k, call, table);
   learned = std::move(table);
   return cfg;
 }
 
-// The handshake of a call on meta tensors, which compute nothing (the fake
-// kernel does): a rank on meta tensors beside ranks on real ones meets them
-// in the handshake, so every rank raises the same error naming the device,
-// instead of the real ranks waiting for a rank that never communicates.
-// The Python checks of the fake kernel ran before (their errors join the
-// handshake through cplib_c::handshake_error).
-void describe_call(std::string op, std::vector<Tensor> tensors, std::string group_name,
-                   bool is_causal, bool load_balanced, std::optional<double> scale,
-                   int64_t backend, int64_t rotate, std::optional<Tensor> cu_seqlens,
-                   std::optional<std::vector<int64_t>> window, std::optional<int64_t> seq_len,
-                   bool per_document, std::optional<Tensor> q_positions,
-                   std::optional<Tensor> kv_positions, int64_t ring_pass, bool placement) {
-  CPLIB_CHECK_VALUE(op == "ring_sdpa" || op == "ring_sdpa_backward",
-                    "cplib.ring_describe_call: unknown op '", op, "'");
-  CPLIB_CHECK_VALUE(tensors.size() == (op == "ring_sdpa" ? 3u : 6u), "cplib.", op, ": ",
-                    tensors.size(), " tensors to describe");
-  const Group group = resolve_group(group_name);
-  const Extras ex = extras(cu_seqlens, window, seq_len, per_document, q_positions, kv_positions,
-                           op == "ring_sdpa" ? ring_pass : kPassKV, placement);
-  Handshake hs(op);
-  hs.validate([&] {
-    if (tensors.size() == 3)
-      describe(hs.sig(), {{"q", &tensors[0]}, {"k", &tensors[1]}, {"v", &tensors[2]}}, is_causal,
-               load_balanced, scale, backend, rotate, ex, nullptr);
-    else
-      describe(hs.sig(), {{"q", &tensors[1]}, {"k", &tensors[2]}, {"v", &tensors[3]},
-                          {"grad_out", &tensors[0]}, {"out", &tensors[4]}, {"lse", &tensors[5]}},
-               is_causal, load_balanced, scale, backend, rotate, ex, nullptr);
-    const Tensor& q = tensors[tensors.size() == 3 ? 0 : 1];
-    const Tensor& k = tensors[tensors.size() == 3 ? 1 : 2];
-    hs.set_lengths({q.size(2), k.size(2)});
-  });
-  hs.exchange(group);
-}
-
-std::tuple<Tensor, Tensor> ring_sdpa(Tensor q, Tensor k, Tensor v, std::string group_name,
-                                     bool is_causal, bool load_balanced,
-                                     std::optional<double> scale, int64_t backend, int64_t rotate,
-                                     std::optional<Tensor> cu_seqlens,
-                                     std::optional<std::vector<int64_t>> window,
-                                     std::optional<int64_t> seq_len, bool per_document,
-                                     std::optional<Tensor> sinks,
-                                     std::optional<Tensor> q_positions,
-                                     std::optional<Tensor> kv_positions, int64_t ring_pass,
-                                     bool placement) {
+// ring_sdpa(q, k, v, <call>, sinks) -> (out, lse).
+void ring_sdpa(StableIValue* stack, uint64_t num_args, uint64_t) {
+  StackReader in(stack, num_args, "ring_sdpa");
+  const Tensor q = in.next<Tensor>(), k = in.next<Tensor>(), v = in.next<Tensor>();
+  const RingCall call = RingCall::read(in);
+  const std::optional<Tensor> sinks = in.next<std::optional<Tensor>>();
+  in.done();
   aten::NoGradGuard no_grad;
-  const Extras ex = extras(cu_seqlens, window, seq_len, per_document, q_positions, kv_positions,
-                           ring_pass, placement);
   std::vector<int64_t> lengths;
-  Config cfg = agreed_config("ring_sdpa", group_name, {{"q", &q}, {"k", &k}, {"v", &v}},
-                             is_causal, load_balanced, scale, backend, rotate, ex, [&] {
-                               if (sinks) check_sinks("ring_sdpa", q, *sinks);
-                             }, nullptr, lengths);
-  finish_config(cfg, ex, q, k, v, lengths);
-  auto result = ring_forward(cfg, q, k, v, sinks ? *sinks : Tensor());
-  t_agreed = agreed_of(cfg, ex, std::move(lengths));
-  return result;
+  Config cfg = agreed_config("ring_sdpa", call, {{"q", &q}, {"k", &k}, {"v", &v}}, [&] {
+    if (sinks) check_sinks("ring_sdpa", q, *sinks);
+  }, nullptr, lengths);
+  finish_config(cfg, call, q, k, v, lengths);
+  auto [out, lse] = ring_forward(cfg, q, k, v, sinks ? *sinks : Tensor());
+  t_agreed = agreed_of(cfg, call, std::move(lengths));
+  stack[0] = torch::stable::detail::from(out);
+  stack[1] = torch::stable::detail::from(lse);
 }
 
 // The backward's checks of its extra tensors (the forward's outputs).
@@ -213,94 +172,108 @@ void check_backward_tensors(const Tensor& grad_out, const Tensor& q, const Tenso
                     "cplib.ring_sdpa_backward: grad_out, out and lse must be on ", q.device());
 }
 
-std::tuple<Tensor, Tensor, Tensor> backward_impl(
-    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-    const Tensor& lse, const std::string& group_name, bool is_causal, bool load_balanced,
-    std::optional<double> scale, int64_t backend, int64_t rotate,
-    const std::optional<Tensor>& cu_seqlens, const std::optional<std::vector<int64_t>>& window,
-    std::optional<int64_t> seq_len, bool per_document, const std::optional<Tensor>& q_positions,
-    const std::optional<Tensor>& kv_positions, const Agreed* covered, bool placement) {
-  aten::NoGradGuard no_grad;
+// [agreed,] grad_out, q, k, v, out, lse, <call> -> (dq, dk, dv). With the
+// record `agreed` (ring_sdpa_backward_covered: the backward through
+// autograd) its forward's handshake covers it (the same group, arguments and
+// shapes), so it makes none of its own.
+void backward(StableIValue* stack, uint64_t num_args, bool covered) {
+  StackReader in(stack, num_args, covered ? "ring_sdpa_backward_covered" : "ring_sdpa_backward");
+  const Tensor record = covered ? in.next<Tensor>() : Tensor();
+  const Tensor grad_out = in.next<Tensor>(), q = in.next<Tensor>(), k = in.next<Tensor>(),
+               v = in.next<Tensor>(), out = in.next<Tensor>(), lse = in.next<Tensor>();
+  RingCall call = RingCall::read(in);
+  in.done();
+  const std::optional<Agreed> agreed =
+      covered ? std::optional<Agreed>(Agreed::from_record(record)) : std::nullopt;
   // The backward always runs the pass-KV ring (pass-Q is forward only).
-  const Extras ex = extras(cu_seqlens, window, seq_len, per_document, q_positions, kv_positions,
-                           kPassKV, placement);
+  call.ring_pass = Pass::kv;
+  aten::NoGradGuard no_grad;
   std::vector<int64_t> lengths;
   Config cfg = agreed_config(
-      "ring_sdpa_backward", group_name,
+      "ring_sdpa_backward", call,
       {{"q", &q}, {"k", &k}, {"v", &v}, {"grad_out", &grad_out}, {"out", &out}, {"lse", &lse}},
-      is_causal, load_balanced, scale, backend, rotate, ex,
-      [&] { check_backward_tensors(grad_out, q, v, out, lse); }, covered, lengths);
-  finish_config(cfg, ex, q, k, v, std::move(lengths), covered);
-  return ring_backward(cfg, grad_out, q, k, v, out, lse);
+      [&] { check_backward_tensors(grad_out, q, v, out, lse); }, agreed ? &*agreed : nullptr,
+      lengths);
+  finish_config(cfg, call, q, k, v, std::move(lengths), agreed ? &*agreed : nullptr);
+  auto [dq, dk, dv] = ring_backward(cfg, grad_out, q, k, v, out, lse);
+  stack[0] = torch::stable::detail::from(dq);
+  stack[1] = torch::stable::detail::from(dk);
+  stack[2] = torch::stable::detail::from(dv);
 }
 
-std::tuple<Tensor, Tensor, Tensor> ring_sdpa_backward(
-    Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, std::string group_name,
-    bool is_causal, bool load_balanced, std::optional<double> scale, int64_t backend,
-    int64_t rotate, std::optional<Tensor> cu_seqlens, std::optional<std::vector<int64_t>> window,
-    std::optional<int64_t> seq_len, bool per_document, std::optional<Tensor> q_positions,
-    std::optional<Tensor> kv_positions, int64_t ring_pass, bool placement) {
-  (void)ring_pass;
-  return backward_impl(grad_out, q, k, v, out, lse, group_name, is_causal, load_balanced, scale,
-                       backend, rotate, cu_seqlens, window, seq_len, per_document, q_positions,
-                       kv_positions, nullptr, placement);
+void ring_sdpa_backward(StableIValue* stack, uint64_t num_args, uint64_t) {
+  backward(stack, num_args, false);
 }
 
-// The backward reached through autograd: its forward's handshake covers it
-// (the same group, arguments and shapes; `agreed` is the record of what that
-// forward agreed, ring_agreed.h), so it makes none of its own.
-std::tuple<Tensor, Tensor, Tensor> ring_sdpa_backward_covered(
-    Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, std::string group_name,
-    bool is_causal, bool load_balanced, std::optional<double> scale, int64_t backend,
-    int64_t rotate, std::optional<Tensor> cu_seqlens, std::optional<std::vector<int64_t>> window,
-    std::optional<int64_t> seq_len, bool per_document, std::optional<Tensor> q_positions,
-    std::optional<Tensor> kv_positions, int64_t ring_pass, bool placement, Tensor agreed) {
-  (void)ring_pass;
-  const Agreed a = Agreed::from_record(agreed);
-  return backward_impl(grad_out, q, k, v, out, lse, group_name, is_causal, load_balanced, scale,
-                       backend, rotate, cu_seqlens, window, seq_len, per_document, q_positions,
-                       kv_positions, &a, placement);
+void ring_sdpa_backward_covered(StableIValue* stack, uint64_t num_args, uint64_t) {
+  backward(stack, num_args, true);
+}
+
+// ring_describe_call(op, tensors, <call>): the handshake of a call on meta
+// tensors, which compute nothing (the fake kernel does): a rank on meta
+// tensors beside ranks on real ones meets them in the handshake, so every
+// rank raises the same error naming the device, instead of the real ranks
+// waiting for a rank that never communicates. The Python checks of the fake
+// kernel ran before (their errors join the handshake through
+// cplib_c::handshake_error).
+void describe_call(StableIValue* stack, uint64_t num_args, uint64_t) {
+  StackReader in(stack, num_args, "ring_describe_call");
+  const std::string op = in.next_string();
+  const std::vector<Tensor> tensors = in.next<std::vector<Tensor>>();
+  RingCall call = RingCall::read(in);
+  in.done();
+  CPLIB_CHECK_VALUE(op == "ring_sdpa" || op == "ring_sdpa_backward",
+                    "cplib.ring_describe_call: unknown op '", op, "'");
+  CPLIB_CHECK_VALUE(tensors.size() == (op == "ring_sdpa" ? 3u : 6u), "cplib.", op, ": ",
+                    tensors.size(), " tensors to describe");
+  if (op != "ring_sdpa") call.ring_pass = Pass::kv;
+  const Group group = resolve_group(call.group_name);
+  Handshake hs(op);
+  hs.validate([&] {
+    if (tensors.size() == 3)
+      describe(hs.sig(), {{"q", &tensors[0]}, {"k", &tensors[1]}, {"v", &tensors[2]}}, call,
+               nullptr);
+    else
+      describe(hs.sig(), {{"q", &tensors[1]}, {"k", &tensors[2]}, {"v", &tensors[3]},
+                          {"grad_out", &tensors[0]}, {"out", &tensors[4]}, {"lse", &tensors[5]}},
+               call, nullptr);
+    const Tensor& q = tensors[tensors.size() == 3 ? 0 : 1];
+    const Tensor& k = tensors[tensors.size() == 3 ? 1 : 2];
+    hs.set_lengths({q.size(2), k.size(2)});
+  });
+  hs.exchange(group);
 }
 
 Tensor ring_agreed_record() { return t_agreed.to_record(); }
 
 int64_t ring_debug_bytes_sent(bool reset) { return bytes_sent(reset); }
-int64_t ring_debug_last_pass() { return last_ring_pass(); }
+std::string ring_debug_last_pass() {
+  return std::string(kPassNames[static_cast<size_t>(last_ring_pass())]);
+}
 std::vector<int64_t> ring_debug_block_shape() { return last_block_shape(); }
 
 }  // namespace
 
 STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
-  m.def(
-      "ring_sdpa(Tensor q, Tensor k, Tensor v, str group_name, bool is_causal, "
-      "bool load_balanced, float? scale, int backend, int rotate, Tensor? cu_seqlens=None, "
-      "int[]? window=None, int? seq_len=None, bool per_document=False, "
-      "Tensor? sinks=None, Tensor? q_positions=None, Tensor? kv_positions=None, "
-      "int ring_pass=0, bool placement=False) -> (Tensor out, Tensor lse)");
-  m.def(
-      "ring_sdpa_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-      "str group_name, bool is_causal, bool load_balanced, float? scale, int backend, "
-      "int rotate, Tensor? cu_seqlens=None, int[]? window=None, int? seq_len=None, "
-      "bool per_document=False, Tensor? q_positions=None, Tensor? kv_positions=None, "
-      "int ring_pass=0, bool placement=False) -> (Tensor dq, Tensor dk, Tensor dv)");
-  // Internal: the backward through autograd (no handshake; see ring_sdpa_backward_covered).
-  m.def(
-      "ring_sdpa_backward_covered(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
-      "Tensor lse, str group_name, bool is_causal, bool load_balanced, float? scale, "
-      "int backend, int rotate, Tensor? cu_seqlens, int[]? window, int? seq_len, "
-      "bool per_document, Tensor? q_positions, Tensor? kv_positions, int ring_pass, "
-      "bool placement, Tensor agreed) -> (Tensor dq, Tensor dk, Tensor dv)");
+  m.def(ring_schema("ring_sdpa(Tensor q, Tensor k, Tensor v, ",
+                    ", Tensor? sinks=None) -> (Tensor out, Tensor lse)")
+            .c_str());
+  m.def(ring_schema("ring_sdpa_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, "
+                    "Tensor out, Tensor lse, ",
+                    ") -> (Tensor dq, Tensor dk, Tensor dv)")
+            .c_str());
+  // Internal: the backward through autograd (no handshake; see backward()).
+  m.def(ring_schema("ring_sdpa_backward_covered(Tensor agreed, Tensor grad_out, Tensor q, "
+                    "Tensor k, Tensor v, Tensor out, Tensor lse, ",
+                    ") -> (Tensor dq, Tensor dk, Tensor dv)")
+            .c_str());
   // Internal: what the last ring_sdpa of this thread agreed, for its covered backward.
   m.def("ring_agreed_record() -> Tensor");
   // Internal: the handshake of a call on meta tensors (the fake kernels).
-  m.def(
-      "ring_describe_call(str op, Tensor[] tensors, str group_name, bool is_causal, "
-      "bool load_balanced, float? scale, int backend, int rotate, Tensor? cu_seqlens, "
-      "int[]? window, int? seq_len, bool per_document, Tensor? q_positions, "
-      "Tensor? kv_positions, int ring_pass, bool placement=False) -> ()");
+  m.def(ring_schema("ring_describe_call(str op, Tensor[] tensors, ", ") -> ()").c_str());
   m.def("ring_debug_bytes_sent(bool reset=False) -> int");
-  // The ring pass (0 = kv, 1 = q) the last ring_sdpa ran, "auto" resolved.
-  m.def("ring_debug_last_pass() -> int");
+  // The ring pass ("kv" or "q") the last ring_sdpa ran, "auto" resolved.
+  m.def("ring_debug_last_pass() -> str");
   // The block shape the last ring_sdpa (or backward) of this thread resolved
   // its CUDA backend from (computed on every device): [batch, heads, q rows,
   // k/v rows, head dim, v head dim], the same on every rank.
@@ -308,16 +281,16 @@ STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
 }
 
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CPU, m) {
-  m.impl("ring_sdpa", TORCH_BOX(&ring_sdpa));
-  m.impl("ring_sdpa_backward", TORCH_BOX(&ring_sdpa_backward));
-  m.impl("ring_sdpa_backward_covered", TORCH_BOX(&ring_sdpa_backward_covered));
+  m.impl("ring_sdpa", &ring_sdpa);
+  m.impl("ring_sdpa_backward", &ring_sdpa_backward);
+  m.impl("ring_sdpa_backward_covered", &ring_sdpa_backward_covered);
 }
 
 #ifdef CPLIB_WITH_CUDA
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CUDA, m) {
-  m.impl("ring_sdpa", TORCH_BOX(&ring_sdpa));
-  m.impl("ring_sdpa_backward", TORCH_BOX(&ring_sdpa_backward));
-  m.impl("ring_sdpa_backward_covered", TORCH_BOX(&ring_sdpa_backward_covered));
+  m.impl("ring_sdpa", &ring_sdpa);
+  m.impl("ring_sdpa_backward", &ring_sdpa_backward);
+  m.impl("ring_sdpa_backward_covered", &ring_sdpa_backward_covered);
 }
 #endif
 
@@ -327,7 +300,7 @@ STABLE_TORCH_LIBRARY_IMPL(cplib_c, CompositeExplicitAutograd, m) {
   m.impl("ring_debug_last_pass", TORCH_BOX(&ring_debug_last_pass));
   m.impl("ring_debug_block_shape", TORCH_BOX(&ring_debug_block_shape));
   m.impl("ring_agreed_record", TORCH_BOX(&ring_agreed_record));
-  m.impl("ring_describe_call", TORCH_BOX(&describe_call));
+  m.impl("ring_describe_call", &describe_call);
 }
 
 }  // namespace cplib::ring

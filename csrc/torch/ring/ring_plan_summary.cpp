@@ -16,31 +16,34 @@ constexpr const char* kOp = "ring_plan_summary";
 // Flat: [N, local rows of ranks 0..N-1], then per rank [steps], then per
 // step [offset, receives, sends, rows received, rows sent, calls], then per
 // call [kind (1 full, 2 causal, 3 partial), q rows, k rows].
-std::vector<int64_t> ring_plan_summary_op(int64_t seq_len, int64_t world_size, bool is_causal,
-                                          bool load_balanced,
-                                          std::optional<std::vector<int64_t>> cu_seqlens,
-                                          std::optional<std::vector<int64_t>> window,
-                                          bool per_document, bool placement, int64_t rotate) {
+// `layout` and `rotate` by name, as the ring takes them (ring_call.h).
+std::vector<int64_t> ring_plan_summary_op(StableIValue* stack, uint64_t num_args) {
+  StackReader in(stack, num_args, kOp);
+  const int64_t seq_len = in.next<int64_t>(), world_size = in.next<int64_t>();
+  const bool is_causal = in.next<bool>();
+  const std::string layout = in.next_string();
+  const auto cu_seqlens = in.next<std::optional<std::vector<int64_t>>>();
+  const auto window = in.next<std::optional<std::vector<int64_t>>>();
+  const std::string rotate = in.next_string();
+  in.done();
   CPLIB_CHECK_VALUE(world_size >= 1, "cplib.", kOp, ": world_size must be >= 1, got ",
                     world_size);
   CPLIB_CHECK_VALUE(seq_len >= world_size, "cplib.", kOp, ": seq_len=", seq_len,
                     " is shorter than the world size ", world_size);
-  CPLIB_CHECK_VALUE(rotate >= 0 && rotate <= 2, "cplib.", kOp, ": rotate=", rotate,
-                    " is not a rotation (0 = p2p, 1 = alltoall, 2 = allgather)");
-  CPLIB_CHECK_VALUE(!(per_document || placement) || cu_seqlens, "cplib.", kOp,
-                    ": per_document and placement need cu_seqlens");
-  CPLIB_CHECK_VALUE(!(per_document && placement), "cplib.", kOp,
-                    ": per_document and placement are two layouts; pass one");
   Config cfg;
   cfg.size = world_size;
   cfg.causal = is_causal;
-  cfg.load_balanced = load_balanced;
-  cfg.rotate = static_cast<Rotate>(rotate);
+  cfg.layout = parse_layout(kOp, layout);
+  cfg.rotate = parse_rotate(kOp, rotate);
+  const bool documented =
+      cfg.layout == SeqLayout::per_document || cfg.layout == SeqLayout::placement;
+  CPLIB_CHECK_VALUE(!documented || cu_seqlens, "cplib.", kOp, ": layout='", layout,
+                    "' needs cu_seqlens");
   if (cu_seqlens) {
     check_bounds(kOp, *cu_seqlens, seq_len);
     cfg.mask.bounds = *cu_seqlens;
   }
-  lay_out(kOp, cfg, seq_len, seq_len, per_document, placement, window);
+  lay_out(kOp, cfg, seq_len, seq_len, window);
   std::vector<int64_t> out{world_size};
   for (int64_t r = 0; r < world_size; ++r) out.push_back(cfg.kv_layout.local_len(r));
   for (int64_t r = 0; r < world_size; ++r) {
@@ -62,14 +65,15 @@ std::vector<int64_t> ring_plan_summary_op(int64_t seq_len, int64_t world_size, b
 }  // namespace
 
 STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
-  m.def("ring_plan_summary(int seq_len, int world_size, bool is_causal, bool load_balanced, "
-        "int[]? cu_seqlens, int[]? window, bool per_document, bool placement, int rotate) "
-        "-> int[]");
+  m.def("ring_plan_summary(int seq_len, int world_size, bool is_causal, str layout, "
+        "int[]? cu_seqlens, int[]? window, str rotate) -> int[]");
 }
 
 // No tensor arguments: CompositeExplicitAutograd.
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CompositeExplicitAutograd, m) {
-  m.impl("ring_plan_summary", TORCH_BOX(&ring_plan_summary_op));
+  m.impl("ring_plan_summary", [](StableIValue* stack, uint64_t num_args, uint64_t) {
+    stack[0] = torch::stable::detail::from(ring_plan_summary_op(stack, num_args));
+  });
 }
 
 }  // namespace cplib::ring

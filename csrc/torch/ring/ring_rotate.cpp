@@ -58,7 +58,8 @@ Tensor exchange(const Config& c, const Tensor& send, int64_t dst, int64_t recv_n
     in = aten::empty({0}, opts);
   }
   if (recv_numel > 0) out_splits[src] = recv_numel;
-  Tensor out = all_to_all_split(c.group, in, out_splits, in_splits);
+  Tensor out = c.rotate == Rotate::p2p ? send_recv(c.group, in, dst, recv_numel, src)
+                                       : all_to_all_split(c.group, in, out_splits, in_splits);
   pending.push_back(out);
   return recv_numel > 0 ? out : Tensor();
 }

@@ -1,16 +1,17 @@
 // Moving k/v blocks and their gradients between ranks. A block travels as
 // one buffer, its k then its v (packed once per op), and a block's gradient
 // as one buffer, its dk then its dv: one collective per step each way.
-// "p2p" and "alltoall" fetch each step's block directly from its
-// owner: at step s rank r sends its own block to r + offset(s) and receives
-// the block of r - offset(s), both in one split all-to-all that every rank
-// joins (torch's functional collectives, on every group); a message is
-// non-empty only when its receiver attends that block (the plan tells every
-// rank which ones), so windows and documents cut the traffic as well as the
-// compute. Gradients of a visiting
-// block go straight back to its owner. "allgather" gathers every block up
-// front (padded to the longest shard) and reduce-scatters gradients at the
-// end: one collective cannot leave blocks out, so it moves all of them.
+// "p2p" and "alltoall" fetch each step's block directly from its owner: at
+// step s rank r sends its own block to r + offset(s) and receives the block
+// of r - offset(s). "p2p" does it with one send and one receive, batched
+// (send_recv: only the two peers take part); "alltoall" with one split
+// all-to-all that every rank joins (torch's rotation). A message is non-empty
+// only when its receiver attends that block (the plan tells every rank which
+// ones), so windows and documents cut the traffic as well as the compute.
+// Gradients of a visiting block go straight back to its owner. "allgather"
+// gathers every block up front (padded to the longest shard) and
+// reduce-scatters gradients at the end: one collective cannot leave blocks
+// out, so it moves all of them.
 #pragma once
 
 #include <array>
@@ -152,9 +153,10 @@ void count_bytes_sent(int64_t bytes);
 // Waits for every exchange output in `outs` and clears it.
 void wait_all(std::vector<Tensor>& outs);
 
-// One message exchange, a split all-to-all that every rank joins: `send`
-// (if defined; contiguous) to rank `dst`, and `recv_numel` elements (if positive) from
-// rank `src`. Returns the received elements, flat, in `opts` (undefined
+// One message exchange (cfg.rotate's: a batched send/recv for "p2p", else a
+// split all-to-all), which every rank calls at the same point: `send` (if
+// defined; contiguous) to rank `dst`, and `recv_numel` elements (if
+// positive) from rank `src`. Returns the received elements, flat, in `opts` (undefined
 // when nothing is received), unwaited; its output also goes to `pending`
 // (wait for it before reading, or before writing `send` again).
 Tensor exchange(const Config& c, const Tensor& send, int64_t dst, int64_t recv_numel, int64_t src,

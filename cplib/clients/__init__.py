@@ -1,0 +1,1 @@
+"""cplib inside the training loops people already run (docs/clients.md)."""

@@ -1,0 +1,137 @@
+"""Hugging Face's losses under context parallelism: the causal-LM loss and the
+MoE router loss, installed by ``import cplib.hf`` and by
+``cplib.patch_torch()`` (docs/clients.md, docs/hf.md).
+
+HF's ``ForCausalLMLoss`` shifts ``labels`` inside the tensor it gets and
+averages over the valid tokens it sees: on a shard, both are wrong. Under
+context parallelism (a ``cplib.context_parallel`` region, or inputs sharded
+by ``_context_parallel_shard``: cplib/clients/sequence.py) the installed loss
+shifts the labels over the whole sequence (``shift_labels``, already
+shifted, are taken as given) and returns
+
+* ``N * (this rank's token losses) / (global count of valid labels)``
+  without ``num_items_in_batch``: the mean over the N CP ranks of the loss,
+  and of the parameter gradients, is the one-process value;
+* ``(this rank's token losses) / num_items_in_batch`` with it: Hugging
+  Face's convention for that argument (the caller multiplies by its number
+  of processes, as Trainer does), so nothing is scaled twice.
+
+The models' ``loss_function`` returns it where Hugging Face maps the model to
+``ForCausalLMLoss`` (``LOSS_MAPPING`` itself is left alone: Trainer's
+``LOSS_MAPPING[...] is ForCausalLMLoss`` check, which decides how it counts
+``num_items_in_batch``, still holds). Outside context parallelism the loss is
+HF's own.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import sys
+import types
+from typing import Any, Callable
+
+import torch
+
+from ..loss import shifted, token_loss_sum
+from .router_loss import caller_scales, context_parallel_router_loss
+from .sequence import labels_in_layout, sequence_shards
+
+__all__ = ["install_hf_losses", "uninstall_hf_losses", "context_parallel_causal_lm_loss"]
+
+
+def context_parallel_causal_lm_loss(original: Callable[..., torch.Tensor], logits: torch.Tensor,
+                                    labels: torch.Tensor | None, vocab_size: int,
+                                    num_items_in_batch: Any = None, ignore_index: int = -100,
+                                    shift_labels: torch.Tensor | None = None,
+                                    **kwargs: Any) -> torch.Tensor:
+    """HF's causal-LM loss (``original``) without context parallelism; with
+    it, the loss of the module docstring."""
+    caller_scales.set(num_items_in_batch is not None)
+    if sequence_shards(logits.shape[-2]) is None:
+        return original(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
+                        ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
+    given, what = (labels, "labels") if shift_labels is None else (shift_labels, "shift_labels")
+    logits = logits.float()  # as HF computes it
+    shards, full = labels_in_layout(logits, given, what)
+    target = shifted(full, ignore_index) if shift_labels is None else full
+    total, count = token_loss_sum(shards, logits, target, ignore_index)
+    if num_items_in_batch is None:
+        return total * shards.mesh.size() / count
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
+
+
+# Who installed the losses ("cplib.hf", "patch_torch"); they stay while any does.
+_owners: set[str] = set()
+# What the install replaced: (owner object, attribute) -> the original.
+_replaced: dict[tuple[Any, str], Any] = {}
+
+
+def _replace(owner: Any, name: str, new: Any) -> None:
+    _replaced.setdefault((owner, name), owner.__dict__[name] if isinstance(owner, type)
+                         else getattr(owner, name))
+    setattr(owner, name, new)
+
+
+def _wrap_router_loss(module: types.ModuleType | None) -> None:
+    """``module.load_balancing_loss_func`` (an MoE model's modeling module)
+    through context_parallel_router_loss, once."""
+    fn = getattr(module, "load_balancing_loss_func", None)
+    if fn is None or (module, "load_balancing_loss_func") in _replaced:
+        return
+    _replace(module, "load_balancing_loss_func",
+             functools.wraps(fn)(functools.partial(context_parallel_router_loss, fn)))
+
+
+def _models_modules() -> list[types.ModuleType]:
+    return [m for name, m in list(sys.modules.items())
+            if name.startswith("transformers.models.") and m is not None]
+
+
+def install_hf_losses(owner: str) -> None:
+    """Installs both losses into transformers (nothing when it is not
+    installed); idempotent. ``owner`` names the caller for
+    :func:`uninstall_hf_losses`."""
+    if importlib.util.find_spec("transformers") is None:
+        return
+    _owners.add(owner)
+    if _replaced:
+        return
+    from transformers.loss.loss_utils import ForCausalLMLoss
+    from transformers.modeling_utils import PreTrainedModel
+
+    mapped = PreTrainedModel.__dict__["loss_function"]
+    causal_lm = functools.wraps(ForCausalLMLoss)(
+        functools.partial(context_parallel_causal_lm_loss, ForCausalLMLoss))
+
+    def loss_function(self: Any) -> Callable[..., Any]:
+        fn = mapped.fget(self)
+        # A loss the user set on the model (model.loss_function = f) is theirs.
+        if fn is ForCausalLMLoss and "_loss_function" not in vars(self):
+            return causal_lm
+        return fn
+
+    post_init = PreTrainedModel.post_init
+
+    def post_init_with_router_loss(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = post_init(self, *args, **kwargs)
+        for cls in type(self).__mro__:  # the model's modeling module (and its bases')
+            _wrap_router_loss(sys.modules.get(cls.__module__))
+        return result
+
+    _replace(PreTrainedModel, "loss_function", property(loss_function, mapped.fset))
+    _replace(PreTrainedModel, "post_init", functools.wraps(post_init)(post_init_with_router_loss))
+    for module in _models_modules():  # models built before the install
+        _wrap_router_loss(module)
+
+
+def uninstall_hf_losses(owner: str) -> None:
+    """Takes ``owner``'s install back; the losses go once no owner is left."""
+    _owners.discard(owner)
+    if _owners:
+        return
+    for (obj, name), original in _replaced.items():
+        setattr(obj, name, original)
+    _replaced.clear()

@@ -1,0 +1,151 @@
+"""Where a batch's sequence lives under context parallelism, for the losses
+that read labels beside this rank's logits (cplib/loss.py,
+cplib/clients/hf_loss.py, cplib/clients/router_loss.py).
+
+The layout in effect is the innermost ``cplib.context_parallel`` region's, or
+else the one the last ``_context_parallel_shard`` recorded (the
+``_ContextParallel`` module path: torchtitan, ``parallelize_module``). Labels
+given whole are used as they are; labels of this rank's shard length are
+gathered back over the group (one all-gather of integers) so that they can be
+shifted across shard borders. Every check reads shapes and the layout only,
+and its error is raised on every rank before any collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.overrides import _get_current_function_mode_stack
+
+from ..comm.handshake import agreed
+from ..comm.native import check_mesh
+from ..frontend.options import _cp_options
+from ..frontend.sdpa_dispatch import CPDispatchMode, dispatcher_enabled
+from ..frontend.sharding import shard_key, shard_key_of, shard_tensor
+from ..frontend.unshard import unshard
+from ..ring.load_balancer import shard_lengths
+
+__all__ = ["SequenceShards", "active_handle", "sequence_shards", "labels_in_layout"]
+
+
+def active_handle() -> Any:
+    """The ContextParallelHandle of the innermost cplib.context_parallel region."""
+    for mode in reversed(_get_current_function_mode_stack()):
+        if isinstance(mode, CPDispatchMode) and mode.handle is not None:
+            return mode.handle
+    return None
+
+
+@dataclass(frozen=True)
+class SequenceShards:
+    """A sequence of ``seq_len`` tokens cut over ``mesh`` by ``load_balancer``
+    (None: sequential); ``source`` names where the layout came from."""
+
+    mesh: DeviceMesh
+    load_balancer: Any
+    seq_len: int
+    source: str
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return check_mesh(self.mesh)
+
+    def lengths(self) -> list[int]:
+        n = self.mesh.size()
+        cut = shard_lengths(self.seq_len, n, self.load_balancer)
+        return list(cut) if cut is not None else [self.seq_len // n] * n
+
+    def local_len(self) -> int:
+        return self.lengths()[self.mesh.get_local_rank()]
+
+    def key(self) -> tuple:
+        """The shard_key of this layout (what cplib.shard tags its outputs with)."""
+        lb = self.load_balancer
+        indices = None if lb is None else lb._generate_indices()
+        return shard_key(self.group.group_name, self.mesh.size(), self.seq_len, indices)
+
+    def local(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of ``full`` (sequence on its last dim)."""
+        lb, n = self.load_balancer, self.mesh.size()
+        indices = None if lb is None else lb._generate_indices()
+        lengths = shard_lengths(full.shape[-1], n, lb)
+        return shard_tensor(full, full.dim() - 1, self.mesh.get_local_rank(), n, indices, lengths)
+
+    def full(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (checked by labels_in_layout) over the whole sequence."""
+        if t.shape[-1] == self.seq_len:
+            return t
+        (whole,) = unshard(self.mesh, [t], [t.dim() - 1], self.load_balancer)
+        return whole
+
+
+def sequence_shards(local_len: int) -> SequenceShards | None:
+    """The layout in effect (None: no context parallelism); ``local_len``,
+    this rank's logits' length, gives the length of equal shards."""
+    handle = active_handle()
+    if handle is not None:
+        seq_len = handle.config.seq_len
+        if seq_len is None:  # equal shards
+            seq_len = local_len * handle.mesh.size()
+        return SequenceShards(handle.mesh, handle.load_balancer, seq_len,
+                              "the cplib.context_parallel region")
+    record = _cp_options.shard_layout
+    if record is None or record.mesh is None:
+        return None
+    where = f"the last _context_parallel_shard (with {record.balancer})"
+    if len(record.seq_lens) != 1:
+        raise ValueError(f"cplib: {where} cut sequences of lengths {list(record.seq_lens)}; "
+                         "shard the batch (ids, labels) in one call of its own")
+    return SequenceShards(record.mesh, record.load_balancer, record.seq_lens[0], where)
+
+
+def _check(shards: SequenceShards | None, logits: torch.Tensor, labels: torch.Tensor,
+           what: str) -> None:
+    if logits.dim() < 2 or labels.shape[:-1] != logits.shape[:-2]:
+        raise ValueError(
+            f"cplib: {what} (..., S) must have the batch dims of logits (..., S, vocab); "
+            f"logits are {tuple(logits.shape)}, {what} {tuple(labels.shape)}")
+    if shards is None:
+        return
+    local, length = shards.local_len(), labels.shape[-1]
+    if logits.shape[-2] != local:
+        raise ValueError(
+            f"cplib: logits have {logits.shape[-2]} positions, but this rank's shard of the "
+            f"{shards.seq_len}-token sequence of {shards.source} has {local}")
+    tag = shard_key_of(labels)
+    if length == local and shards.seq_len != local and tag is not None and tag != shards.key():
+        raise ValueError(
+            f"cplib: {what} were sharded by cplib in another layout than {shards.source}; "
+            "shard them with the inputs (the same mesh, load balancer and length)")
+    if length not in (local, shards.seq_len):
+        raise ValueError(
+            f"cplib: {what} has {length} positions, but under {shards.source} this rank's "
+            f"logits have {local} and the sequence {shards.seq_len}: shard {what} with the "
+            f"inputs (list {what} among the context's buffers, seq dim 1), or pass the full, "
+            "unsharded tensor")
+
+
+def labels_in_layout(logits: torch.Tensor, labels: torch.Tensor,
+                     what: str = "labels") -> tuple[SequenceShards | None, torch.Tensor]:
+    """(the layout in effect, ``labels`` over the whole sequence); without
+    context parallelism (None, labels). Bad input (shapes; labels of another
+    length or sharded in another layout; sharded labels where no layout is in
+    effect) raises ValueError on every rank, before any collective."""
+    shards = sequence_shards(logits.shape[-2]) if logits.dim() >= 2 else None
+
+    def check() -> None:
+        _check(shards, logits, labels, what)
+        if shards is None and (shard_key_of(labels) is not None or dispatcher_enabled()):
+            raise ValueError(
+                f"cplib: {what} look sharded (cplib.shard cut them, or the context-parallel "
+                "dispatcher is on), but no layout is in effect: compute the loss inside the "
+                "cplib.context_parallel region, or shard the batch with "
+                "_context_parallel_shard(mesh, [ids, labels], ...)")
+
+    group = None if shards is None else shards.group.group_name
+    agreed("loss", group, [logits, labels], check)
+    return shards, (labels if shards is None else shards.full(labels))

@@ -1,0 +1,172 @@
+"""Hybrid models under ``cplib.context_parallel``: the sequence-mixing layers
+that are not attention (cplib/hf/hybrid_families.py) either run exactly or
+raise, on every rank, naming the layer.
+
+How it reaches the model: transformers' layers call their kernels by a
+module-level name (``causal_conv1d_fn``, ``torch_chunk_gated_delta_rule``,
+``mamba2_chunk_scan``, ...), bound through its kernel registry to fla,
+causal_conv1d or mamba_ssm where installed and to torch code otherwise. For
+each family, ``import cplib.hf`` (and every model built after it, through
+``PreTrainedModel.post_init``) replaces those names in the family's module
+with a wrapper, and the mixer classes' ``forward`` with one. Outside a
+``cplib.context_parallel`` region both call straight through: a model
+outside CP computes exactly what it did. Inside one, the layer's wrapper
+finds the context's layout, and the kernel wrappers put the exchange around
+the user's kernel (cplib/hybrid/): the conv by halo, the delta rule by head
+re-sharding or state passing, Mamba2's scan by state passing. Layers that
+cplib cannot carry raise NotImplementedError before any collective.
+
+A cache (``use_cache=True``, transformers' default) is not filled by these
+layers under CP: its states would be one rank's; a cache that already holds
+a state for the layer (a continuation) raises.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+import sys
+import threading
+from typing import Any, Callable
+
+from ..hybrid.layout import SequenceLayout
+from .hybrid_families import FAMILIES, KERNEL_ROLES, Mixer
+from .hybrid_kernels import HANDLERS
+from ..clients.sequence import active_handle as _active_handle
+
+__all__ = ["install_hybrid_layers", "patch_family"]
+
+# The layout and name of the mixer layer running now under CP (its kernel
+# calls read it); per thread, like the dispatch mode that marks the context.
+_scope: contextvars.ContextVar[tuple[SequenceLayout, str] | None] = \
+    contextvars.ContextVar("cplib_hybrid_layer", default=None)
+_lock = threading.Lock()
+_PATCHED = "__cplib_hybrid__"
+
+
+def _family(module_name: str) -> str | None:
+    parts = module_name.split(".")
+    if len(parts) >= 3 and parts[:2] == ["transformers", "models"] and parts[2] in FAMILIES:
+        return parts[2]
+    return None
+
+
+def _kernel_wrapper(original: Callable, role: str, name: str) -> Callable:
+    handler = HANDLERS[role]
+
+    @functools.wraps(original)
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        if _active_handle() is None:
+            return original(*args, **kwargs)
+        scope = _scope.get()
+        if scope is None:
+            raise NotImplementedError(
+                f"cplib: {name} was called under cplib.context_parallel outside a layer cplib "
+                "knows (cplib/hf/hybrid_families.py): it would run on this rank's shard alone; "
+                "call the model's own layers, or run outside the context")
+        return handler(original, name, scope[0], scope[1], args, kwargs)
+
+    kernel.__cplib_original__ = original  # type: ignore[attr-defined]
+    return kernel
+
+
+def _refuse(what: str, reason: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"cplib: {what} under cplib.context_parallel: {reason}. Run on a shard, it would "
+        "start from a zero state at every shard border (a wrong result), so it raises on "
+        "every rank; run this model outside cplib.context_parallel (or without context "
+        "parallelism)")
+
+
+def _check_cache(cache: Any, layer: Any, what: str) -> None:
+    """A cache that already holds this layer's state (a continuation) cannot be
+    carried across ranks; an empty one (a prefill) is left unfilled."""
+    index, state = getattr(layer, "layer_idx", None), getattr(layer, "conv_idx", 0)
+    layers = getattr(cache, "layers", None)
+    if not (isinstance(layers, list) and isinstance(index, int) and 0 <= index < len(layers)):
+        return
+    flags = getattr(layers[index], "has_previous_state", None)  # per state index
+    held = flags.get(state) if isinstance(flags, dict) else \
+        flags[state] if isinstance(flags, (list, tuple)) and state < len(flags) else False
+    if held:
+        raise NotImplementedError(
+            f"cplib: {what} under cplib.context_parallel with a cache that already holds its "
+            "state (a continuation): not supported; start from an empty cache or pass "
+            "use_cache=False")
+
+
+def _layer_wrapper(original: Callable, mixer: Mixer, family: str) -> Callable:
+    signature = inspect.signature(original)
+    cache_arg = next((p for p in ("cache_params", "past_key_values")
+                      if p in signature.parameters), None)
+    first = list(signature.parameters)[1]  # the hidden states, after self
+
+    @functools.wraps(original)
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        handle = _active_handle()
+        if handle is None:
+            return original(self, *args, **kwargs)
+        what = f"{type(self).__name__} ({family})"
+        if mixer.refusal is not None:
+            raise _refuse(what, mixer.refusal)
+        bound = signature.bind(self, *args, **kwargs)
+        if cache_arg is not None and bound.arguments.get(cache_arg) is not None:
+            _check_cache(bound.arguments[cache_arg], self, what)
+            bound.arguments[cache_arg] = None
+        layout = SequenceLayout.of_context(handle, bound.arguments[first].shape[1], what)
+        token = _scope.set((layout, what))
+        try:
+            return original(*bound.args, **bound.kwargs)
+        finally:
+            _scope.reset(token)
+
+    forward.__cplib_original__ = original  # type: ignore[attr-defined]
+    return forward
+
+
+def patch_family(module: Any, family: str) -> None:
+    """Wraps ``module``'s kernel names and mixer classes (once)."""
+    with _lock:
+        if getattr(module, _PATCHED, False):
+            return
+        for name, role in KERNEL_ROLES.items():
+            fn = getattr(module, name, None)
+            if callable(fn):
+                setattr(module, name, _kernel_wrapper(fn, role, name))
+        for mixer in FAMILIES[family]:
+            cls = getattr(module, mixer.name, None)
+            if isinstance(cls, type):
+                cls.forward = _layer_wrapper(cls.forward, mixer, family)
+        setattr(module, _PATCHED, True)
+
+
+def _patch_model(model: Any) -> None:
+    for sub in model.modules():
+        name = type(sub).__module__
+        family = _family(name)
+        if family is not None and name in sys.modules:
+            patch_family(sys.modules[name], family)
+
+
+def install_hybrid_layers() -> None:
+    """Patches the families already imported, and every model built from now
+    on (``PreTrainedModel.post_init``). Idempotent."""
+    for name, module in list(sys.modules.items()):
+        family = _family(name)
+        if family is not None and name.rpartition(".")[2].startswith("modeling_"):
+            patch_family(module, family)
+    from transformers import PreTrainedModel
+
+    post_init = PreTrainedModel.post_init
+    if getattr(post_init, "__cplib_original__", None) is not None:
+        return
+
+    @functools.wraps(post_init)
+    def patched_post_init(self, *args: Any, **kwargs: Any) -> Any:
+        out = post_init(self, *args, **kwargs)
+        _patch_model(self)
+        return out
+
+    patched_post_init.__cplib_original__ = post_init  # type: ignore[attr-defined]
+    PreTrainedModel.post_init = patched_post_init
