@@ -198,7 +198,7 @@ def register_group(group: GroupLike | DeviceMesh) -> None:
         key = (group_token(c10d._get_default_group()), ranks)
         side_groups[key] = dist.new_group(list(ranks), backend="gloo",
                                           use_local_synchronization=local,
-                                          group_desc="cplib handshake")
+                                          group_desc="cplib handshake").group_name
         forget_routes()  # groups over these ranks registered before: now on it too
     _native.forget_route(pg)
     _native._register_handshake_group(pg.group_name, pg)

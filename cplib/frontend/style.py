@@ -62,7 +62,14 @@ class _ContextParallel(ParallelStyle):
                  strategy: str | AutoStrategy | None = None) -> None:
         super().__init__()
         # strategy="auto": the rotation chosen per call (cplib/strategy/route.py).
-        self.strategy = parse_strategy(strategy, "_ContextParallel")
+        # A bad value raises when the style is applied, in the handshake every
+        # rank's _apply starts with: raised here, on one rank only, it would
+        # leave the others waiting there.
+        self._strategy_arg = strategy
+        try:
+            self.strategy = parse_strategy(strategy, "_ContextParallel")
+        except ValueError:
+            self.strategy = None
         self._applied: list[AutoStrategy] = []  # the strategies of its modules (explain)
         if window is not None:
             from ..ring.args import window_arg
@@ -82,6 +89,7 @@ class _ContextParallel(ParallelStyle):
         sdpa = self.attention_type == self.AttentionType.SDPA
 
         def check() -> None:
+            parse_strategy(self._strategy_arg, "_ContextParallel")
             if sdpa:
                 if self.seq_dim not in (2, -2):
                     raise NotImplementedError(
@@ -118,8 +126,13 @@ class _ContextParallel(ParallelStyle):
         if sdpa:
             groups = usp_groups(group, self.ulysses_degree)  # collective, once per mesh
             register_groups(groups.ulysses_group, groups.ring_group)  # their CPU side groups
+            # The group's name, not the group: the module holds this partial
+            # (and itself, through its bound forward) until the collector
+            # runs, and a group held past destroy_process_group() keeps its
+            # gloo workers to the interpreter's exit (test_exit_clean.py).
             module.forward = functools.partial(
-                _sdpa_forward, module.forward, group, groups, self.window, auto)
+                _sdpa_forward, module.forward, group.group_name, dist.get_world_size(group),
+                groups, self.window, auto)
             return module
         return _register_flex_cp(module, mesh, functools.partial(
             _flex_ring_selected, auto, group.group_name, dist.get_world_size(group),
@@ -201,7 +214,7 @@ def attention_documents(cu_seqlens: torch.Tensor | None = None, *,
         _documents.pop()
 
 
-def _sdpa_forward(forward: Any, group: dist.ProcessGroup, groups: UspGroups, window: Any,
+def _sdpa_forward(forward: Any, group_name: str, world: int, groups: UspGroups, window: Any,
                   strategy: AutoStrategy | None, *args: Any, **kwargs: Any) -> Any:
     cu_seqlens, per_document, placement = _documents[-1] if _documents else (None, False, False)
 
@@ -222,9 +235,8 @@ def _sdpa_forward(forward: Any, group: dist.ProcessGroup, groups: UspGroups, win
                 f"{groups.ulysses_degree}: the placement is a ring layout")
         check_layout_read(_cp_options.shard_layout, load_balanced=_cp_options.enable_load_balance,
                           per_document=per_document, placement=placement, cu_seqlens=cu_seqlens,
-                          world_size=dist.get_world_size(group),
-                          ulysses_degree=groups.ulysses_degree)
-        return RingConfig(groups.ring_group or group.group_name, dist.get_world_size(group),
+                          world_size=world, ulysses_degree=groups.ulysses_degree)
+        return RingConfig(groups.ring_group or group_name, world,
                           layout_of("_ContextParallel", _cp_options.enable_load_balance,
                                     per_document, placement),
                           rotate_method_name(_cp_options.rotate_method), groups.ulysses_degree,
@@ -234,7 +246,7 @@ def _sdpa_forward(forward: Any, group: dist.ProcessGroup, groups: UspGroups, win
 
     # An error here meets the handshake the other ranks' SDPA calls start with.
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-    config = agreed_before_attention("_ContextParallel", groups.ring_group or group.group_name,
+    config = agreed_before_attention("_ContextParallel", groups.ring_group or group_name,
                                      groups.ulysses_group, tensors, check)
     with CPDispatchMode(config):
         return forward(*args, **kwargs)
