@@ -16,7 +16,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from ..flex.hook import _flex_input_hook, _register_flex_input_hook
+from ..flex.hook import _flex_input_hook, _register_flex_cp
 from ..comm.handshake import agreed, handshake, register_groups
 from .options import RingConfig, _cp_options, _RotateMethod, explicit_rotation, rotate_method_name
 from ..ring.names import layout_of
@@ -34,12 +34,12 @@ class _ContextParallel(ParallelStyle):
     attention over ``mesh`` on inputs sharded with ``_context_parallel_shard``
     (head-tail when a load balancer was passed to it, which
     ``_cp_options.enable_load_balance`` records); needs
-    ``_enable_context_parallel_dispatcher()``. FLEX (a module whose forward
-    is a flex_attention call): under ``set_rotate_method("allgather")`` its
-    key and value arguments are all-gathered along ``seq_dim`` before its
-    forward; under ``"p2p"``/``"alltoall"`` the flex ring computes the call,
-    each rank visiting only the key/value blocks its BlockMask needs
-    (docs/flex.md).
+    ``_enable_context_parallel_dispatcher()``. FLEX: the module's forward
+    runs as written on this rank's shards, and every flex_attention call
+    inside it is computed over the whole sequence: on the flex ring under
+    ``"p2p"``/``"alltoall"`` (each rank visits only the key/value blocks its
+    BlockMask needs), on key and value all-gathered inside the call under
+    ``set_rotate_method("allgather")`` (docs/flex.md).
 
     cplib's additions: ``ulysses_degree`` (USP, as ``context_parallel``'s;
     shard with ``cplib.usp_load_balancer``), ``window`` (the sliding window of
@@ -134,9 +134,9 @@ class _ContextParallel(ParallelStyle):
                 _sdpa_forward, module.forward, group.group_name, dist.get_world_size(group),
                 groups, self.window, auto)
             return module
-        return _register_flex_input_hook(module, mesh, self.seq_dim, functools.partial(
-            _flex_ring_selected, auto, self.seq_dim, group.group_name,
-            dist.get_world_size(group), dist.get_rank(group)))
+        return _register_flex_cp(module, mesh, functools.partial(
+            _flex_ring_selected, auto, group.group_name, dist.get_world_size(group),
+            dist.get_rank(group)), _flex_layout)
 
     def explain(self) -> list:
         """The choices ``strategy="auto"`` made for the modules this style
@@ -153,10 +153,10 @@ class _ContextParallel(ParallelStyle):
                                 group_name=check_mesh(mesh).group_name)
 
 
-def _flex_ring_selected(auto: AutoStrategy | None, seq_dim: int, group_name: str, world: int,
-                        rank: int, args: tuple, kwargs: dict) -> bool:
-    """FLEX modules run the flex ring under set_rotate_method("p2p" or
-    "alltoall"), the all-gather under "allgather" (docs/flex.md); with
+def _flex_ring_selected(auto: AutoStrategy | None, group_name: str, world: int, rank: int,
+                        args: tuple, kwargs: dict) -> bool:
+    """FLEX modules' calls run on the flex ring under set_rotate_method("p2p"
+    or "alltoall"), on the all-gather under "allgather" (docs/flex.md); with
     ``strategy="auto"`` the cost model chooses per plan unless a rotation is
     explicit (cplib/strategy/flex_route.py)."""
     default = _cp_options.rotate_method is not _RotateMethod.ALL_GATHER
@@ -164,7 +164,16 @@ def _flex_ring_selected(auto: AutoStrategy | None, seq_dim: int, group_name: str
         return default
     from ..strategy.flex_route import flex_use_ring
 
-    return flex_use_ring(auto, args, kwargs, seq_dim, group_name, world, rank, default)
+    return flex_use_ring(auto, args, kwargs, group_name, world, rank, default)
+
+
+def _flex_layout() -> torch.Tensor | None:
+    """The original position of each row of the sequence the last
+    ``_context_parallel_shard`` sharded, for FLEX calls without a BlockMask
+    (None: in order)."""
+    layout = _cp_options.shard_layout
+    balancer = None if layout is None else layout.load_balancer
+    return None if balancer is None else balancer._generate_indices(restore=False)
 
 
 # The documents of the SDPA calls of ``_ContextParallel`` modules made inside
