@@ -8,11 +8,13 @@ the K/V bytes one forward receives and its flex_attention calls, for
   lengths as torch's tests; head-tail), sliding window 512 (no balancer),
   prefix-LM with a prefix of S/4 (head-tail),
 
-B=1, H=8, D=64, fp32, block 128. Both paths run the CP model under
-torch.compile(backend="aot_eager", fullgraph=True): flex's own dense
-implementation, with torch's "no flex backward on CPU" guard lifted (as the
-tests do); inductor's CPU flex kernel is forward-only and returns no lse,
-which the ring needs. Dense flex materialises each call's (queries x keys)
+B=1, H=8, D=64, fp32, block 128. Each path runs compiled two ways: the
+whole CP model under torch.compile(backend="aot_eager", fullgraph=True),
+and ("module") an eager model whose attention module holds
+torch.compile(flex_attention) (as torchtitan's), which the ring's steps
+are compiled into. Both use flex's own dense implementation, with torch's
+"no flex backward on CPU" guard lifted (as the tests do); inductor's CPU
+flex kernel is forward-only and returns no lse, which the ring needs. Dense flex materialises each call's (queries x keys)
 scores, so memory grows with them: a variant whose estimate exceeds
 --mem-gib (all ranks together) is skipped and says so. "torch" is torch's
 own flex CP (its all-gather) on causal; "ideal" the whole sequence in one
@@ -35,6 +37,7 @@ from common import (interleaved, machine, peak_bytes, print_table,  # noqa: E402
                     run_on_ranks, write_json)
 
 NAME = "bench_flex_cp"
+PATHS = ("allgather", "ring", "allgather module", "ring module")
 MASKS = ("causal", "documents", "window", "prefix")
 BALANCED = {"causal": True, "documents": True, "window": False, "prefix": True}
 # Peak bytes of one dense flex fwd+bwd per (query x key) score of one head,
@@ -62,12 +65,21 @@ class _Attention(torch.nn.Module):
         return flex_attention(query, key, value, block_mask=block_mask)
 
 
+class _HoldsCompiledFlex(torch.nn.Module):
+    """An attention module holding a compiled flex_attention (torchtitan's way)."""
+
+    flex = None  # one per process
+
+    def forward(self, query, key, value, block_mask=None):
+        return _HoldsCompiledFlex.flex(query, key, value, block_mask=block_mask)
+
+
 class _Model(torch.nn.Module):
     """Wraps the attention module so one compiled frame holds the CP hook too."""
 
-    def __init__(self) -> None:
+    def __init__(self, attn: torch.nn.Module | None = None) -> None:
         super().__init__()
-        self.attn = _Attention()
+        self.attn = _Attention() if attn is None else attn
 
     def forward(self, *args, **kwargs):
         return self.attn(*args, **kwargs)
@@ -124,11 +136,14 @@ def _variants(lib, mesh, args, S: int, kind: str):
         if name == "torch":
             out["torch allgather"] = (_fwd_bwd(compiled, q, k, v, local, cot, None), dense)
             continue
-        shard = getattr(local, SHARD_ATTR)
+        shard, FLEX = getattr(local, SHARD_ATTR), cplib._ContextParallel.AttentionType.FLEX
         ring_dense = DENSE_BYTES_PER_SCORE * H * (S // n) * max(
             (s.recv_rows or S // n) for s in shard.steps)
-        out["allgather"] = (_fwd_bwd(compiled, q, k, v, local, cot, "allgather"), dense)
-        out["ring"] = (_fwd_bwd(compiled, q, k, v, local, cot, "p2p"), ring_dense)
+        module = parallelize_module(_Model(_HoldsCompiledFlex()), mesh, {
+            "attn": cplib._ContextParallel(seq_dim=2, attention_type=FLEX)})
+        for path, method, est in (("allgather", "allgather", dense), ("ring", "p2p", ring_dense)):
+            out[path] = (_fwd_bwd(compiled, q, k, v, local, cot, method), est)
+            out[f"{path} module"] = (_fwd_bwd(module, q, k, v, local, cot, method), est)
         stats = {"ring_calls": shard.calls, "ring_recv_rows": shard.recv_rows,
                  "allgather_recv_rows": (n - 1) * (S // n),
                  "row_bytes": 2 * H * args.dim * 4, "block_rows": S // n}
@@ -156,6 +171,8 @@ def _rank_bench(args) -> list[dict]:
     import torch.nn.attention.flex_attention as fa
     from torch.distributed.device_mesh import DeviceMesh
 
+    _HoldsCompiledFlex.flex = torch.compile(fa.flex_attention, backend="aot_eager",
+                                            fullgraph=True)
     torch._dynamo.config.recompile_limit = 64
     torch._dynamo.config.accumulated_recompile_limit = 1024
     torch_lib = None
@@ -187,7 +204,7 @@ def _rank_bench(args) -> list[dict]:
                     row["ring_fwd_bwd_bytes"] = _bytes_received(fns["ring"])
                 row.update({f"{k}_s": t for k, t in interleaved(fns, args.iters, dist.barrier)
                             .items()})
-                for name in ("allgather", "ring"):
+                for name in PATHS:
                     if name in fns:
                         dist.barrier()
                         row[f"{name}_peak"] = peak_bytes(fns[name])
@@ -202,9 +219,11 @@ def _rank_bench(args) -> list[dict]:
 
 def _table(args, per_rank) -> tuple[list[str], list[list], list[dict]]:
     n = args.ranks
-    columns = ["S", "mask", "all-gather (s)", "ring (s)", "ring / all-gather", "torch (s)",
-               "ideal full/N (s)", "peak all-gather (MiB)", "peak ring (MiB)", "peak ratio",
-               "K/V recv ring (blocks)", "K/V recv all-gather (blocks)", "ring calls"]
+    columns = ["S", "mask", "all-gather (s)", "ring (s)", "ring / all-gather",
+               "module: all-gather (s)", "module: ring (s)", "module: ring / all-gather",
+               "torch (s)", "ideal full/N (s)", "peak all-gather (MiB)", "peak ring (MiB)",
+               "peak ratio", "module: peak ratio", "K/V recv ring (blocks)",
+               "K/V recv all-gather (blocks)", "ring calls"]
     table, records = [], []
     for i, r0 in enumerate(per_rank[0]):
         worst = {k: max(per_rank[r][i][k] for r in range(n)) for k in r0
@@ -219,9 +238,12 @@ def _table(args, per_rank) -> tuple[list[str], list[list], list[dict]]:
         ratio = lambda a, b: rec[a] / rec[b] if a in rec and b in rec else "n/a"
         ideal = rec["ideal_s"] / n if "ideal_s" in rec else "n/a"
         table.append([rec["S"], rec["mask"], get("allgather_s"), get("ring_s"),
-                      ratio("ring_s", "allgather_s"), get("torch allgather_s"), ideal,
+                      ratio("ring_s", "allgather_s"), get("allgather module_s"),
+                      get("ring module_s"), ratio("ring module_s", "allgather module_s"),
+                      get("torch allgather_s"), ideal,
                       get("allgather_peak", 2 ** -20), get("ring_peak", 2 ** -20),
                       ratio("ring_peak", "allgather_peak"),
+                      ratio("ring module_peak", "allgather module_peak"),
                       get("ring_fwd_bytes", 1 / block_bytes),
                       rec["allgather_recv_rows"] / rec["block_rows"], get("ring_calls")])
         records.append(rec)

@@ -55,7 +55,9 @@ def tracing(tensors: Sequence = ()) -> bool:
     FakeTensorMode or make_fx's proxy mode active, or compiling. (Other
     dispatch modes, a FlopCounterMode say, run the ops for real.)"""
     from torch._subclasses.fake_tensor import is_fake
-    if torch.compiler.is_compiling():
+    # is_dynamo_compiling, not is_compiling: that is true in every thread while
+    # one compiles, and the threaded group's ranks are threads.
+    if torch.compiler.is_dynamo_compiling():
         return True
     if any(torch._C._get_dispatch_mode(key) is not None for key in _TRACING_MODES):
         return True
@@ -100,14 +102,23 @@ def agreed(op: str, group_name: str | None, tensors: Sequence, check: Callable[[
     (which then raises the same error there), and here as that error. While
     compiling, ``check()`` alone is traced (the op handshakes at run time).
     ``meta_joins``: the op's calls on plain meta tensors handshake too."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         return check()
     try:
         return check()
     except Exception as exc:
-        if can_handshake(group_name, tensors, meta_joins):
-            ops.handshake_error(group_name, op, _kind(exc), str(exc))
+        share_error(op, group_name, exc, tensors, meta_joins)
         raise
+
+
+def share_error(op: str, group_name: str | None, exc: BaseException, tensors: Sequence = (),
+                meta_joins: bool = False) -> None:
+    """Sends ``exc``, raised on this rank before the call's handshake, into
+    the handshake the other ranks are in; that handshake raises it on every
+    rank, this one included, with one message (``cplib.<op>: invalid input
+    on rank N: ...``). Returns where no handshake is due."""
+    if can_handshake(group_name, tensors, meta_joins):
+        ops.handshake_error(group_name, op, _kind(exc), str(exc))
 
 
 def forward_error(op: str, group_name: str | None, exc: BaseException) -> None:
@@ -187,7 +198,7 @@ def register_group(group: GroupLike | DeviceMesh) -> None:
         key = (group_token(c10d._get_default_group()), ranks)
         side_groups[key] = dist.new_group(list(ranks), backend="gloo",
                                           use_local_synchronization=local,
-                                          group_desc="cplib handshake")
+                                          group_desc="cplib handshake").group_name
         forget_routes()  # groups over these ranks registered before: now on it too
     _native.forget_route(pg)
     _native._register_handshake_group(pg.group_name, pg)

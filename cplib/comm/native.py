@@ -50,7 +50,15 @@ class _NativeOp:
             err = native_error(exc)
             if err is exc:
                 raise
-            raise err from None
+            try:
+                raise err from None
+            finally:
+                # The error's traceback holds this frame, and this frame the
+                # error: a cycle that would keep every frame of the failed
+                # call alive (its tensors and its process group, whose gloo
+                # workers then outlive destroy_process_group() and abort
+                # the interpreter's exit; tests/comm/test_exit_clean.py).
+                del err
 
     def __getattr__(self, name: str):
         return getattr(self._packet, name)
@@ -149,18 +157,23 @@ _routes: dict[int, str] = {}
 # cplib's CPU (gloo) side groups of groups whose backend takes no CPU
 # tensors (NCCL), by (the token of the default group, the global ranks in
 # group order): a new init (a new default group) makes new ones. Made by
-# cplib.register_group, where every rank of the group is known to be.
-side_groups: dict[tuple[int, tuple[int, ...]], dist.ProcessGroup] = {}
+# cplib.register_group, where every rank of the group is known to be. Their
+# names only: c10d holds the groups, so that destroy_process_group() frees
+# them and joins their gloo workers (a worker alive at interpreter exit
+# aborts it; tests/comm/test_exit_clean.py).
+side_groups: dict[tuple[int, tuple[int, ...]], str] = {}
 
 
 def side_group(ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
     """The live side group over ``ranks`` of this init, if cplib made one."""
     c10d = dist.distributed_c10d
     key = (group_token(c10d._get_default_group()), ranks)
-    pg = side_groups.get(key)
-    if pg is not None and pg not in c10d._world.pg_names:  # destroyed since
+    name = side_groups.get(key)
+    if name is None:
+        return None
+    pg = next((pg for pg, pg_name in c10d._world.pg_names.items() if pg_name == name), None)
+    if pg is None:  # destroyed since
         del side_groups[key]
-        pg = None
     return pg
 
 

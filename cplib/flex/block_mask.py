@@ -135,7 +135,9 @@ def _create_cp_block_mask(
         device=device,
         BLOCK_SIZE=(q_block, kv_block),
     )
-    if not torch.compiler.is_compiling():  # the plan's all-gather runs eagerly only
+    # is_dynamo_compiling: is_compiling() is also true while another thread (a
+    # rank of the threaded group) compiles.
+    if not torch.compiler.is_dynamo_compiling():  # the plan's all-gather runs eagerly only
         _attach_plan(mask, mask_mod, device_mesh, indices, Q_LEN, KV_LEN, q_shard)
     return mask
 
@@ -145,6 +147,7 @@ def _attach_plan(mask: BlockMask, mask_mod: MaskMod, mesh: DeviceMesh,
     """Records on ``mask`` its shard's layout and flex-ring plan (plan.py)."""
     from ..comm.handshake import handshake
     from .plan import SHARD_ATTR, plan_shard
+    from .stand_in import stand_in_for
 
     group = check_mesh(mesh)
     rank, world = mesh.get_local_rank(), mesh.size()
@@ -162,6 +165,7 @@ def _attach_plan(mask: BlockMask, mask_mod: MaskMod, mesh: DeviceMesh,
         q_pos, positions = indices[:, rank * q_shard:(rank + 1) * q_shard], indices
     setattr(mask, SHARD_ATTR,
             plan_shard(mask, mask_mod, group.group_name, world, rank, q_pos, positions))
+    stand_in_for(mask)  # made now: a compiled module's forward finds it
 
 
 def _shard_block_mask(device_mesh: DeviceMesh, block_mask: BlockMask,

@@ -1,43 +1,48 @@
 """What ``_ContextParallel(seq_dim, AttentionType.FLEX)`` does to a module
-whose forward is a flex_attention call, called like ``flex_attention(query,
-key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
-kernel_options, *, return_aux)`` (q/k/v positionally or by keyword), with
-the BlockMask this rank's shard (``_context_parallel_shard`` or
-``create_cp_block_mask``). At each call, by ``_cp_options.rotate_method``
-(``set_rotate_method``):
+whose forward calls ``flex_attention`` on this rank's query, key and value
+shards, with the BlockMask ``_context_parallel_shard`` (or
+``create_cp_block_mask``) made for this rank, or none.
 
-* ``"allgather"``: key and value are replaced by their all-gather over the
-  mesh and the module's forward runs on them (torch's prototype);
-* ``"p2p"`` / ``"alltoall"``: the flex ring (``ring.py``) computes the call
-  from its arguments instead of the module's forward: each rank visits only
-  the K/V rows its mask needs.
+The module's forward runs as written; each flex_attention call inside it
+is computed over the whole sequence (``cp_mode.py``), by
+``_cp_options.rotate_method`` (``set_rotate_method``) or, with
+``strategy="auto"``, the strategy's choice for the call:
 
-The front end passes the choice in (``use_ring``, given the call's
-arguments: ``strategy="auto"`` chooses per plan): a feature folder does not
-read the front end's options itself.
+* ``"p2p"`` / ``"alltoall"``: the flex ring (``ring.py``): each rank visits
+  only the K/V blocks its mask needs;
+* ``"allgather"``: the keys and values are all-gathered inside the call.
 
-Either way score_mod sees global (original) positions when the mask was
-sharded by cplib, as mask_mod does.
+For the call, the sharded mask is replaced in the module's arguments by its
+stand-in (``stand_in.py``), which flex_attention accepts with local keys.
+The front end passes the choice in (``use_ring``, given the module's
+arguments) and the layout of the last ``_context_parallel_shard``
+(``layout``): a feature folder does not read the front end's options.
+
+``_flex_input_hook`` is torch's pre-hook (``_ContextParallel.flex_input_fn``):
+key and value arguments all-gathered, score_mod on global positions.
 """
 
 from __future__ import annotations
 
 import functools
-import struct
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+import torch.nn.attention.flex_attention as fa
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.attention.flex_attention import BlockMask
+from torch.utils._pytree import tree_map
 
-from ..comm.handshake import agreed
-from ..comm.native import check_mesh, group_name_of
+from ..comm.handshake import agreed, share_error
+from ..comm.native import check_mesh, group_name_of, ops
 from .allgather import flex_cp_allgather
-from .ring_args import ParsedCall, parse_call, ring_shard
-from .ring import RingCall, ring_attention
+from .cp_mode import FlexCPMode
+from .plan import SHARD_ATTR
+from .stand_in import stand_in_for
 
-__all__ = ["_flex_input_hook", "_register_flex_input_hook", "_flex_forward"]
+__all__ = ["_flex_input_hook", "_register_flex_cp"]
 
 _QKV_NAMES = ("query", "key", "value")
 
@@ -108,57 +113,73 @@ def _globalize_score_mod(args_list: list, kwargs: dict) -> None:
                                                         shard.positions, score=True)})
 
 
-def _scale_bits(scale: float | None) -> int:
-    return -1 if scale is None else struct.unpack("<q", struct.pack("<d", float(scale)))[0]
+def _stand_in(x: Any) -> Any:
+    """A BlockMask argument's stand-in (the mask itself stays with cplib)."""
+    if not isinstance(x, BlockMask):
+        return x
+    if getattr(x, SHARD_ATTR, None) is None:
+        raise ValueError(
+            "cplib: a context-parallel flex module got a BlockMask that cplib did not shard: "
+            "pass the mask that _context_parallel_shard or create_cp_block_mask made "
+            "(eagerly: a mask made while torch.compile traces carries no layout)")
+    return stand_in_for(x)
 
 
-def _ring(call: ParsedCall, seq_dim: int, group_name: str, world: int, rank: int) -> Any:
-    """The module's flex_attention call computed by the flex ring."""
-    shard = agreed("flex_ring", group_name, [call.query, call.key, call.value],
-                   lambda: ring_shard(call, seq_dim, world, rank, group_name))
-    qb, kb = shard.block_size
-    fields = {"block_mask is given": int(call.block_mask is not None),
-              "block_mask q_len": shard.q_len, "block_mask kv_len": shard.kv_len,
-              "block_mask BLOCK_SIZE[0]": qb, "block_mask BLOCK_SIZE[1]": kb,
-              "ring plan (hash)": shard.plan_hash, "ring steps": len(shard.steps),
-              "enable_gqa": int(call.enable_gqa), "score_mod is given": int(call.score_mod
-                                                                            is not None),
-              "scale (bits)": _scale_bits(call.scale)}
-    for name in _QKV_NAMES:
-        fields[f"{name} requires grad"] = int(getattr(call, name).requires_grad)
-    ring = RingCall(shard, call.score_mod, call.scale, call.enable_gqa, call.kernel_options)
-    out, lse = ring_attention(call.query, call.key, call.value, ring, fields, group_name)
-    if call.return_aux is not None:
-        from torch.nn.attention.flex_attention import AuxOutput
-        return out, AuxOutput(lse=lse if call.return_aux.lse else None, max_scores=None)
-    return (out, lse) if call.return_lse else out
+def _flex_forward(forward: Any, mode: FlexCPMode, use_ring: Callable[[tuple, dict], bool],
+                  layout: Callable[[], torch.Tensor | None], *args: Any, **kwargs: Any) -> Any:
+    """The parallelized module's forward: its own, with its flex calls taken
+    over (``mode``), their BlockMask arguments replaced by stand-ins."""
+    mode.ring, mode.layout = use_ring(args, kwargs), layout()
+
+    def run() -> Any:
+        given = tree_map(_stand_in, (args, kwargs), is_leaf=lambda x: isinstance(x, BlockMask))
+        with mode:
+            return forward(*given[0], **given[1])
+
+    if torch.compiler.is_dynamo_compiling():  # (is_compiling(): any thread's compile)
+        return run()
+    begun = ops.flex_debug_calls_begun()
+    try:
+        return run()
+    except Exception as exc:
+        # Raised in a flex call (flex's own checks, a compile of the call, a
+        # mask cplib did not shard) before this rank began any flex
+        # collective: the other ranks are in (or on their way to) that call's
+        # handshake, which raises it there too. An error of the module's own
+        # code is the module's: nothing says the others reach a flex call.
+        if ops.flex_debug_calls_begun() == begun and _in_a_flex_call(exc):
+            share_error("flex_ring", mode.group_name, exc)
+        raise
 
 
-def _flex_forward(forward: Any, *args: Any, seq_dim: int, group_name: str, world: int,
-                  rank: int, use_ring: Callable[[tuple, dict], bool], **kwargs: Any) -> Any:
-    """The parallelized module's forward: the ring when ``use_ring(args,
-    kwargs)`` says so at the time of the call, else the all-gather."""
-    if not use_ring(args, kwargs):
-        args, kwargs = _flex_input_hook(None, args, kwargs, seq_dim=seq_dim,
-                                        group_name=group_name)
-        return forward(*args, **kwargs)
-    parsed = agreed("flex_ring", group_name, [a for a in (*args, *kwargs.values())
-                                              if isinstance(a, torch.Tensor)],
-                    lambda: parse_call(args, kwargs))
-    return _ring(parsed, seq_dim, group_name, world, rank)
+def _in_a_flex_call(exc: BaseException) -> bool:
+    """``exc`` came through flex_attention, a compiled function (a
+    compiled flex, or flex's own compile of its call) or the stand-in check."""
+    codes = (fa.flex_attention.__code__, _stand_in.__code__)
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code in codes or code.co_filename.endswith(_DYNAMO_ENTRY):
+            return True
+        tb = tb.tb_next
+    return False
 
 
-def _register_flex_input_hook(module: nn.Module, mesh: DeviceMesh, seq_dim: int,
-                              use_ring: Callable[[tuple, dict], bool] = lambda a, k: False
-                              ) -> nn.Module:
-    """Makes ``module`` (a flex_attention call) context parallel over the 1-D
-    ``mesh``: its forward runs as the all-gather or, when ``use_ring(args,
-    kwargs)`` (the call's arguments) at the time of a call, the ring (see
-    the module docstring)."""
-    # The group name is resolved once here, so compiled forwards see a string.
+# The file of dynamo's compiled-function entry (compile_wrapper): every error
+# of a compiled call, its compile included, passes through it.
+_DYNAMO_ENTRY = "_dynamo/eval_frame.py"
+
+
+def _register_flex_cp(module: nn.Module, mesh: DeviceMesh,
+                      use_ring: Callable[[tuple, dict], bool] = lambda a, k: True,
+                      layout: Callable[[], torch.Tensor | None] = lambda: None) -> nn.Module:
+    """Makes ``module``'s flex_attention calls context parallel over the 1-D
+    ``mesh``: on the ring when ``use_ring(args, kwargs)`` (the module's
+    arguments) says so at the time of a call, else on the all-gather;
+    ``layout()``: the sequence's layout when no BlockMask gives it (see the
+    module docstring)."""
+    # The group is resolved once here, so compiled forwards see a string.
     group = check_mesh(mesh)
-    module.forward = functools.partial(_flex_forward, module.forward, seq_dim=seq_dim,
-                                       group_name=group.group_name,
-                                       world=dist.get_world_size(group), rank=dist.get_rank(group),
-                                       use_ring=use_ring)
+    mode = FlexCPMode(group.group_name, dist.get_world_size(group), dist.get_rank(group))
+    module.forward = functools.partial(_flex_forward, module.forward, mode, use_ring, layout)
     return module

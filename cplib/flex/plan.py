@@ -216,16 +216,23 @@ def plan_shard(block_mask: BlockMask, mask_mod, group_name: str, world: int, ran
                      tuple(steps), digest)
 
 
-def dense_shard(group_name: str, world: int, rank: int, q_len: int,
-                device: torch.device) -> FlexShard:
+def dense_shard(group_name: str, world: int, rank: int, q_len: int, device: torch.device,
+                positions: torch.Tensor | None = None) -> FlexShard:
     """The plan without a BlockMask (every query sees every key): every
-    rank's whole shard, in sharded order."""
-    positions = torch.arange(world * q_len, device=device).unsqueeze(0)
+    rank's whole shard. ``positions`` ``(1|B, S)``: the original position of
+    each row of the sharded (load-balancer rearranged) sequence; None: the
+    sequence was sharded in order."""
+    if positions is None:
+        positions = torch.arange(world * q_len, device=device).unsqueeze(0)
+    positions = positions.to(device)
+
+    def rows(r: int) -> torch.Tensor:
+        return positions[:, r * q_len:(r + 1) * q_len]
+
     steps = tuple(
         RingStep(d, (rank - d) % world, (rank + d) % world, q_len if d else 0,
-                 q_len if d else 0, None, True, None,
-                 positions[:, ((rank - d) % world) * q_len:((rank - d) % world + 1) * q_len],
-                 (0, q_len), positions[:, rank * q_len:(rank + 1) * q_len])
+                 q_len if d else 0, None, True, None, rows((rank - d) % world),
+                 (0, q_len), rows(rank))
         for d in range(world))
     return FlexShard(group_name, world, rank, q_len, world * q_len, (q_len, q_len),
-                     positions[:, rank * q_len:(rank + 1) * q_len], positions, steps, world)
+                     rows(rank), positions, steps, world)

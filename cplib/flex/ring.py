@@ -256,4 +256,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Ring
     join the call's handshake (inputs already checked)."""
     # Detached: the token carries no gradient (and the op has no autograd).
     token = ring_begin(q.detach(), k.detach(), v.detach(), fields, group_name)
+    # model(x, x, x): dynamo traces no autograd function given one tensor
+    # twice, so each role gets its own view (their gradients still add up).
+    if k is q:
+        k = k.view_as(k)
+    if v is q or v is k:
+        v = v.view_as(v)
     return _FlexRing.apply(q, k, v, token, call, group_name)

@@ -41,6 +41,14 @@ def _end_fake(x, after):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+def _end_backward(ctx, grad):
+    return grad, None
+
+
+# ring_end is the identity on ``x`` (the copy of a differentiable input
+# orders a collective after the call's handshake: cp_mode.py).
+torch.library.register_autograd("cplib_c::flex_ring_end", _end_backward)
+
 # `ops` makes each op's wrapper on first use, a mutation that torch.compile
 # refuses inside the ring's autograd.Function: make them now.
 for _name in ("flex_ring_begin", "flex_ring_shift", "flex_ring_end", "merge_partial_"):

@@ -16,7 +16,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from ..flex.hook import _flex_input_hook, _register_flex_input_hook
+from ..flex.hook import _flex_input_hook, _register_flex_cp
 from ..comm.handshake import agreed, handshake, register_groups
 from .options import RingConfig, _cp_options, _RotateMethod, explicit_rotation, rotate_method_name
 from ..ring.names import layout_of
@@ -34,12 +34,12 @@ class _ContextParallel(ParallelStyle):
     attention over ``mesh`` on inputs sharded with ``_context_parallel_shard``
     (head-tail when a load balancer was passed to it, which
     ``_cp_options.enable_load_balance`` records); needs
-    ``_enable_context_parallel_dispatcher()``. FLEX (a module whose forward
-    is a flex_attention call): under ``set_rotate_method("allgather")`` its
-    key and value arguments are all-gathered along ``seq_dim`` before its
-    forward; under ``"p2p"``/``"alltoall"`` the flex ring computes the call,
-    each rank visiting only the key/value blocks its BlockMask needs
-    (docs/flex.md).
+    ``_enable_context_parallel_dispatcher()``. FLEX: the module's forward
+    runs as written on this rank's shards, and every flex_attention call
+    inside it is computed over the whole sequence: on the flex ring under
+    ``"p2p"``/``"alltoall"`` (each rank visits only the key/value blocks its
+    BlockMask needs), on key and value all-gathered inside the call under
+    ``set_rotate_method("allgather")`` (docs/flex.md).
 
     cplib's additions: ``ulysses_degree`` (USP, as ``context_parallel``'s;
     shard with ``cplib.usp_load_balancer``), ``window`` (the sliding window of
@@ -62,7 +62,14 @@ class _ContextParallel(ParallelStyle):
                  strategy: str | AutoStrategy | None = None) -> None:
         super().__init__()
         # strategy="auto": the rotation chosen per call (cplib/strategy/route.py).
-        self.strategy = parse_strategy(strategy, "_ContextParallel")
+        # A bad value raises when the style is applied, in the handshake every
+        # rank's _apply starts with: raised here, on one rank only, it would
+        # leave the others waiting there.
+        self._strategy_arg = strategy
+        try:
+            self.strategy = parse_strategy(strategy, "_ContextParallel")
+        except ValueError:
+            self.strategy = None
         self._applied: list[AutoStrategy] = []  # the strategies of its modules (explain)
         if window is not None:
             from ..ring.args import window_arg
@@ -82,6 +89,7 @@ class _ContextParallel(ParallelStyle):
         sdpa = self.attention_type == self.AttentionType.SDPA
 
         def check() -> None:
+            parse_strategy(self._strategy_arg, "_ContextParallel")
             if sdpa:
                 if self.seq_dim not in (2, -2):
                     raise NotImplementedError(
@@ -118,12 +126,17 @@ class _ContextParallel(ParallelStyle):
         if sdpa:
             groups = usp_groups(group, self.ulysses_degree)  # collective, once per mesh
             register_groups(groups.ulysses_group, groups.ring_group)  # their CPU side groups
+            # The group's name, not the group: the module holds this partial
+            # (and itself, through its bound forward) until the collector
+            # runs, and a group held past destroy_process_group() keeps its
+            # gloo workers to the interpreter's exit (test_exit_clean.py).
             module.forward = functools.partial(
-                _sdpa_forward, module.forward, group, groups, self.window, auto)
+                _sdpa_forward, module.forward, group.group_name, dist.get_world_size(group),
+                groups, self.window, auto)
             return module
-        return _register_flex_input_hook(module, mesh, self.seq_dim, functools.partial(
-            _flex_ring_selected, auto, self.seq_dim, group.group_name,
-            dist.get_world_size(group), dist.get_rank(group)))
+        return _register_flex_cp(module, mesh, functools.partial(
+            _flex_ring_selected, auto, group.group_name, dist.get_world_size(group),
+            dist.get_rank(group)), _flex_layout)
 
     def explain(self) -> list:
         """The choices ``strategy="auto"`` made for the modules this style
@@ -140,10 +153,10 @@ class _ContextParallel(ParallelStyle):
                                 group_name=check_mesh(mesh).group_name)
 
 
-def _flex_ring_selected(auto: AutoStrategy | None, seq_dim: int, group_name: str, world: int,
-                        rank: int, args: tuple, kwargs: dict) -> bool:
-    """FLEX modules run the flex ring under set_rotate_method("p2p" or
-    "alltoall"), the all-gather under "allgather" (docs/flex.md); with
+def _flex_ring_selected(auto: AutoStrategy | None, group_name: str, world: int, rank: int,
+                        args: tuple, kwargs: dict) -> bool:
+    """FLEX modules' calls run on the flex ring under set_rotate_method("p2p"
+    or "alltoall"), on the all-gather under "allgather" (docs/flex.md); with
     ``strategy="auto"`` the cost model chooses per plan unless a rotation is
     explicit (cplib/strategy/flex_route.py)."""
     default = _cp_options.rotate_method is not _RotateMethod.ALL_GATHER
@@ -151,7 +164,16 @@ def _flex_ring_selected(auto: AutoStrategy | None, seq_dim: int, group_name: str
         return default
     from ..strategy.flex_route import flex_use_ring
 
-    return flex_use_ring(auto, args, kwargs, seq_dim, group_name, world, rank, default)
+    return flex_use_ring(auto, args, kwargs, group_name, world, rank, default)
+
+
+def _flex_layout() -> torch.Tensor | None:
+    """The original position of each row of the sequence the last
+    ``_context_parallel_shard`` sharded, for FLEX calls without a BlockMask
+    (None: in order)."""
+    layout = _cp_options.shard_layout
+    balancer = None if layout is None else layout.load_balancer
+    return None if balancer is None else balancer._generate_indices(restore=False)
 
 
 # The documents of the SDPA calls of ``_ContextParallel`` modules made inside
@@ -192,7 +214,7 @@ def attention_documents(cu_seqlens: torch.Tensor | None = None, *,
         _documents.pop()
 
 
-def _sdpa_forward(forward: Any, group: dist.ProcessGroup, groups: UspGroups, window: Any,
+def _sdpa_forward(forward: Any, group_name: str, world: int, groups: UspGroups, window: Any,
                   strategy: AutoStrategy | None, *args: Any, **kwargs: Any) -> Any:
     cu_seqlens, per_document, placement = _documents[-1] if _documents else (None, False, False)
 
@@ -213,9 +235,8 @@ def _sdpa_forward(forward: Any, group: dist.ProcessGroup, groups: UspGroups, win
                 f"{groups.ulysses_degree}: the placement is a ring layout")
         check_layout_read(_cp_options.shard_layout, load_balanced=_cp_options.enable_load_balance,
                           per_document=per_document, placement=placement, cu_seqlens=cu_seqlens,
-                          world_size=dist.get_world_size(group),
-                          ulysses_degree=groups.ulysses_degree)
-        return RingConfig(groups.ring_group or group.group_name, dist.get_world_size(group),
+                          world_size=world, ulysses_degree=groups.ulysses_degree)
+        return RingConfig(groups.ring_group or group_name, world,
                           layout_of("_ContextParallel", _cp_options.enable_load_balance,
                                     per_document, placement),
                           rotate_method_name(_cp_options.rotate_method), groups.ulysses_degree,
@@ -225,7 +246,7 @@ def _sdpa_forward(forward: Any, group: dist.ProcessGroup, groups: UspGroups, win
 
     # An error here meets the handshake the other ranks' SDPA calls start with.
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-    config = agreed_before_attention("_ContextParallel", groups.ring_group or group.group_name,
+    config = agreed_before_attention("_ContextParallel", groups.ring_group or group_name,
                                      groups.ulysses_group, tensors, check)
     with CPDispatchMode(config):
         return forward(*args, **kwargs)

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from ..comm.handshake import can_handshake, handshake, tracing
-from .calibration import Calibration, as_calibration, default_for
+from ..comm.handshake import agreed, can_handshake, handshake, tracing
+from .calibration import DEFAULTS, Calibration, as_calibration, default_for
 from .candidates import Candidate, Constraints, candidates_for
 from .cost import Prediction, predict
 from .workload import Workload
@@ -183,20 +184,38 @@ def calibration_for(group_name: str | None, device: torch.device, head_dim: int,
         return _calibrations[key]
     if device.type not in ("cpu", "cuda") or not _communicates(group_name):
         return default_for(device.type)
-    from .microbench import agree, measure
+    from .microbench import CalibrationFailed, agree, measure
 
     fields = {"calibration head_dim": int(head_dim), "calibration dtype": stable_hash(dtype)}
+
+    def exchange(ints: list[int]) -> list[list[int]]:
+        return (_exchange(group_name, "strategy calibration", fields, ints)
+                or _exchange_unchecked(group_name, ints))
     # A handshake first: a rank whose call failed its checks tells the others
     # here, before any collective of the measurement.
     _exchange(group_name, "strategy calibration", fields, [])
-    mine = measure(dist.distributed_c10d._resolve_process_group(group_name), device, head_dim,
-                   dtype)
-    cal = agree(mine, lambda ints: (_exchange(group_name, "strategy calibration", fields, ints)
-                                    or _exchange_unchecked(group_name, ints)))
+    try:
+        cal = agree(measure(dist.distributed_c10d._resolve_process_group(group_name), device,
+                            head_dim, dtype, exchange), exchange)
+    except CalibrationFailed as failed:  # on every rank alike
+        cal = _fallback(group_name, device, failed)
     _calibrations[key] = cal
     log.info("cplib.strategy: calibrated %s for group %s (head_dim %d, %s): %s", device.type,
              group_name, head_dim, dtype, cal)
     return cal
+
+
+def _fallback(group_name: str, device: torch.device, failed: Exception) -> Calibration:
+    """The device's built-in calibration, when measuring failed on some rank
+    (the same on every rank, and said so once per calibration key)."""
+    base = default_for(device.type)
+    name = next(k for k, v in DEFAULTS.items() if v is base)
+    message = (f"cplib.strategy: measuring the calibration over group '{group_name}' failed "
+               f"({failed}); every rank uses the built-in calibration '{name}' instead (pass "
+               "AutoStrategy(calibration=...) to give one)")
+    warnings.warn(message, RuntimeWarning, stacklevel=2)
+    log.warning(message)
+    return replace(base, name=f"{base.name}, after a failed measurement")
 
 
 def agreed_choice(group_name: str | None, w: Workload, constraints: Constraints,
@@ -213,6 +232,12 @@ def agreed_choice(group_name: str | None, w: Workload, constraints: Constraints,
         return found
     if full is not None:
         w = full()
+    # Bad input (no candidate admitted, or none within the memory limit)
+    # raises here, before the calibration's collectives, and on every rank:
+    # the error travels in the handshake the other ranks make next. What a
+    # candidate needs in memory does not depend on the rates.
+    agreed("strategy choice", group_name if _communicates(group_name) else None, [],
+           lambda: choose(w, default_for(w.device_type), constraints))
     cal = calibration()
     choice = choose(w, cal, constraints)
     order = list(choice.candidates)  # the same on every rank (not the time order)

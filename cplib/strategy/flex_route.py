@@ -1,5 +1,5 @@
-"""``strategy="auto"`` for ``_ContextParallel(seq_dim=2, AttentionType.FLEX)``:
-whether a call runs the flex ring or the flex all-gather.
+"""``strategy="auto"`` for ``_ContextParallel(seq_dim, AttentionType.FLEX)``:
+whether a module's flex calls run on the flex ring or the all-gather.
 
 Explicit settings win, as for SDPA: the context's pinned rotation
 (``AutoStrategy(rotate=...)``, or a rotation other than the default that
@@ -101,21 +101,21 @@ def _pinned(auto: AutoStrategy | None) -> str | None:
     return explicit_rotation(None) or (auto.rotate if auto is not None else None)
 
 
-def flex_use_ring(auto: AutoStrategy | None, args: tuple, kwargs: dict, seq_dim: int,
-                  group_name: str, world: int, rank: int,
-                  default: bool) -> bool:
-    """Whether this FLEX call runs the flex ring: ``default`` (the rotate
-    method's) without a strategy; the explicit rotation where one is set;
-    else the agreed choice of the cost model for the call's plan. Calls the
-    ring cannot run (no plan of cplib's sharding, a dim other than 2) and
-    malformed calls go where they went without a strategy (where their
-    errors are raised, on every rank)."""
+def flex_use_ring(auto: AutoStrategy | None, args: tuple, kwargs: dict, group_name: str,
+                  world: int, rank: int, default: bool) -> bool:
+    """Whether the flex calls of this FLEX module call (its arguments read as
+    flex_attention's) run on the flex ring: ``default`` (the rotate method's)
+    without a strategy; the explicit rotation where one is set; the
+    all-gather for a mask whose plan the ring cannot serve; else the agreed
+    choice of the cost model for the call's plan. Arguments that do not read
+    as flex_attention's, or a mask without cplib's plan, go where they went
+    without a strategy (where their errors are raised, on every rank)."""
     if auto is None:
         return default
     pinned = _pinned(auto)
     if pinned is not None:
         return pinned != "allgather"
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         return True
     from ..flex.plan import SHARD_ATTR, dense_shard
     from ..flex.ring_args import parse_call
@@ -127,8 +127,9 @@ def flex_use_ring(auto: AutoStrategy | None, args: tuple, kwargs: dict, seq_dim:
     mask = call.block_mask
     shard = (dense_shard(group_name, world, rank, call.query.shape[2], call.query.device)
              if mask is None else getattr(mask, SHARD_ATTR, None))
-    if shard is None or shard.unsupported is not None or seq_dim not in (2, -2) or \
-            call.query.dim() != 4 or call.key.dim() != 4 or call.value.dim() != 4:
+    if shard is not None and shard.unsupported is not None:
+        return False  # a plan the ring cannot serve: the all-gather can
+    if shard is None or call.query.dim() != 4 or call.key.dim() != 4 or call.value.dim() != 4:
         return default
     if mask is None:
         shard = _dense_key(shard, group_name, world, rank, call.query)

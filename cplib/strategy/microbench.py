@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from .calibration import Calibration, default_for
 from .workload import ranks_per_node
 
-__all__ = ["measure", "agree"]
+__all__ = ["measure", "agree", "CalibrationFailed"]
 
 # (heads, small rows, large rows, masked rows, exchange bytes small / large) per device type.
 _SIZES = {"cpu": (4, 128, 640, 768, 4096, 2 << 20),
@@ -81,19 +81,36 @@ def _attention(heads: int, rows: int, head_dim: int, dtype: torch.dtype, device:
     return run
 
 
-def _exchange_rates(group: dist.ProcessGroup, device: torch.device, xs: int, xl: int,
+class CalibrationFailed(RuntimeError):
+    """The measurement failed on some rank; raised on every rank alike."""
+
+
+class _Exchange:
+    """The buffers of the group's exchanges, made before any of them (an
+    allocation that fails is then a local failure, agreed on before the
+    first collective): an all-to-all and a reduce-scatter at two sizes."""
+
+    def __init__(self, n: int, device: torch.device, sizes: tuple[int, int]) -> None:
+        def numel(nbytes: int) -> int:
+            return max(nbytes // 4 // n, 1)
+        self.a2a = {b: (torch.empty(numel(b) * n, device=device),
+                        torch.ones(numel(b) * n, device=device)) for b in sizes}
+        self.rs = {b: (torch.empty(numel(b), device=device),
+                       torch.ones(numel(b) * n, device=device)) for b in sizes}
+
+
+def _exchange_rates(group: dist.ProcessGroup, buffers: _Exchange, xs: int, xl: int,
                     barrier: Callable[[], None], attn_large: Callable[[], None]) -> tuple:
     """(seconds per collective, link bytes/s, reduce-scatter bytes/s and fixed
     seconds, overlap) of the group: its all-to-all at two sizes, a
-    reduce-scatter at two sizes, and the large all-to-all in flight under the
-    large attention call."""
+    reduce-scatter at two sizes, and the large all-to-all in flight under
+    the large attention call. Every rank makes every collective:
+    ``attn_large`` must not raise (see _guarded)."""
     n = dist.get_world_size(group)
 
     def exchange(nbytes: int, async_op: bool = False):
-        numel = max(nbytes // 4 // n, 1) * n
-        return dist.all_to_all_single(torch.empty(numel, device=device),
-                                      torch.ones(numel, device=device), group=group,
-                                      async_op=async_op)
+        out, inp = buffers.a2a[nbytes]
+        return dist.all_to_all_single(out, inp, group=group, async_op=async_op)
 
     t_xs = _timed(lambda: exchange(xs), barrier, reps=5)
     t_xl = _timed(lambda: exchange(xl), barrier, reps=2)
@@ -103,8 +120,7 @@ def _exchange_rates(group: dist.ProcessGroup, device: torch.device, xs: int, xl:
     rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
     def reduce_scatter(nbytes: int) -> None:
-        numel = max(nbytes // 4 // n, 1)
-        rs(torch.empty(numel, device=device), torch.ones(numel * n, device=device), group=group)
+        rs(*buffers.rs[nbytes], group=group)
     t_rs_small = _timed(lambda: reduce_scatter(xs), barrier, reps=5)
     t_rs = _timed(lambda: reduce_scatter(xl), barrier, reps=2)
     rs_bps = (xl - xs) / max(t_rs - t_rs_small, 1e-9)
@@ -120,11 +136,10 @@ def _exchange_rates(group: dist.ProcessGroup, device: torch.device, xs: int, xl:
     return latency_s, link_bps, rs_bps, rs_s, overlap
 
 
-def measure(group: dist.ProcessGroup, device: torch.device, head_dim: int,
-            dtype: torch.dtype) -> Calibration:
-    """This rank's measured Calibration (collective: every rank of ``group``
-    calls it at the same point)."""
-    kind = "cuda" if device.type == "cuda" else "cpu"
+def _local_rates(group: dist.ProcessGroup, kind: str, device: torch.device, head_dim: int,
+                 dtype: torch.dtype) -> tuple[dict, Callable[[], None]]:
+    """This rank's kernel and copy rates (no collective), and its large
+    attention call (the exchange phase runs it again)."""
     heads, small, large, masked_rows, xs, xl = _SIZES[kind]
     sync = torch.cuda.synchronize if kind == "cuda" else (lambda: None)
     # CPU: the kernels' CPU time (free of the scheduler's time slices, which
@@ -161,20 +176,70 @@ def measure(group: dist.ProcessGroup, device: torch.device, head_dim: int,
     buf = torch.empty(xl // 4, dtype=torch.float32, device=device)
     other = torch.empty_like(buf)
     copy_bps = 2 * xl / max(_timed(lambda: other.copy_(buf), sync, clock=clock), 1e-9)
+    return dict(unit_s=unit_s, masked_unit_s=masked_unit_s, mask_s=mask_s, call_s=call_s,
+                copy_bps=copy_bps, cores=cores), attn_large
 
+
+def _guarded(fn: Callable[[], None], failures: list[str]) -> Callable[[], None]:
+    """``fn`` that records its error instead of raising it (once it failed,
+    it is not run again), so that this rank still makes every collective."""
+    def run() -> None:
+        if failures:
+            return
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001  (reported to every rank by _agree_ok)
+            failures.append(f"{type(exc).__name__}: {exc}")
+    return run
+
+
+def _agree_ok(group: dist.ProcessGroup, failures: list[str],
+              exchange: Callable[[list[int]], list[list[int]]]) -> None:
+    """Every rank learns whether any rank failed; if one did, every rank
+    raises the same CalibrationFailed, naming each failed rank's error."""
+    if not any(row[0] for row in exchange([int(bool(failures))])):
+        return
+    texts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(texts, failures[0] if failures else None, group=group)
+    raise CalibrationFailed("; ".join(f"rank {r}: {t}" for r, t in enumerate(texts)
+                                      if t is not None))
+
+
+def measure(group: dist.ProcessGroup, device: torch.device, head_dim: int, dtype: torch.dtype,
+            exchange: Callable[[list[int]], list[list[int]]]) -> Calibration:
+    """This rank's measured Calibration (collective: every rank of ``group``
+    calls it at the same point; ``exchange(ints)`` returns every rank's
+    ints). Runs alike under no_grad, inference_mode or autograd, and leaves
+    the caller's mode as it was. An error on any rank (an out-of-memory error
+    say) raises CalibrationFailed on every rank, agreed before the first
+    collective of the measurement (its buffers are made before it) or after
+    the last."""
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    xs, xl = _SIZES[kind][4:]
     n = dist.get_world_size(group)
-    barrier = (lambda: dist.barrier(group)) if kind == "cpu" else sync
-    ref = default_for(kind)
-    latency_s, link_bps, rs_bps, rs_s, overlap = (
-        _exchange_rates(group, device, xs, xl, barrier, attn_large) if n > 1 else
-        (ref.latency_s, ref.link_bps, ref.reduce_scatter_bps, ref.reduce_scatter_s, ref.overlap))
-    return Calibration(f"measured ({kind}, {n} ranks)", unit_s=unit_s,
-                       masked_unit_s=masked_unit_s, mask_s=mask_s, call_s=call_s,
-                       copy_bps=copy_bps,
-                       latency_s=latency_s, link_bps=link_bps,
-                       inter_node_bps=min(ref.inter_node_bps, link_bps),
+    failures: list[str] = []
+    # Its own autograd graph, whatever the caller's mode (the first CP call
+    # of a process may come in evaluation); the caller's mode is restored.
+    with torch.inference_mode(False), torch.enable_grad():
+        try:
+            measured, attn_large = _local_rates(group, kind, device, head_dim, dtype)
+            buffers = _Exchange(n, device, (xs, xl)) if n > 1 else None
+        except Exception as exc:  # noqa: BLE001  (reported to every rank by _agree_ok)
+            failures.append(f"{type(exc).__name__}: {exc}")
+        _agree_ok(group, failures, exchange)
+        ref = default_for(kind)
+        rates = (ref.latency_s, ref.link_bps, ref.reduce_scatter_bps, ref.reduce_scatter_s,
+                 ref.overlap)
+        if buffers is not None:
+            barrier = (lambda: dist.barrier(group)) if kind == "cpu" else torch.cuda.synchronize
+            rates = _exchange_rates(group, buffers, xs, xl, barrier,
+                                    _guarded(attn_large, failures))
+            _agree_ok(group, failures, exchange)
+    latency_s, link_bps, rs_bps, rs_s, overlap = rates
+    return Calibration(f"measured ({kind}, {n} ranks)", **measured, latency_s=latency_s,
+                       link_bps=link_bps, inter_node_bps=min(ref.inter_node_bps, link_bps),
                        reduce_scatter_bps=rs_bps, reduce_scatter_s=rs_s, overlap=overlap,
-                       fwd_fraction=ref.fwd_fraction, cores=cores)
+                       fwd_fraction=ref.fwd_fraction)
 
 
 # Calibration fields agreed across ranks: (name, worse is larger, scale to an int).

@@ -228,12 +228,21 @@ def _style_dispatcher_on_rank_0(rank, g):
         cplib._disable_context_parallel_dispatcher()
 
 
-def _flex_style_no_key_on_rank_1(rank, g):
+class _FlexAttention(torch.nn.Module):
+    def forward(self, q, k, v):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        return flex_attention(q, k, v)
+
+
+def _flex_style_key_dim_on_rank_1(rank, g):
+    """flex's own check fails in rank 1's flex call; rank 0's call's
+    handshake raises it too."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    probe = parallelize_module(_Attention(), _mesh(g), _style(flex=True))
+    probe = parallelize_module(_FlexAttention(), _mesh(g), _style(flex=True))
     q = torch.randn(1, 2, 4, 4)
-    probe(q, None if rank == 1 else q, q)
+    probe(q, torch.randn(1, 2, 4, 8) if rank == 1 else q, q)
 
 
 def _mask_on(entry, bad_rank):
@@ -400,8 +409,8 @@ CASES = [
     ("style/one/dispatcher-off", 2, _style_dispatcher_on_rank_0, RuntimeError,
      "invalid input on rank 1: cplib: this module was parallelized with _ContextParallel but "
      "the context parallel dispatcher is off"),
-    ("flex-style/one/key-missing", 2, _flex_style_no_key_on_rank_1, ValueError,
-     "needs `key` as a tensor"),
+    ("flex-style/one/key-dim", 2, _flex_style_key_dim_on_rank_1, ValueError,
+     "same embedding dimension"),
     # Groups this rank cannot use, named
     ("ring/same/not-a-member", 2, _ring_non_member, ValueError,
      "group=GroupMember.NON_GROUP_MEMBER (-100): this process is not a member"),

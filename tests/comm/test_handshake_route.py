@@ -10,7 +10,9 @@ the handshake chooses) is read back from the C++ side."""
 
 from __future__ import annotations
 
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -93,6 +95,17 @@ def _nccl_like_routes() -> dict:
             out["mixed"] = ""
         except ValueError as exc:
             out["mixed"] = str(exc)
+        # cplib keeps the side group's name, not the group: destroying it
+        # frees it and joins its gloo workers (a group alive at interpreter
+        # exit can abort it: tests/comm/test_exit_clean.py).
+        gc.disable()
+        try:
+            freed = weakref.ref(side)
+            dist.destroy_process_group(side)
+            del side
+            out["side_freed"] = freed() is None
+        finally:
+            gc.enable()
     finally:
         undo()
     return out
@@ -109,6 +122,7 @@ def test_device_only_group_handshakes_on_its_cpu_side_group(ranks):
         assert r["twin_route"] == (r["side"], "cpu"), r
         assert r["count"] == 1, r
         assert "different process groups" in r["mixed"], r["mixed"]
+        assert r["side_freed"], "the side group outlived destroy_process_group()"
     assert results[0]["mixed"] == results[1]["mixed"]
 
 

@@ -45,8 +45,9 @@ world sizes 1 / 4       ws=1: causal S=512 x {none, head-tail,   ws=4: the same
                         PTRR}
 ======================  =======================================  ==========================
 
-Also: the hook passes every non-K/V argument through untouched, and the
-compiled CP model is exactly one graph containing cplib's all-gather.
+Also: torch's pre-hook passes every non-K/V argument through untouched,
+the parallelized module gets its own (a sharded mask as its stand-in), and
+the compiled CP model is exactly one graph containing cplib's all-gather.
 The default run is the whole flex CP acceptance matrix (about 2 minutes on
 an idle 2-core machine); ``CPLIB_QUICK_TESTS=1`` runs only the left column.
 """
@@ -312,16 +313,21 @@ def test_block_size_parameter_and_bad_input(ranks):
 
 
 def _check_hook_arguments() -> int:
-    """q/k/v positionally or by keyword; every other argument reaches the
-    module as the very same object; K/V arrive gathered and unexpanded (GQA)."""
+    """torch's pre-hook (``flex_input_fn``): q/k/v positionally or by
+    keyword; every other argument passes as the very same object; K/V come
+    back gathered and unexpanded (GQA). The parallelized module itself gets
+    its arguments as given, but for a sharded BlockMask, whose stand-in
+    (holding the mask) it gets for the call."""
+    from cplib.flex.stand_in import real_mask
+
     rank, n = dist.get_rank(), dist.get_world_size()
 
     class Probe(nn.Module):
         def forward(self, *args, **kwargs):
             return args, kwargs
 
-    probe = parallelize_module(Probe(), mesh(), _ContextParallel(
-        seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX))
+    style = _ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX)
+    probe = parallelize_module(Probe(), mesh(), style)
     q = _randn((1, 4, 8, 4), 1)
     k_full, v_full = _randn((1, 2, 8 * n, 4), 2), _randn((1, 2, 8 * n, 6), 3)
     k, v = k_full.chunk(n, 2)[rank], v_full.chunk(n, 2)[rank]
@@ -336,7 +342,7 @@ def _check_hook_arguments() -> int:
         ((q, k), {"value": v, "kernel_options": opts}),
     ]
     for args, kwargs in calls:
-        got_args, got_kwargs = probe(*args, **kwargs)
+        got_args, got_kwargs = style.flex_input_fn(None, args, kwargs, mesh())
         assert len(got_args) == len(args) and set(got_kwargs) == set(kwargs)
         get = lambda i, name: got_args[i] if i < len(args) else got_kwargs[name]
         assert get(0, "query") is q
@@ -348,17 +354,20 @@ def _check_hook_arguments() -> int:
                 assert got_kwargs[name] is a, f"keyword {name} was replaced"
     for bad, name in (((q, k), "value"), ((q, None, v), "key")):
         with pytest.raises(ValueError, match=f"`{name}`"):
-            probe(*bad)
+            style.flex_input_fn(None, bad, {}, mesh())
+    with torch.compiler.set_stance("force_eager"):
+        sharded, = _context_parallel_shard(mesh(), [mask], [0])
+    got_args, got_kwargs = probe(q, k, v, sharded, scale=scale, masks={"a": [sharded]})
+    assert all(a is b for a, b in zip(got_args[:3], (q, k, v))) and got_kwargs["scale"] is scale
+    for stand_in in (got_args[3], got_kwargs["masks"]["a"][0]):
+        assert real_mask(stand_in.mask_mod) is sharded, "the module got the sharded mask itself"
+    with pytest.raises(ValueError, match="cplib did not shard"):
+        probe(q, k, v, mask)
     return len(calls)
 
 
-def _check_hook_arguments_allgather() -> int:
-    with rotate("allgather"):
-        return _check_hook_arguments()
-
-
 def test_hook_passes_arguments_through(ranks):
-    assert ranks(WORLD).run(_check_hook_arguments_allgather) == [4, 4]
+    assert ranks(WORLD).run(_check_hook_arguments) == [4, 4]
 
 
 def _check_fullgraph_no_graph_break() -> int:

@@ -234,7 +234,9 @@ def _raises(cls, match: str, fn, *args, **kwargs) -> str:
 def _check_bad_input() -> list[str]:
     """Each bad call raises on every rank (on the ranks whose own input is
     fine too, through the handshake), before anything is exchanged; the
-    next good call works."""
+    next good call works. Among them: masks of two batches, a mask for
+    another length and a score_mod that differs by rank, each on one rank;
+    no mask where the last shard laid out another length."""
     rank = dist.get_rank()
     S = 256
     model = cp_model()
@@ -251,8 +253,8 @@ def _check_bad_input() -> list[str]:
         bad_k = k.double() if rank == 1 else k
         msgs.append(_raises(ValueError, "one dtype", model, q, bad_k, v, block_mask=mask))
         local = create_block_mask(causal, 1, 1, S // 2, S, device="cpu", BLOCK_SIZE=32)
-        msgs.append(_raises(ValueError, "made by cplib", model, q, k, v, block_mask=local))
-        msgs.append(_raises(NotImplementedError, "max_scores", model, q, k, v,
+        msgs.append(_raises(ValueError, "cplib did not shard", model, q, k, v, block_mask=local))
+        msgs.append(_raises(NotImplementedError, "max.scores", model, q, k, v,
                             block_mask=mask, return_aux=AuxRequest(max_scores=True)))
         # Key blocks of 64 rows do not tile shards of 96: the all-gather's job.
         odd = create_block_mask(causal, 1, 1, 192, 192, device="cpu", BLOCK_SIZE=(32, 64))
@@ -264,13 +266,34 @@ def _check_bad_input() -> list[str]:
         bias = torch.zeros(S, requires_grad=True)
         msgs.append(_raises(NotImplementedError, "bias", model, q, k, v, block_mask=mask,
                             score_mod=lambda s, b, h, qi, ki: s + bias[ki]))
+        # Rank 1 passes the mask of a sequence twice as long.
+        _, (_, _, _, long_mask) = _shard(2 * S, causal, 32)
+        msgs.append(_raises(ValueError, "256 rows each", model, q, k, v,
+                            block_mask=long_mask if rank == 1 else mask))
+        # A score_mod that differs by rank, on the ring and on the all-gather.
+        shift = _shift_a if rank == 0 else _shift_b
+        msgs.append(_raises(ValueError, "score_mod", model, q, k, v, block_mask=mask,
+                            score_mod=shift))
+        with rotate("allgather"):
+            msgs.append(_raises(ValueError, "score_mod", model, q, k, v, score_mod=shift))
+        # No mask, and the last _context_parallel_shard laid out another length.
+        _shard(2 * S, causal, 32, "head_tail")
+        msgs.append(_raises(ValueError, "a sequence of 512", model, q, k, v))
         assert ring_bytes_received() == 0, "a bad call exchanged blocks"
         model(q, k, v, block_mask=mask)  # the ranks are still in step
     return [m.split(":")[0] for m in msgs]
 
 
+def _shift_a(score, b, h, q_idx, kv_idx):
+    return score + 0.5
+
+
+def _shift_b(score, b, h, q_idx, kv_idx):
+    return score + 0.25
+
+
 def test_bad_input_raises_on_every_rank(ranks):
-    kinds = ["ValueError"] * 3 + ["NotImplementedError"] * 3
+    kinds = ["ValueError"] * 3 + ["NotImplementedError"] * 3 + ["ValueError"] * 4
     assert ranks(2).run(_check_bad_input) == [kinds, kinds]
 
 

@@ -284,6 +284,9 @@ def test_style_requires_enabled_dispatcher(ranks):
 
 
 def _check_flex_style() -> None:
+    """The flex style takes over the module's flex calls, not its forward: a
+    forward that calls no flex_attention sees its own shards, whatever the
+    rotation (the all-gather of K/V happens inside a flex call only)."""
     mesh, n, rank = _mesh(), dist.get_world_size(), dist.get_rank()
 
     class Probe(nn.Module):
@@ -296,15 +299,16 @@ def _check_flex_style() -> None:
     v_full = _rand((1, 1, 4 * n, 8), 6)
     k, v = k_full.chunk(n, 2)[rank], v_full.chunk(n, 2)[rank]
     before = cplib._cp_options.rotate_method
-    cplib.set_rotate_method("allgather")  # the flex ring (p2p) computes, not gathers
     try:
-        gk, gv = probe(k, k, value=v)
+        for rotation in ("allgather", "p2p"):
+            cplib.set_rotate_method(rotation)
+            gk, gv = probe(k, k, value=v)
+            assert torch.equal(gk, k) and torch.equal(gv, v), rotation
     finally:
         cplib._cp_options.rotate_method = before
-    assert torch.equal(gk, k_full) and torch.equal(gv, v_full)
 
 
-def test_flex_style_gathers_key_and_value(ranks):
+def test_flex_style_keeps_a_forward_without_flex_calls(ranks):
     ranks(2).run(_check_flex_style)
 
 

@@ -104,8 +104,8 @@ def _check_flex() -> int:
     # the local mask is the full mask's rows of this rank, keys in the layout's order
     want = create_mask(document_causal, 1, 1, s, s, device="cpu")[0, 0][mine][:, idx]
     assert torch.equal(create_mask(cp_mask.mask_mod, 1, 1, s // n, s, device="cpu")[0, 0], want)
-    # (what flex attention computes with it against the gathered keys:
-    # tests/flex/test_flex_cp.py, for every layout)
+    # (flex attention on it, the ring and the all-gather, with and without
+    # the mask: tests/flex/test_flex_positions.py, for every layout)
     return 1
 
 

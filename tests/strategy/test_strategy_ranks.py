@@ -108,7 +108,7 @@ def _check_rank_dependent_calibration() -> tuple[str, str, dict]:
     real = microbench.measure
     base = cplib.strategy.calibration.DEFAULTS["cpu"]
 
-    def fake(group, device, head_dim, dtype):
+    def fake(group, device, head_dim, dtype, exchange=None):
         from dataclasses import replace
         # Rank 0: a slow link (allgather's one exchange wins); rank 1: fast.
         return replace(base, link_bps=1e6 if rank == 0 else 1e12, latency_s=1e-6,

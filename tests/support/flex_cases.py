@@ -151,6 +151,14 @@ def balancer(kind: str, S: int, block_mask, lengths):
         return _PerDocumentHeadTailLoadBalancer(lengths, dist.get_world_size(), "cpu")
     if kind == "ptrr":
         return _PTRRLoadBalancer(block_mask, dist.get_world_size())
+    if kind == "any_length_head_tail":
+        return cplib.AnyLengthHeadTailLoadBalancer(S, dist.get_world_size(), "cpu")
+    bounds = torch.tensor([0, *(lengths[0] if lengths else [])]).cumsum(0)  # one row's documents
+    if kind == "placement":
+        return cplib.DocumentPlacementLoadBalancer(bounds, dist.get_world_size(), "cpu")
+    if kind == "any_length_per_document":
+        return cplib.AnyLengthPerDocumentLoadBalancer(bounds.tolist(), dist.get_world_size(),
+                                                      "cpu")
     raise AssertionError(kind)
 
 

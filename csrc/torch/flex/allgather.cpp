@@ -3,6 +3,7 @@
 #include <utility>
 #include <vector>
 
+#include "flex/calls_begun.h"
 #include "comm/collectives.h"
 #include "common/aten.h"
 #include "comm/handshake.h"
@@ -49,6 +50,7 @@ std::pair<Group, int64_t> checked_call(const char* op, const Tensor& k, const Te
     more_checks(k, dim, group.size);
     return {std::move(group), dim};
   }
+  note_call_begun();
   Handshake hs(op);
   hs.validate([&] {
     dim = checked_dim(seq_dim, k.dim(), "seq_dim");

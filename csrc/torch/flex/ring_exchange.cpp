@@ -4,8 +4,9 @@
 //   flex_ring_begin   the handshake of one ring call (fwd+bwd): every rank
 //                     checks q, k, v and the described call (mask shape,
 //                     block size, plan hash, ...) before the first exchange,
-//                     and all raise alike or none does. Returns an empty
-//                     token that the first exchange takes.
+//                     and all raise alike or none does (a rank's own error,
+//                     found while its call was traced, comes as a field).
+//                     Returns an empty token that the first exchange takes.
 //   flex_ring_shift   one step's exchange: `send` (flat) to rank `dst`,
 //                     `recv_numel` elements from rank `src`, as a split
 //                     all-to-all that every rank joins (one non-empty peer
@@ -29,6 +30,7 @@
 #include <tuple>
 #include <vector>
 
+#include "flex/calls_begun.h"
 #include "comm/collectives.h"
 #include "comm/handshake.h"
 #include "common/aten.h"
@@ -37,9 +39,16 @@
 #include "common/stable.h"
 
 namespace cplib::flex {
+
+// Per thread: the threaded process group runs every rank in one process.
+thread_local int64_t t_calls_begun = 0;
+
+void note_call_begun() { ++t_calls_begun; }
+
 namespace {
 
 std::atomic<int64_t> g_bytes_received{0};
+const std::string kErrorField = "error: ";
 
 void check_qkv(const Tensor& q, const Tensor& k, const Tensor& v) {
   for (const auto& [name, t] : {std::pair{"query", &q}, std::pair{"key", &k},
@@ -58,7 +67,16 @@ void check_qkv(const Tensor& q, const Tensor& k, const Tensor& v) {
 Tensor flex_ring_begin(Tensor q, Tensor k, Tensor v, std::vector<std::string> names,
                        std::vector<int64_t> values, std::string group_name) {
   const Group group = resolve_group(group_name);
+  note_call_begun();
   Handshake hs("flex_ring");
+  // A field named "error: <message>" (its value an ErrorKind) is this rank's
+  // error, found while the call was traced: every rank raises it here.
+  for (size_t i = 0; i < names.size() && i < values.size(); ++i) {
+    if (names[i].rfind(kErrorField, 0) != 0) continue;
+    const bool known = values[i] > 0 && values[i] <= static_cast<int64_t>(ErrorKind::runtime);
+    hs.fail(known ? static_cast<ErrorKind>(values[i]) : ErrorKind::runtime,
+            names[i].substr(kErrorField.size()));
+  }
   hs.validate([&] {
     CPLIB_CHECK_VALUE(names.size() == values.size(), "cplib.flex_ring_begin: ", names.size(),
                       " field names for ", values.size(), " values");
@@ -113,6 +131,8 @@ int64_t flex_ring_debug_bytes(bool reset) {
   return reset ? g_bytes_received.exchange(0) : g_bytes_received.load();
 }
 
+int64_t flex_debug_calls_begun() { return t_calls_begun; }
+
 }  // namespace
 
 STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
@@ -124,6 +144,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
       "str group_name) -> (Tensor, Tensor)");
   m.def("flex_ring_end(Tensor x, Tensor after) -> Tensor");
   m.def("flex_ring_debug_bytes(bool reset=False) -> int");
+  m.def("flex_debug_calls_begun() -> int");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CPU, m) {
@@ -134,6 +155,7 @@ STABLE_TORCH_LIBRARY_IMPL(cplib_c, CPU, m) {
 
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CompositeExplicitAutograd, m) {
   m.impl("flex_ring_debug_bytes", CPLIB_BOX(&flex_ring_debug_bytes));
+  m.impl("flex_debug_calls_begun", CPLIB_BOX(&flex_debug_calls_begun));
 }
 
 #ifdef CPLIB_WITH_CUDA
