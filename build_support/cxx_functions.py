@@ -20,7 +20,8 @@ from __future__ import annotations
 import re
 
 # The head of a scope whose body holds declarations, not statements.
-_SCOPE = re.compile(r"^(?:namespace\b|extern\s*\"\"\s*$|(?:class|struct|union)\b)")
+# (Blanking keeps a literal's length: extern "C" reads as extern " ".)
+_SCOPE = re.compile(r"^(?:namespace\b|extern\s*\"\s*\"\s*$|(?:class|struct|union)\b)")
 _ENUM = re.compile(r"^(?:typedef\s+)?enum\b")
 # An operator's name, up to its parameter list: operator(), operator<<, operator bool.
 _OPERATOR = re.compile(r"\boperator\s*(?:\(\s*\)|\[\s*\]|[^\s\w(]+|\w[\w\s:*&]*?)\s*(?=\()")
@@ -30,7 +31,8 @@ _CHAR_PREFIXES = ("L", "u", "U", "u8")
 
 def blank(source: str) -> str:
     """`source` with comments, literals and preprocessor lines replaced by
-    spaces (a literal keeps its quotes: ``""``), newlines kept."""
+    spaces (a literal keeps its quotes and its length: ``"C"`` reads ``" "``),
+    newlines kept."""
     out = []
     i, n = 0, len(source)
     line_start = True

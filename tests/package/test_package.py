@@ -70,3 +70,11 @@ def test_function_lengths_leave_out_the_docstring():
     body = "\n".join(f"    x{i} = {i}" for i in range(3))
     source = f'def f():\n    """one\n    two"""\n{body}\n\nclass C:\n    def g(self):\n        pass\n'
     assert lc.function_lengths(source) == [("f", 1, 4), ("C.g", 9, 2)]
+
+
+def test_native_layout_rules_hold():
+    """csrc/: no file over 400 lines, no function over 80, and no lower layer
+    (common/, comm/, merge/, attention/) includes a folder above it."""
+    lc = _build_support_module("layout_check")
+    assert len(lc.native_files(ROOT)) > 50, "csrc/'s files were not found"
+    assert lc.native_problems(ROOT) == []

@@ -104,6 +104,18 @@ class Handshake {
   void record(std::exception_ptr e);
   [[noreturn]] void rethrow_local() const;
 
+  // exchange's steps: this rank's record, the all-gather into table_, then
+  // the checks of the table (each raises the same error on every rank).
+  std::vector<int64_t> own_record(const std::string& group_name) const;
+  void gather(const Group& group, const std::vector<int64_t>& mine);
+  void check_magic() const;
+  void raise_failures() const;
+  void check_same_op_and_group() const;
+  void check_same_fields() const;
+  // Rank `rank`'s slot `index` of the table, and the string from it on.
+  int64_t slot(int64_t rank, int64_t index) const;
+  std::string string_of(int64_t rank, int64_t index, int64_t bytes) const;
+
   std::string op_;
   CallSignature sig_;
   std::vector<int64_t> lengths_;
