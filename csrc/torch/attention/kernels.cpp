@@ -42,7 +42,10 @@ namespace {
 // The arguments of aten::_flash_attention_forward that cplib fills, by name.
 // The call passes exactly the running torch's list, in its order (15 on
 // torch 2.11, 17 from 2.13 on: block_table and num_splits): the stable
-// dispatcher call reads as many slots as the running schema has.
+// dispatcher call reads as many slots as the running schema has. (Packed
+// as written, the enum and its names side by side: not clang-format's one
+// line per name.)
+// clang-format off
 enum class FlashArg {
   query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
   return_debug_mask, scale, window_size_left, window_size_right, seqused_k, alibi_slopes,
@@ -52,6 +55,7 @@ constexpr const char* kFlashArgNames[] = {
     "query", "key", "value", "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p",
     "is_causal", "return_debug_mask", "scale", "window_size_left", "window_size_right",
     "seqused_k", "alibi_slopes", "block_table", "num_splits"};
+// clang-format on
 constexpr size_t kFlashReturns = 5;
 
 // The running torch's argument list, asked once (cplib_c::_schema_arguments,
