@@ -95,10 +95,11 @@ TESTS ?= tests
 test: build
 	$(VENV)/bin/pytest -q $(TESTS)
 
-# The GPU tests' bodies (marker cuda) on the CPU: CPLIB_GPU_TESTS_ON_CPU=1
-# swaps their device, so their logic is proven without a GPU (CI runs this).
+# The GPU tests' bodies on the CPU: CPLIB_GPU_TESTS_ON_CPU=1 swaps the device
+# of the tests marked cuda_on_cpu (tests/<feature>/test_gpu_*.py), so their
+# logic is proven without a GPU (CI runs this). The other cuda tests need a GPU.
 test-gpu-on-cpu: build
-	CPLIB_GPU_TESTS_ON_CPU=1 $(VENV)/bin/pytest -q -m cuda $(wildcard tests/gpu/test_gpu_*.py)
+	CPLIB_GPU_TESTS_ON_CPU=1 $(VENV)/bin/pytest -q -m cuda_on_cpu tests
 
 # The venv and pinned dependencies alone (CI prepares them while other
 # stages run).
