@@ -29,7 +29,7 @@ row per ring variant (S, N, causal, backend, rotate, full_ms, cplib_ms,
 torch_ms, ratio_full, ratio_torch); the commit is $CPLIB_COMMIT (set by the
 GPU check from the prepared wheel), else git's HEAD.
 
-    python benchmarks/bench_ring_gpu.py                 # default rows (72-117 s on an H100, 2026-11-25, older builds)
+    python benchmarks/bench_ring_gpu.py                 # default rows (72-117 s on an H100)
     python benchmarks/bench_ring_gpu.py --all           # S 8k..64k x N 2,4 x causal or not
     python benchmarks/bench_ring_gpu.py --device cpu --smoke   # the code path, tiny, no GPU
 

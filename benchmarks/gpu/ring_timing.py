@@ -187,8 +187,8 @@ def torch_cp_module():
     """torch's private ring functions, or the reason they cannot be used."""
     try:
         from torch.distributed.tensor.experimental._context_parallel import _attention as A
-        fwd, bwd, opts = (A._templated_ring_attention, A._templated_ring_attention_backward,
-                          A._cp_options)
+        fwd, _bwd, _opts = (A._templated_ring_attention, A._templated_ring_attention_backward,
+                            A._cp_options)
         _ = (A._RotateMethod.ALL_TO_ALL, A._RotateMethod.ALL_GATHER)
     except (ImportError, AttributeError) as exc:
         return f"unavailable: {type(exc).__name__}: {exc}"

@@ -89,5 +89,6 @@ def test_anchors_are_githubs():
 def test_function_lengths_leave_out_the_docstring():
     lc = _build_support_module("layout_check")
     body = "\n".join(f"    x{i} = {i}" for i in range(3))
-    source = f'def f():\n    """one\n    two"""\n{body}\n\nclass C:\n    def g(self):\n        pass\n'
+    source = (f'def f():\n    """one\n    two"""\n{body}\n\n'
+              'class C:\n    def g(self):\n        pass\n')
     assert lc.function_lengths(source) == [("f", 1, 4), ("C.g", 9, 2)]
