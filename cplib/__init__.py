@@ -63,7 +63,7 @@ from .merge.op import merge_partial_
 # clients: torch's context-parallel names replaced by cplib's where accelerate,
 # HF Trainer and torchtitan import them.
 from .clients.patch import patch_torch, unpatch_torch
-from . import loss  # cplib.loss.cross_entropy: a loss of your own under CP
+from . import loss  # noqa: F401  (cplib.loss.cross_entropy: a loss of your own under CP)
 
 # conv: halo-exchange convolution and its DTensor handlers.
 from .conv.dtensor import disable_dtensor_conv, enable_dtensor_conv

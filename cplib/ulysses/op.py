@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from ..comm.handshake import agreed, handshake
+from ..comm.handshake import agreed
 from ..comm.native import GroupLike, group_name_of, group_size, ops, reject_real_in_fake
 from ..ring.args import _acc_dtype, _group_rank, backend_arg, check_inputs, check_sinks, scale_arg
-from ..ring.op import attention_autograd, ring_sdpa
+from ..ring.op import attention_autograd
 from .args import (_BSHD, _SEQ_MAJOR, _check_local, _check_qkv, _degree, _local_sinks,
                    _reshard_shape, _to_seq, check_heads, exchange_to_heads)
 from .usp import usp_attention

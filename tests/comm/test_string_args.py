@@ -71,7 +71,8 @@ def test_no_kernel_reads_strings_through_torch():
     StackReader), and nothing converts a stack slot to a string with torch's
     conversion: box.h's reader is the only one."""
     torch_reads = re.compile(r"TORCH_BOX\s*\(|detail::to<\s*std::(string|vector<\s*std::string)")
-    found = [os.path.relpath(p, ROOT) for p in _native_files("csrc") if torch_reads.search(_code(p))]
+    found = [os.path.relpath(p, ROOT) for p in _native_files("csrc")
+             if torch_reads.search(_code(p))]
     assert found == []
     impls = [" ".join(m.split()) for p in _native_files("csrc", "torch")
              for m in re.findall(r"m\.impl\(\s*\"\w+\"\s*,\s*(.*?)\);", _code(p), re.S)]

@@ -2,7 +2,8 @@
 each tiny model either gives one process's logits (its recurrent and conv
 layers carried across ranks) or raises NotImplementedError on every rank,
 naming the layer class that cplib cannot carry; never a silent per-shard
-result; outside a context, what transformers computes. And the list of families (cplib/hf/hybrid_families.py) is complete:
+result; outside a context, what transformers computes. And the list of
+families (cplib/hf/hybrid_families.py) is complete:
 transformers' source is scanned for sequence mixers, and each one found is
 either listed or named below as not a mixer of the text sequence."""
 
@@ -14,7 +15,6 @@ import importlib
 import os
 import re
 
-import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -40,7 +40,8 @@ NOT_TEXT_MIXERS = {
 }
 _KERNELS = re.compile(r"causal_conv1d_fn|selective_scan|chunk_scan|delta_rule|delta_attention|"
                       r"mamba_inner_fn|split_conv1d_scan|chunk_kda|lightning|wkv|mlstm")
-_NAMES = re.compile(r"(Mixer|GatedDeltaNet|DeltaAttention|ShortConv\w*|L(inear|ightning)Attention|Rglru|"
+_NAMES = re.compile(r"(Mixer|GatedDeltaNet|DeltaAttention|ShortConv\w*|"
+                    r"L(inear|ightning)Attention|Rglru|"
                     r"RecurrentBlock|CCAProjection|xLSTMLayer|FeedForward)$")
 
 
