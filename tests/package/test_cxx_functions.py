@@ -6,19 +6,7 @@ templates, namespaces, classes and extern "C" blocks."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _module(name: str):
-    spec = importlib.util.spec_from_file_location(
-        name, os.path.join(ROOT, "build_support", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
+from build_support_modules import build_support_module as _module
 
 SOURCE = r'''#include "x.h"
 #define OPEN {

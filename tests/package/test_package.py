@@ -6,20 +6,11 @@ each cplib/ folder, tests/ mirroring the package)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
+from build_support_modules import build_support_module as _build_support_module
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _build_support_module(name: str):
-    # By path: the repository root must not go on sys.path (it would shadow
-    # an installed cplib for the tests that follow).
-    spec = importlib.util.spec_from_file_location(
-        name, os.path.join(ROOT, "build_support", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _import_cycles_module():
