@@ -1,5 +1,5 @@
 """Tiny instances of every hybrid family transformers ships
-(cplib/hf/hybrid_families.py): a config per family, small enough to run a
+(cplib/clients/hybrid_families.py): a config per family, small enough to run a
 forward under context parallelism in a fraction of a second, with at least
 one of the family's sequence mixers (and its attention layers, where it has
 them)."""
