@@ -14,47 +14,11 @@ import copy
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 from harness import assert_close
-from hybrid_cases import tiny_config
-
-
-class _Attention(nn.Module):
-    """The leaf ``_ContextParallel`` parallelizes: causal SDPA."""
-
-    def forward(self, q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-
-class _HybridBlock(nn.Module):
-    """x + mixer(x), then causal attention over it: the user's own model
-    around one of transformers' sequence mixers."""
-
-    def __init__(self, mixer: nn.Module, hidden: int = 32, heads: int = 4):
-        super().__init__()
-        self.mixer, self.heads = mixer, heads
-        self.qkv = nn.Linear(hidden, 3 * hidden)
-        self.attn = _Attention()
-
-    def forward(self, x):
-        h = x + self.mixer(x)
-        b, s, d = h.shape
-        q, k, v = self.qkv(h).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        return h + self.attn(q, k, v).transpose(1, 2).reshape(b, s, d)
-
-
-def _model(family: str, mixer_class: str) -> _HybridBlock:
-    import importlib
-
-    config = tiny_config(family)
-    config._attn_implementation = "sdpa"
-    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-    torch.manual_seed(0)
-    return _HybridBlock(getattr(module, mixer_class)(config, layer_idx=0)).float()
+from hybrid_cases import hybrid_block
 
 
 def _run(s: int, load_balance: bool) -> int:
@@ -63,7 +27,7 @@ def _run(s: int, load_balance: bool) -> int:
 
     n = dist.get_world_size()
     mesh = DeviceMesh("cpu", list(range(n)))
-    ref = _model("qwen3_next", "Qwen3NextGatedDeltaNet")
+    ref = hybrid_block("qwen3_next", "Qwen3NextGatedDeltaNet")
     model = copy.deepcopy(ref)
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(2, s, 32, generator=g), torch.randn(2, s, 32, generator=g)
@@ -105,7 +69,7 @@ def _refused() -> str:
     from cplib import _context_parallel_shard
 
     n = dist.get_world_size()
-    model = _model("mamba", "MambaMixer").mixer
+    model = hybrid_block("mamba", "MambaMixer").mixer
     x = torch.randn(1, 16 * n, 32, generator=torch.Generator().manual_seed(2))
     (local,) = _context_parallel_shard(DeviceMesh("cpu", list(range(n))), [x], [1])
     try:
