@@ -78,6 +78,7 @@ def _kernel_wrapper(original: Callable, role: str, name: str) -> Callable:
             f"cplib: {name} was called under cplib.context_parallel outside a layer cplib "
             "knows (cplib/clients/hybrid_families.py): it would run on this rank's shard alone; "
             "call the model's own layers, or run outside the context")
+
     kernel.__cplib_original__ = original  # type: ignore[attr-defined]
     return kernel
 
@@ -86,8 +87,7 @@ def _refuse(what: str, reason: str) -> NotImplementedError:
     return NotImplementedError(
         f"cplib: {what} under context parallelism: {reason}. Run on this rank's shard "
         "alone, it would not see the sequence before the shard (a wrong result), so it "
-        "raises on every rank; run this model outside cplib.context_parallel (or without context "
-        "parallelism)")
+        "raises on every rank; run this model without context parallelism")
 
 
 def _check_cache(cache: Any, layer: Any, what: str) -> None:

@@ -16,9 +16,9 @@ import contextlib
 import unittest.mock
 
 import pytest
-import torch
 
-from client_cases import accelerate_ranks, batch, check_against, one_process, tiny_llama, trainer_step
+from client_cases import (accelerate_ranks, batch, check_against, one_process, tiny_llama,
+                          trainer_step)
 
 pytest.importorskip("accelerate", reason="requirements/clients.txt (make build installs it)")
 

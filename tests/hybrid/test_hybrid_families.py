@@ -2,8 +2,8 @@
 each tiny model either gives one process's logits (its recurrent and conv
 layers carried across ranks) or raises NotImplementedError on every rank,
 naming the layer class that cplib cannot carry; never a silent per-shard
-result; outside a context, what transformers computes. And the list of families (cplib/clients/hybrid_families.py) is complete:
-transformers' source is scanned for sequence mixers, and each one found is
+result; outside a context, what transformers computes. And the list of
+families (cplib/clients/hybrid_families.py) is complete: transformers' source is scanned for sequence mixers, and each one found is
 either listed or named below as not a mixer of the text sequence."""
 
 from __future__ import annotations
