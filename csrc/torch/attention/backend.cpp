@@ -33,8 +33,8 @@ std::string_view backend_name(int64_t code) {
   return "?";
 }
 
-int64_t resolve_backend_cuda(int64_t backend, const Tensor& q, const Tensor& k,
-                             const Tensor& v, bool causal, std::optional<double> scale) {
+int64_t resolve_backend_cuda(int64_t backend, const Tensor& q, const Tensor& k, const Tensor& v,
+                             bool causal, std::optional<double> scale) {
   if (backend != kBackendAuto) return backend;
   // The blocks see k/v expanded to q's heads: ask about that shape (a
   // stride-0 view, no copy).
@@ -44,8 +44,8 @@ int64_t resolve_backend_cuda(int64_t backend, const Tensor& q, const Tensor& k,
   // MLA (v's head dim below q/k's): flash and cuDNN get v zero-padded to
   // q/k's head dim (block.cpp), so ask about that shape.
   const Tensor& v_seen = v.size(3) < q.size(3) ? k : v;
-  return checked_choice(fused_sdp_choice(q, as_q_heads(k), as_q_heads(v_seen), causal, scale),
-                        q, q.size(3));
+  return checked_choice(fused_sdp_choice(q, as_q_heads(k), as_q_heads(v_seen), causal, scale), q,
+                        q.size(3));
 }
 
 int64_t resolve_backend_cuda(int64_t backend, const Tensor& like, const BlockShape& shape,
@@ -61,8 +61,8 @@ int64_t resolve_backend_cuda(int64_t backend, const Tensor& like, const BlockSha
     return aten::reinterpret(buf, sizes, aten::contiguous_strides(sizes), 0);
   };
   const int64_t b = fused_sdp_choice(stand_in(shape.q_len, shape.head_dim),
-                                           stand_in(shape.kv_len, shape.head_dim),
-                                           stand_in(shape.kv_len, dv), causal, scale);
+                                     stand_in(shape.kv_len, shape.head_dim),
+                                     stand_in(shape.kv_len, dv), causal, scale);
   return checked_choice(b, like, shape.head_dim);
 }
 

@@ -24,7 +24,7 @@ constexpr int64_t kBackendFlash = 1;
 constexpr int64_t kBackendEfficient = 2;
 constexpr int64_t kBackendCudnn = 3;
 inline constexpr std::array<std::string_view, 4> kBackendNames{"auto", "flash", "efficient",
-                                                              "cudnn"};
+                                                               "cudnn"};
 inline constexpr std::array<int64_t, 4> kBackendCodes{kBackendAuto, kBackendFlash,
                                                       kBackendEfficient, kBackendCudnn};
 
@@ -38,8 +38,8 @@ std::string_view backend_name(int64_t code);
 // scaled_dot_product_attention would pick for these shapes (k/v seen
 // expanded to q's heads). Raises NotImplementedError when only the math
 // backend would do. Compiled into every build (no CUDA runtime call).
-int64_t resolve_backend_cuda(int64_t backend, const Tensor& q, const Tensor& k,
-                             const Tensor& v, bool causal, std::optional<double> scale);
+int64_t resolve_backend_cuda(int64_t backend, const Tensor& q, const Tensor& k, const Tensor& v,
+                             bool causal, std::optional<double> scale);
 // The same for blocks of the given sizes (q heads; k/v seen expanded), with
 // `like`'s dtype and device: what the ring resolves from inputs every rank
 // agrees on (ring/ring_agreed.h: resolve_ring_backend).

@@ -23,10 +23,11 @@ BlockResult block_forward_cpu(const BlockConfig& cfg, const Tensor& q, const Ten
   return {out, lse};
 }
 
-std::tuple<Tensor, Tensor, Tensor> block_backward_cpu(
-    const BlockConfig& cfg, const Tensor& grad_out, const Tensor& q, const Tensor& k,
-    const Tensor& v, const Tensor& out, const Tensor& lse, bool causal,
-    const Tensor& mask) {
+std::tuple<Tensor, Tensor, Tensor> block_backward_cpu(const BlockConfig& cfg,
+                                                      const Tensor& grad_out, const Tensor& q,
+                                                      const Tensor& k, const Tensor& v,
+                                                      const Tensor& out, const Tensor& lse,
+                                                      bool causal, const Tensor& mask) {
   return flash_cpu_backward(grad_out, q, k, v, out, lse, causal, optional(mask), cfg.scale);
 }
 
@@ -50,10 +51,11 @@ BlockResult forward_kernel(const BlockConfig& cfg, const Tensor& q, const Tensor
   return block_forward_cpu(cfg, q, k, v, causal, mask);
 }
 
-std::tuple<Tensor, Tensor, Tensor> backward_kernel(
-    const BlockConfig& cfg, const Tensor& grad_out, const Tensor& q, const Tensor& k,
-    const Tensor& v, const Tensor& out, const Tensor& lse, bool causal,
-    const Tensor& mask) {
+std::tuple<Tensor, Tensor, Tensor> backward_kernel(const BlockConfig& cfg, const Tensor& grad_out,
+                                                   const Tensor& q, const Tensor& k,
+                                                   const Tensor& v, const Tensor& out,
+                                                   const Tensor& lse, bool causal,
+                                                   const Tensor& mask) {
   if (cfg.cuda && mask.defined())
     return block_backward_cuda_masked(cfg, grad_out, q, k, v, out, lse, mask);
   if (cfg.cuda) return block_backward_cuda(cfg, grad_out, q, k, v, out, lse, causal);
@@ -62,8 +64,8 @@ std::tuple<Tensor, Tensor, Tensor> backward_kernel(
 
 }  // namespace
 
-BlockResult block_forward(const BlockConfig& cfg, const Tensor& q, const Tensor& k,
-                          const Tensor& v, bool causal, const Tensor& mask) {
+BlockResult block_forward(const BlockConfig& cfg, const Tensor& q, const Tensor& k, const Tensor& v,
+                          bool causal, const Tensor& mask) {
   if (!pads(cfg, q, v, mask.defined())) return forward_kernel(cfg, q, k, v, causal, mask);
   const int64_t d = std::max(q.size(3), v.size(3));
   BlockResult r = forward_kernel(cfg, aten::pad_last(q, d), aten::pad_last(k, d),
@@ -72,10 +74,10 @@ BlockResult block_forward(const BlockConfig& cfg, const Tensor& q, const Tensor&
   return r;
 }
 
-std::tuple<Tensor, Tensor, Tensor> block_backward(
-    const BlockConfig& cfg, const Tensor& grad_out, const Tensor& q, const Tensor& k,
-    const Tensor& v, const Tensor& out, const Tensor& lse, bool causal,
-    const Tensor& mask) {
+std::tuple<Tensor, Tensor, Tensor> block_backward(const BlockConfig& cfg, const Tensor& grad_out,
+                                                  const Tensor& q, const Tensor& k, const Tensor& v,
+                                                  const Tensor& out, const Tensor& lse, bool causal,
+                                                  const Tensor& mask) {
   if (!pads(cfg, q, v, mask.defined()))
     return backward_kernel(cfg, grad_out, q, k, v, out, lse, causal, mask);
   const int64_t d = std::max(q.size(3), v.size(3));

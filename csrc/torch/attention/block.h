@@ -41,29 +41,32 @@ inline ScalarType acc_dtype(const Tensor& t) {
 
 // `mask` (optional): an additive (Lq, Lk) mask in q's dtype (0 or -inf).
 // Rows it hides entirely come back with an unspecified lse: callers fix them.
-BlockResult block_forward(const BlockConfig& cfg, const Tensor& q, const Tensor& k,
-                          const Tensor& v, bool causal, const Tensor& mask = Tensor());
+BlockResult block_forward(const BlockConfig& cfg, const Tensor& q, const Tensor& k, const Tensor& v,
+                          bool causal, const Tensor& mask = Tensor());
 
 // Gradients of the block given the merged (global) out and lse of these q rows.
-std::tuple<Tensor, Tensor, Tensor> block_backward(
-    const BlockConfig& cfg, const Tensor& grad_out, const Tensor& q, const Tensor& k,
-    const Tensor& v, const Tensor& out, const Tensor& lse, bool causal,
-    const Tensor& mask = Tensor());
+std::tuple<Tensor, Tensor, Tensor> block_backward(const BlockConfig& cfg, const Tensor& grad_out,
+                                                  const Tensor& q, const Tensor& k, const Tensor& v,
+                                                  const Tensor& out, const Tensor& lse, bool causal,
+                                                  const Tensor& mask = Tensor());
 
 // The kernels block_forward/block_backward pick by device (block.cpp). The
 // CUDA ones are compiled into every build: they take cfg.cuda, CUDA
 // tensors, or meta tensors in the guard (ring/cuda_glue_probe.cpp).
 BlockResult block_forward_cpu(const BlockConfig& cfg, const Tensor& q, const Tensor& k,
                               const Tensor& v, bool causal, const Tensor& mask);
-std::tuple<Tensor, Tensor, Tensor> block_backward_cpu(
-    const BlockConfig& cfg, const Tensor& grad_out, const Tensor& q, const Tensor& k,
-    const Tensor& v, const Tensor& out, const Tensor& lse, bool causal,
-    const Tensor& mask);
+std::tuple<Tensor, Tensor, Tensor> block_backward_cpu(const BlockConfig& cfg,
+                                                      const Tensor& grad_out, const Tensor& q,
+                                                      const Tensor& k, const Tensor& v,
+                                                      const Tensor& out, const Tensor& lse,
+                                                      bool causal, const Tensor& mask);
 BlockResult block_forward_cuda(const BlockConfig& cfg, const Tensor& q, const Tensor& k,
                                const Tensor& v, bool causal);
-std::tuple<Tensor, Tensor, Tensor> block_backward_cuda(
-    const BlockConfig& cfg, const Tensor& grad_out, const Tensor& q, const Tensor& k,
-    const Tensor& v, const Tensor& out, const Tensor& lse, bool causal);
+std::tuple<Tensor, Tensor, Tensor> block_backward_cuda(const BlockConfig& cfg,
+                                                       const Tensor& grad_out, const Tensor& q,
+                                                       const Tensor& k, const Tensor& v,
+                                                       const Tensor& out, const Tensor& lse,
+                                                       bool causal);
 // Blocks with an explicit mask (windows, documents): the memory-efficient
 // kernel with the mask as its attention bias (block_cuda_masked.cpp).
 BlockResult block_forward_cuda_masked(const BlockConfig& cfg, const Tensor& q, const Tensor& k,

@@ -42,17 +42,18 @@ BlockResult block_forward_cuda(const BlockConfig& cfg, const Tensor& q, const Te
   }
 }
 
-std::tuple<Tensor, Tensor, Tensor> block_backward_cuda(
-    const BlockConfig& cfg, const Tensor& grad_out, const Tensor& q, const Tensor& k,
-    const Tensor& v, const Tensor& out, const Tensor& lse, bool causal) {
+std::tuple<Tensor, Tensor, Tensor> block_backward_cuda(const BlockConfig& cfg,
+                                                       const Tensor& grad_out, const Tensor& q,
+                                                       const Tensor& k, const Tensor& v,
+                                                       const Tensor& out, const Tensor& lse,
+                                                       bool causal) {
   const int64_t Lq = q.size(2), Lk = k.size(2);
   const Tensor seed = philox_placeholder(q), offset = philox_placeholder(q);
   switch (pick_backend(cfg)) {
     case kBackendFlash:
       // Strided lse rows give wrong gradients in these kernels (upstream's note).
       return flash_cuda_backward(aten::contiguous(grad_out), q, k, v, aten::contiguous(out),
-                                       aten::contiguous(lse), Lq, Lk, causal, seed, offset,
-                                       cfg.scale);
+                                 aten::contiguous(lse), Lq, Lk, causal, seed, offset, cfg.scale);
     case kBackendEfficient:
       // The CUTLASS backward never reads out's row stride: it assumes the
       // (B, L, H, D)-dense memory its own forward returns (o_strideM() =
@@ -61,12 +62,11 @@ std::tuple<Tensor, Tensor, Tensor> block_backward_cuda(
       // read at the wrong rows and past its end: NaN or wrong dq/dk (dv, which
       // needs no delta, stayed right).
       return efficient_cuda_backward(seq_major(grad_out), q, k, v, Tensor(), seq_major(out),
-                                           efficient_lse_padded(lse), seed, offset, causal,
-                                           cfg.scale);
+                                     efficient_lse_padded(lse), seed, offset, causal, cfg.scale);
     default:
       return cudnn_cuda_backward(aten::contiguous(grad_out), q, k, v, aten::contiguous(out),
-                                       aten::contiguous(torch::stable::unsqueeze(lse, -1)), seed,
-                                       offset, Lq, Lk, causal, cfg.scale);
+                                 aten::contiguous(torch::stable::unsqueeze(lse, -1)), seed, offset,
+                                 Lq, Lk, causal, cfg.scale);
   }
 }
 

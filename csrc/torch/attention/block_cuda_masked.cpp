@@ -42,9 +42,9 @@ std::tuple<Tensor, Tensor, Tensor> block_backward_cuda_masked(
     const BlockConfig& cfg, const Tensor& grad_out, const Tensor& q, const Tensor& k,
     const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& mask) {
   const Tensor seed = philox_placeholder(q), offset = philox_placeholder(q);
-  return efficient_cuda_backward(seq_major(grad_out), q, k, v, as_bias(mask, q, k),
-                                       seq_major(out), efficient_lse_padded(lse), seed, offset,
-                                       /*is_causal=*/false, cfg.scale);
+  return efficient_cuda_backward(seq_major(grad_out), q, k, v, as_bias(mask, q, k), seq_major(out),
+                                 efficient_lse_padded(lse), seed, offset,
+                                 /*is_causal=*/false, cfg.scale);
 }
 
 }  // namespace cplib::attention

@@ -21,15 +21,15 @@ void check_tensors(const char* op, const Tensor& q, const Tensor& k, const Tenso
                     "cplib.", op, ": q, k, v must have one dtype, got ", q.scalar_type(), ", ",
                     k.scalar_type(), ", ", v.scalar_type());
   const auto dt = q.scalar_type();
-  CPLIB_CHECK_VALUE(dt == ScalarType::Float || dt == ScalarType::Double || dt == ScalarType::BFloat16 ||
-                        dt == ScalarType::Half,
+  CPLIB_CHECK_VALUE(dt == ScalarType::Float || dt == ScalarType::Double ||
+                        dt == ScalarType::BFloat16 || dt == ScalarType::Half,
                     "cplib.", op, ": unsupported dtype ", dt,
                     " (expected float32, float64, bfloat16 or float16)");
   CPLIB_CHECK_VALUE(q.size(0) == k.size(0) && q.size(0) == v.size(0), "cplib.", op,
                     ": batch sizes differ: q ", q.size(0), ", k ", k.size(0), ", v ", v.size(0));
   CPLIB_CHECK_VALUE(q.size(0) > 0, "cplib.", op, ": empty batch (q has shape ", q.sizes(), ")");
-  CPLIB_CHECK_VALUE(k.size(1) == v.size(1) && k.size(2) == v.size(2), "cplib.", op,
-                    ": k ", k.sizes(), " and v ", v.sizes(), " must agree in heads and length");
+  CPLIB_CHECK_VALUE(k.size(1) == v.size(1) && k.size(2) == v.size(2), "cplib.", op, ": k ",
+                    k.sizes(), " and v ", v.sizes(), " must agree in heads and length");
   CPLIB_CHECK_VALUE(q.size(3) == k.size(3), "cplib.", op, ": q head dim ", q.size(3),
                     " differs from k head dim ", k.size(3));
   CPLIB_CHECK_VALUE(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "cplib.", op, ": q has ",
@@ -38,7 +38,8 @@ void check_tensors(const char* op, const Tensor& q, const Tensor& k, const Tenso
                     ": empty local sequence (q length ", q.size(2), ", kv length ", k.size(2), ")");
   CPLIB_CHECK_VALUE(q.size(3) > 0 && v.size(3) > 0, "cplib.", op, ": empty head dim");
   if (!q.is_cuda())
-    CPLIB_CHECK_VALUE(q.device().type() == DeviceType::CPU, "cplib.", op, ": unsupported device ", q.device());
+    CPLIB_CHECK_VALUE(q.device().type() == DeviceType::CPU, "cplib.", op, ": unsupported device ",
+                      q.device());
 }
 
 }  // namespace
@@ -57,8 +58,8 @@ BlockConfig check_block_args(const char* op, const Tensor& q, const Tensor& k, c
   CPLIB_CHECK_VALUE(q.is_cuda() || backend == kBackendAuto || backend == kBackendFlash, "cplib.",
                     op, ": backend='", backend_name(backend),
                     "' needs CUDA; CPU tensors always use 'flash'");
-  CPLIB_CHECK_VALUE(!scale || (std::isfinite(*scale) && *scale > 0.0), "cplib.", op, ": scale=",
-                    scale ? *scale : 0.0, " must be a finite positive number or None");
+  CPLIB_CHECK_VALUE(!scale || (std::isfinite(*scale) && *scale > 0.0), "cplib.", op,
+                    ": scale=", scale ? *scale : 0.0, " must be a finite positive number or None");
   CPLIB_CHECK_VALUE(!is_causal || positions || q.size(2) == k.size(2), "cplib.", op,
                     ": is_causal needs equal local q and kv lengths, got q ", q.size(2), " and kv ",
                     k.size(2));

@@ -6,8 +6,7 @@
 
 namespace cplib::attention {
 
-HeadExpander::HeadExpander(int64_t groups, const Tensor& like, int64_t max_len)
-    : groups_(groups) {
+HeadExpander::HeadExpander(int64_t groups, const Tensor& like, int64_t max_len) : groups_(groups) {
   const int64_t rows = std::max<int64_t>(max_len, like.size(2));
   if (groups_ > 1)
     storage_ = aten::empty({like.size(0) * like.size(1) * rows * like.size(3) * groups_},

@@ -11,8 +11,8 @@ namespace cplib::attention {
 using aten::narrow;
 using aten::pad_last;
 
-std::tuple<Tensor, Tensor> flash_cpu(const Tensor& q, const Tensor& k, const Tensor& v,
-                                     bool causal, const std::optional<Tensor>& mask,
+std::tuple<Tensor, Tensor> flash_cpu(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
+                                     const std::optional<Tensor>& mask,
                                      std::optional<double> scale) {
   auto s = call<2>("aten::_scaled_dot_product_flash_attention_for_cpu", "", q, k, v, 0.0, causal,
                    mask, scale);
@@ -20,20 +20,22 @@ std::tuple<Tensor, Tensor> flash_cpu(const Tensor& q, const Tensor& k, const Ten
   return {out, lse};
 }
 
-std::tuple<Tensor, Tensor, Tensor> flash_cpu_backward(
-    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-    const Tensor& lse, bool causal, const std::optional<Tensor>& mask,
-    std::optional<double> scale) {
-  auto s = call<3>("aten::_scaled_dot_product_flash_attention_for_cpu_backward", "", grad_out, q,
-                   k, v, out, lse, 0.0, causal, mask, scale);
+std::tuple<Tensor, Tensor, Tensor> flash_cpu_backward(const Tensor& grad_out, const Tensor& q,
+                                                      const Tensor& k, const Tensor& v,
+                                                      const Tensor& out, const Tensor& lse,
+                                                      bool causal,
+                                                      const std::optional<Tensor>& mask,
+                                                      std::optional<double> scale) {
+  auto s = call<3>("aten::_scaled_dot_product_flash_attention_for_cpu_backward", "", grad_out, q, k,
+                   v, out, lse, 0.0, causal, mask, scale);
   Tensor gq = ret<Tensor>(s[0]), gk = ret<Tensor>(s[1]), gv = ret<Tensor>(s[2]);
   return {gq, gk, gv};
 }
 
 int64_t fused_sdp_choice(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
                          std::optional<double> scale) {
-  auto s = call("aten::_fused_sdp_choice", "", q, k, v, std::optional<Tensor>(), 0.0, causal,
-                scale, false);
+  auto s = call("aten::_fused_sdp_choice", "", q, k, v, std::optional<Tensor>(), 0.0, causal, scale,
+                false);
   return ret<int64_t>(s[0]);
 }
 
@@ -69,8 +71,10 @@ const std::vector<FlashArg>& flash_forward_order() {
     for (const std::string& name : ret<std::vector<std::string>>(s[0])) {
       const auto* end = std::end(kFlashArgNames);
       const auto* it = std::find(std::begin(kFlashArgNames), end, name);
-      CPLIB_CHECK_NOT_IMPLEMENTED(it != end, "cplib: this torch's aten::_flash_attention_forward "
-                                  "takes an argument '", name, "' that cplib does not know");
+      CPLIB_CHECK_NOT_IMPLEMENTED(it != end,
+                                  "cplib: this torch's aten::_flash_attention_forward "
+                                  "takes an argument '",
+                                  name, "' that cplib does not know");
       out.push_back(static_cast<FlashArg>(it - std::begin(kFlashArgNames)));
     }
     return out;
@@ -133,9 +137,9 @@ std::tuple<Tensor, Tensor> flash_cuda(const Tensor& q, const Tensor& k, const Te
       default: stack[i] = from(no_tensor); break;  // the optional tensors: None
     }
   }
-  check_dispatch(torch_call_dispatcher("aten::_flash_attention_forward", "", stack.data(),
-                                       TORCH_ABI_VERSION),
-                 "aten::_flash_attention_forward", "");
+  check_dispatch(
+      torch_call_dispatcher("aten::_flash_attention_forward", "", stack.data(), TORCH_ABI_VERSION),
+      "aten::_flash_attention_forward", "");
   Tensor out = ret<Tensor>(stack[0]), lse = ret<Tensor>(stack[1]);
   // rng state, unused, debug mask: released.
   for (const int i : {2, 3, 4}) (void)ret<Tensor>(stack[i]);
@@ -143,20 +147,23 @@ std::tuple<Tensor, Tensor> flash_cuda(const Tensor& q, const Tensor& k, const Te
   return {out.size(3) == dv ? out : narrow(out, 3, 0, dv), lse};
 }
 
-std::tuple<Tensor, Tensor, Tensor> flash_cuda_backward(
-    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-    const Tensor& lse, int64_t max_q, int64_t max_k, bool causal, const Tensor& seed,
-    const Tensor& offset, std::optional<double> scale) {
+std::tuple<Tensor, Tensor, Tensor> flash_cuda_backward(const Tensor& grad_out, const Tensor& q,
+                                                       const Tensor& k, const Tensor& v,
+                                                       const Tensor& out, const Tensor& lse,
+                                                       int64_t max_q, int64_t max_k, bool causal,
+                                                       const Tensor& seed, const Tensor& offset,
+                                                       std::optional<double> scale) {
   // Padded as the forward was (zero columns of out and grad_out change
   // nothing: the padded v columns are zero).
   const int64_t d = flash_head_dim(q, v);
   const std::optional<double> sc = scale_or_default(scale, q);
-  auto s = call<3>("aten::_scaled_dot_product_flash_attention_backward", "",
-                   pad_last(grad_out, d), pad_last(q, d), pad_last(k, d), pad_last(v, d),
-                   pad_last(out, d), lse, Tensor(), Tensor(), max_q, max_k, 0.0, causal, seed,
-                   offset, sc);
+  auto s = call<3>("aten::_scaled_dot_product_flash_attention_backward", "", pad_last(grad_out, d),
+                   pad_last(q, d), pad_last(k, d), pad_last(v, d), pad_last(out, d), lse, Tensor(),
+                   Tensor(), max_q, max_k, 0.0, causal, seed, offset, sc);
   Tensor gq = ret<Tensor>(s[0]), gk = ret<Tensor>(s[1]), gv = ret<Tensor>(s[2]);
-  auto cut = [](const Tensor& g, int64_t dim) { return g.size(3) == dim ? g : narrow(g, 3, 0, dim); };
+  auto cut = [](const Tensor& g, int64_t dim) {
+    return g.size(3) == dim ? g : narrow(g, 3, 0, dim);
+  };
   return {cut(gq, q.size(3)), cut(gk, k.size(3)), cut(gv, v.size(3))};
 }
 
@@ -171,13 +178,15 @@ std::tuple<Tensor, Tensor> efficient_cuda(const Tensor& q, const Tensor& k, cons
   return {out, lse};
 }
 
-std::tuple<Tensor, Tensor, Tensor> efficient_cuda_backward(
-    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& bias,
-    const Tensor& out, const Tensor& lse, const Tensor& seed, const Tensor& offset, bool causal,
-    std::optional<double> scale) {
+std::tuple<Tensor, Tensor, Tensor> efficient_cuda_backward(const Tensor& grad_out, const Tensor& q,
+                                                           const Tensor& k, const Tensor& v,
+                                                           const Tensor& bias, const Tensor& out,
+                                                           const Tensor& lse, const Tensor& seed,
+                                                           const Tensor& offset, bool causal,
+                                                           std::optional<double> scale) {
   bool grad_mask[4] = {true, true, true, false};
-  auto s = call<4>("aten::_scaled_dot_product_efficient_attention_backward", "", grad_out, q, k,
-                   v, bias, out, lse, seed, offset, 0.0,
+  auto s = call<4>("aten::_scaled_dot_product_efficient_attention_backward", "", grad_out, q, k, v,
+                   bias, out, lse, seed, offset, 0.0,
                    torch::headeronly::HeaderOnlyArrayRef<bool>(grad_mask, 4), causal, scale);
   Tensor gq = ret<Tensor>(s[0]), gk = ret<Tensor>(s[1]), gv = ret<Tensor>(s[2]);
   (void)ret<Tensor>(s[3]);
@@ -194,13 +203,15 @@ std::tuple<Tensor, Tensor> cudnn_cuda(const Tensor& q, const Tensor& k, const Te
   return {out, lse};
 }
 
-std::tuple<Tensor, Tensor, Tensor> cudnn_cuda_backward(
-    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-    const Tensor& lse, const Tensor& seed, const Tensor& offset, int64_t max_q, int64_t max_k,
-    bool causal, std::optional<double> scale) {
-  auto s = call<3>("aten::_scaled_dot_product_cudnn_attention_backward", "", grad_out, q, k, v,
-                   out, lse, seed, offset, Tensor(), Tensor(), Tensor(), max_q, max_k, 0.0,
-                   causal, scale);
+std::tuple<Tensor, Tensor, Tensor> cudnn_cuda_backward(const Tensor& grad_out, const Tensor& q,
+                                                       const Tensor& k, const Tensor& v,
+                                                       const Tensor& out, const Tensor& lse,
+                                                       const Tensor& seed, const Tensor& offset,
+                                                       int64_t max_q, int64_t max_k, bool causal,
+                                                       std::optional<double> scale) {
+  auto s = call<3>("aten::_scaled_dot_product_cudnn_attention_backward", "", grad_out, q, k, v, out,
+                   lse, seed, offset, Tensor(), Tensor(), Tensor(), max_q, max_k, 0.0, causal,
+                   scale);
   Tensor gq = ret<Tensor>(s[0]), gk = ret<Tensor>(s[1]), gv = ret<Tensor>(s[2]);
   return {gq, gk, gv};
 }

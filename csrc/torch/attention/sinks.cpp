@@ -9,8 +9,8 @@ void check_sinks(const char* op, const Tensor& q, const Tensor& sinks) {
   CPLIB_CHECK_VALUE(sinks.dim() == 1 && sinks.size(0) == q.size(1), "cplib.", op,
                     ": sinks must have shape (", q.size(1), ",) (one logit per q head), got ",
                     sinks.sizes());
-  CPLIB_CHECK_VALUE(sinks.device() == q.device(), "cplib.", op, ": sinks must be on ",
-                    q.device(), ", got ", sinks.device());
+  CPLIB_CHECK_VALUE(sinks.device() == q.device(), "cplib.", op, ": sinks must be on ", q.device(),
+                    ", got ", sinks.device());
   const auto dt = sinks.scalar_type();
   CPLIB_CHECK_VALUE(dt == q.scalar_type() || dt == ScalarType::Float || dt == ScalarType::Double,
                     "cplib.", op, ": sinks must have q's dtype (",

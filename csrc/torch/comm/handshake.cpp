@@ -85,8 +85,7 @@ To bits_of(From v) {
 
 std::string format_value(int64_t v, FieldKind kind) {
   switch (kind) {
-    case FieldKind::boolean:
-      return v == 0 ? "False" : v == 1 ? "True" : std::to_string(v);
+    case FieldKind::boolean: return v == 0 ? "False" : v == 1 ? "True" : std::to_string(v);
     case FieldKind::dtype:
       if (v >= 0 && v < static_cast<int64_t>(ScalarType::NumOptions))
         return torch::headeronly::toString(static_cast<ScalarType>(v));
@@ -106,8 +105,7 @@ std::string format_value(int64_t v, FieldKind kind) {
       os << "hash " << std::hex << static_cast<uint64_t>(v);
       return os.str();
     }
-    case FieldKind::integer:
-      break;
+    case FieldKind::integer: break;
   }
   return std::to_string(v);
 }
@@ -126,8 +124,7 @@ bool handshake_enabled() {
   return v == nullptr || std::strcmp(v, "0") != 0;
 }
 
-void register_handshake_group(int64_t token, const std::string& via, int64_t on_host,
-                              bool side) {
+void register_handshake_group(int64_t token, const std::string& via, int64_t on_host, bool side) {
   std::lock_guard<std::mutex> lock(g_route_mutex);
   g_routes[token] = RouteEntry{via, on_host, side};
 }
@@ -288,9 +285,7 @@ void Handshake::gather(const Group& group, const std::vector<int64_t>& mine) {
   table_.assign(all.const_data_ptr<int64_t>(), all.const_data_ptr<int64_t>() + ranks_ * kWidth);
 }
 
-int64_t Handshake::slot(int64_t rank, int64_t index) const {
-  return table_[rank * kWidth + index];
-}
+int64_t Handshake::slot(int64_t rank, int64_t index) const { return table_[rank * kWidth + index]; }
 
 std::string Handshake::string_of(int64_t rank, int64_t index, int64_t bytes) const {
   return get_string(&table_[rank * kWidth + index], bytes);
@@ -298,7 +293,8 @@ std::string Handshake::string_of(int64_t rank, int64_t index, int64_t bytes) con
 
 void Handshake::check_magic() const {
   for (int64_t r = 0; r < ranks_; ++r)
-    CPLIB_CHECK(slot(r, kMagicSlot) == kMagic, "cplib.", op_, ": rank ", r, " sent no handshake "
+    CPLIB_CHECK(slot(r, kMagicSlot) == kMagic, "cplib.", op_, ": rank ", r,
+                " sent no handshake "
                 "(another collective, another cplib version, or CPLIB_CHECK_CONSISTENCY=0 on "
                 "that rank only)");
 }
@@ -334,9 +330,10 @@ void Handshake::check_same_op_and_group() const {
                       "); every rank must make the same calls in the same order");
   auto group_of = [&](int64_t r) { return "'" + string_of(r, kGroupName, kNameBytes) + "'"; };
   for (int64_t r = 1; r < n; ++r)
-    CPLIB_CHECK_VALUE(group_of(r) == group_of(0), "cplib.", op_, ": ranks passed different "
-                      "process groups over the same ranks (", per_rank(n, group_of),
-                      "); every rank must pass the same group");
+    CPLIB_CHECK_VALUE(group_of(r) == group_of(0), "cplib.", op_,
+                      ": ranks passed different "
+                      "process groups over the same ranks (",
+                      per_rank(n, group_of), "); every rank must pass the same group");
 }
 
 void Handshake::check_same_fields() const {
@@ -359,9 +356,10 @@ void Handshake::check_same_fields() const {
         name += (i == static_cast<size_t>(kFields - 1) ? " " : ", ") + f[i].name;
       kind = FieldKind::hash;
     }
-    raise(ErrorKind::value, str("cplib.", op_, ": ranks disagree on ", name, " (",
-                      per_rank(ranks_, [&](int64_t r) { return format_value(slot(r, index), kind); }),
-                      "); every rank must make the same call"));
+    raise(ErrorKind::value,
+          str("cplib.", op_, ": ranks disagree on ", name, " (",
+              per_rank(ranks_, [&](int64_t r) { return format_value(slot(r, index), kind); }),
+              "); every rank must make the same call"));
   }
 }
 

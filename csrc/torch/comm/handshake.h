@@ -147,8 +147,7 @@ HandshakeRoute handshake_route(const Group& group);
 // without a side group: the fallback), -1 to derive it from the group's
 // backend. `side`: `via` is a side group that cplib made (never destroyed
 // before the group), so it is not resolved again at each handshake.
-void register_handshake_group(int64_t token, const std::string& via, int64_t on_host,
-                              bool side);
+void register_handshake_group(int64_t token, const std::string& via, int64_t on_host, bool side);
 
 // Handshakes (all-gathers) this process has made since the last reset: a
 // debug counter for tests and benchmarks.

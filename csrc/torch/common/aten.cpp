@@ -88,7 +88,6 @@ std::vector<int64_t> to_host(const Tensor& t) {
   return {p, p + h.numel()};
 }
 
-
 Tensor narrow(const Tensor& t, int64_t dim, int64_t start, int64_t len) {
   Tensor self = t;
   return torch::stable::narrow(self, dim, start, len);
@@ -96,9 +95,8 @@ Tensor narrow(const Tensor& t, int64_t dim, int64_t start, int64_t len) {
 
 Tensor reinterpret(const Tensor& t, const std::vector<int64_t>& sizes,
                    const std::vector<int64_t>& strides, int64_t offset) {
-  CPLIB_CHECK_VALUE(sizes.size() == strides.size() && offset >= 0,
-                    "cplib: internal view with ", sizes.size(), " sizes, ", strides.size(),
-                    " strides and offset ", offset);
+  CPLIB_CHECK_VALUE(sizes.size() == strides.size() && offset >= 0, "cplib: internal view with ",
+                    sizes.size(), " sizes, ", strides.size(), " strides and offset ", offset);
   AtenTensorHandle out = nullptr;
   // The shim's offset is added to t's own storage offset.
   check_dispatch(aoti_torch__reinterpret_tensor(t.get(), static_cast<int64_t>(sizes.size()),
@@ -119,7 +117,8 @@ Tensor rows(const Tensor& t, int64_t dim, int64_t start, int64_t len) {
 
 std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& sizes) {
   std::vector<int64_t> strides(sizes.size(), 1);
-  for (size_t i = sizes.size(); i-- > 1;) strides[i - 1] = strides[i] * std::max<int64_t>(sizes[i], 1);
+  for (size_t i = sizes.size(); i-- > 1;)
+    strides[i - 1] = strides[i] * std::max<int64_t>(sizes[i], 1);
   return strides;
 }
 

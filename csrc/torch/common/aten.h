@@ -62,7 +62,6 @@ Tensor on_device(const Tensor& t, const Device& device);
 // through here or the handshake's values hash).
 std::vector<int64_t> to_host(const Tensor& t);
 
-
 Tensor narrow(const Tensor& t, int64_t dim, int64_t start, int64_t len);
 
 // Views made without the dispatcher (torch's _reinterpret_tensor shim): no

@@ -35,9 +35,9 @@ std::vector<std::string> read_strings(StableIValue v) {
 namespace box_detail {
 
 void check_counts(uint64_t num_args, uint64_t num_outputs, size_t params, size_t returns) {
-  CPLIB_CHECK(num_args == params && num_outputs == returns, "cplib: an op's schema has ",
-              num_args, " arguments and ", num_outputs, " returns, its kernel ", params, " and ",
-              returns, " (an internal error; please report it)");
+  CPLIB_CHECK(num_args == params && num_outputs == returns, "cplib: an op's schema has ", num_args,
+              " arguments and ", num_outputs, " returns, its kernel ", params, " and ", returns,
+              " (an internal error; please report it)");
 }
 
 }  // namespace box_detail

@@ -12,10 +12,10 @@
 #include "attention/checks.h"
 #include "comm/collectives.h"
 #include "comm/handshake.h"
+#include "common/aten.h"
 #include "common/checks.h"
 #include "common/format.h"
 #include "merge/merge_op.h"
-#include "common/aten.h"
 
 namespace cplib::decode {
 namespace {
@@ -24,9 +24,8 @@ void check_positions(const std::optional<Tensor>& pos, const char* name, int64_t
                      const char* rows_of) {
   if (!pos) return;
   const Tensor& p = *pos;
-  CPLIB_CHECK_VALUE(is_integer(p.scalar_type()),
-                    "cplib.decode_sdpa: ", name, " must be an integer tensor, got dtype ",
-                    p.scalar_type());
+  CPLIB_CHECK_VALUE(is_integer(p.scalar_type()), "cplib.decode_sdpa: ", name,
+                    " must be an integer tensor, got dtype ", p.scalar_type());
   CPLIB_CHECK_VALUE(p.dim() == 1, "cplib.decode_sdpa: ", name,
                     " must be 1-D (one global position per row), got shape ", p.sizes());
   CPLIB_CHECK_VALUE(p.numel() == rows, "cplib.decode_sdpa: ", name, " has ", p.numel(),
@@ -38,18 +37,19 @@ void check_args(const Tensor& q, const Tensor& k, const Tensor& v,
                 const std::optional<std::vector<int64_t>>& window, std::optional<double> scale) {
   CPLIB_CHECK_VALUE(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
                     "cplib.decode_sdpa: expected q (B, Hq, T, D) and k, v (B, Hkv, L_local, D), "
-                    "got q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
+                    "got q ",
+                    q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
   CPLIB_CHECK_VALUE(q.device() == k.device() && q.device() == v.device(),
                     "cplib.decode_sdpa: q, k, v must be on one device");
   CPLIB_CHECK_VALUE(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
                     "cplib.decode_sdpa: q, k, v must have one dtype, got ", q.scalar_type(), ", ",
                     k.scalar_type(), ", ", v.scalar_type());
   const auto dt = q.scalar_type();
-  CPLIB_CHECK_VALUE(dt == ScalarType::Float || dt == ScalarType::Double || dt == ScalarType::BFloat16 ||
-                        dt == ScalarType::Half,
+  CPLIB_CHECK_VALUE(dt == ScalarType::Float || dt == ScalarType::Double ||
+                        dt == ScalarType::BFloat16 || dt == ScalarType::Half,
                     "cplib.decode_sdpa: unsupported dtype ", dt);
-  CPLIB_CHECK_VALUE(q.size(2) >= 1, "cplib.decode_sdpa: q needs at least one token, got T = ",
-                    q.size(2));
+  CPLIB_CHECK_VALUE(q.size(2) >= 1,
+                    "cplib.decode_sdpa: q needs at least one token, got T = ", q.size(2));
   CPLIB_CHECK_VALUE(q.size(0) == k.size(0) && q.size(0) == v.size(0),
                     "cplib.decode_sdpa: batch sizes differ: q ", q.size(0), ", k ", k.size(0),
                     ", v ", v.size(0));
@@ -59,19 +59,21 @@ void check_args(const Tensor& q, const Tensor& k, const Tensor& v,
                     " differs from k head dim ", k.size(3));
   CPLIB_CHECK_VALUE(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "cplib.decode_sdpa: q has ",
                     q.size(1), " heads, which is not a multiple of k/v's ", k.size(1), " heads");
-  CPLIB_CHECK_VALUE(q_pos.has_value() == kv_pos.has_value(), "cplib.decode_sdpa: ",
-                    q_pos ? "kv_positions" : "q_positions",
+  CPLIB_CHECK_VALUE(q_pos.has_value() == kv_pos.has_value(),
+                    "cplib.decode_sdpa: ", q_pos ? "kv_positions" : "q_positions",
                     " is missing: give q_positions and kv_positions together, or neither");
   check_positions(q_pos, "q_positions", q.size(2), "q");
   check_positions(kv_pos, "kv_positions", k.size(2), "k/v");
-  CPLIB_CHECK_VALUE(!window || q_pos, "cplib.decode_sdpa: window needs q_positions and "
+  CPLIB_CHECK_VALUE(!window || q_pos,
+                    "cplib.decode_sdpa: window needs q_positions and "
                     "kv_positions");
   if (window) {
     CPLIB_CHECK_VALUE(window->size() == 2 && (*window)[0] >= 0 && (*window)[1] >= 0,
                       "cplib.decode_sdpa: window must be (left, right), non-negative");
   }
-  CPLIB_CHECK_VALUE(!scale || (std::isfinite(*scale) && *scale > 0.0), "cplib.decode_sdpa: scale=",
-                    scale ? *scale : 0.0, " must be a finite positive number or None");
+  CPLIB_CHECK_VALUE(!scale || (std::isfinite(*scale) && *scale > 0.0),
+                    "cplib.decode_sdpa: scale=", scale ? *scale : 0.0,
+                    " must be a finite positive number or None");
 }
 
 // What every rank must agree on: q's shape and dtype (its values are
@@ -79,8 +81,8 @@ void check_args(const Tensor& q, const Tensor& k, const Tensor& v,
 // every generated token), the cache's heads and head dims, the mask and the
 // scale.
 void describe(CallSignature& sig, const Tensor& q, const Tensor& k, const Tensor& v,
-              const std::optional<Tensor>& q_pos,
-              const std::optional<std::vector<int64_t>>& window, std::optional<double> scale) {
+              const std::optional<Tensor>& q_pos, const std::optional<std::vector<int64_t>>& window,
+              std::optional<double> scale) {
   sig.add_meta("q", q);
   sig.add_meta("k", k, /*skip_dim=*/2);
   sig.add_meta("v", v, /*skip_dim=*/2);
@@ -111,8 +113,8 @@ std::pair<Tensor, Tensor> decode_mask(const Tensor& q, const Tensor& q_pos, cons
                                      aten::full({}, left, aten::Opts{ScalarType::Double, dev}));
     visible = aten::logical_and(visible, aten::ge(aten::to(kp, ScalarType::Double), lo));
   }
-  const Tensor additive =
-      aten::where_scalars(visible, 0.0, -std::numeric_limits<double>::infinity(), aten::opts_of(q));
+  const Tensor additive = aten::where_scalars(
+      visible, 0.0, -std::numeric_limits<double>::infinity(), aten::opts_of(q));
   return {additive, aten::logical_not(aten::any_dim(visible, 1))};
 }
 
@@ -129,8 +131,9 @@ std::tuple<Tensor, Tensor> decode_sdpa(Tensor q, Tensor k, Tensor v, std::string
     check_args(q, k, v, q_positions, kv_positions, window, scale);
     describe(hs.sig(), q, k, v, q_positions, window, scale);
     // The block's checks and backend here, so that an error joins the handshake.
-    if (k.size(2) > 0) cfg = attention::check_local_args("decode_sdpa", q, k, v, false, scale,
-                                                       attention::kBackendAuto);
+    if (k.size(2) > 0)
+      cfg = attention::check_local_args("decode_sdpa", q, k, v, false, scale,
+                                        attention::kBackendAuto);
     hs.set_lengths({k.size(2)});
   });
   hs.exchange(group);

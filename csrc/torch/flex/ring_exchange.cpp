@@ -30,13 +30,13 @@
 #include <tuple>
 #include <vector>
 
-#include "flex/calls_begun.h"
 #include "comm/collectives.h"
 #include "comm/handshake.h"
 #include "common/aten.h"
 #include "common/checks.h"
 #include "common/format.h"
 #include "common/stable.h"
+#include "flex/calls_begun.h"
 
 namespace cplib::flex {
 
@@ -51,15 +51,14 @@ std::atomic<int64_t> g_bytes_received{0};
 const std::string kErrorField = "error: ";
 
 void check_qkv(const Tensor& q, const Tensor& k, const Tensor& v) {
-  for (const auto& [name, t] : {std::pair{"query", &q}, std::pair{"key", &k},
-                                std::pair{"value", &v}}) {
+  for (const auto& [name, t] :
+       {std::pair{"query", &q}, std::pair{"key", &k}, std::pair{"value", &v}}) {
     CPLIB_CHECK_VALUE(t->dim() == 4, "cplib.flex_ring: ", name, " must be 4-D (B, H, S, D), got ",
                       t->sizes());
     CPLIB_CHECK_VALUE(is_floating(t->scalar_type()), "cplib.flex_ring: ", name, " has dtype ",
-                      torch::headeronly::toString(t->scalar_type()),
-                      "; expected a floating dtype");
-    CPLIB_CHECK_VALUE(t->device() == q.device(), "cplib.flex_ring: ", name, " is on ",
-                      t->device(), " but query is on ", q.device());
+                      torch::headeronly::toString(t->scalar_type()), "; expected a floating dtype");
+    CPLIB_CHECK_VALUE(t->device() == q.device(), "cplib.flex_ring: ", name, " is on ", t->device(),
+                      " but query is on ", q.device());
   }
   CPLIB_CHECK_VALUE(q.is_cpu() || q.is_cuda(), "cplib.flex_ring: unsupported device ", q.device());
 }

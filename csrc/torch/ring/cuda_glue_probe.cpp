@@ -26,8 +26,8 @@ namespace {
 
 // The ring's configuration of a one-rank ring over these tensors, taking the
 // CUDA kernels whatever the device (meta, here).
-Config probe_config(const Tensor& q, const Tensor& k, const Tensor& v, int64_t backend,
-                    bool causal, std::optional<double> scale) {
+Config probe_config(const Tensor& q, const Tensor& k, const Tensor& v, int64_t backend, bool causal,
+                    std::optional<double> scale) {
   Config cfg;
   cfg.causal = causal;
   cfg.cuda = true;
@@ -45,10 +45,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> cuda_glue_probe(
     bool is_causal, bool masked, bool backward, std::optional<double> scale) {
   const int64_t backend = attention::backend_code("_cuda_glue_probe", backend_name);
   aten::NoGradGuard no_grad;
-  CPLIB_CHECK_VALUE(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k.size(1) > 0 &&
-                        q.size(1) % k.size(1) == 0,
-                    "cplib._cuda_glue_probe: q (B, Hq, Lq, D), k/v (B, Hkv, Lk, D/Dv) with Hkv "
-                    "dividing Hq");
+  CPLIB_CHECK_VALUE(
+      q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k.size(1) > 0 && q.size(1) % k.size(1) == 0,
+      "cplib._cuda_glue_probe: q (B, Hq, Lq, D), k/v (B, Hkv, Lk, D/Dv) with Hkv "
+      "dividing Hq");
   const bool causal = is_causal && !masked;
   const Config cfg = probe_config(q, k, v, backend, causal, scale);
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2), Dv = v.size(3);
@@ -81,7 +81,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> cuda_glue_probe(
     auto rows = [&](const Tensor& t) { return aten::rows(t, 2, start, len); };
     const Tensor m = masked ? aten::narrow(mask, 0, start, len) : Tensor();
     auto [gq, gk, gv] = attention::block_backward(cfg, rows(grad_out), rows(q), ek, ev, rows(out),
-                                       rows(lse), causal, m);
+                                                  rows(lse), causal, m);
     aten::add_(rows(dq), gq);
     attention::reduce_heads_into(dk, gk, cfg.groups, /*accumulate=*/true);
     attention::reduce_heads_into(dv, gv, cfg.groups, /*accumulate=*/true);

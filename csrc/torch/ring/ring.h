@@ -51,8 +51,7 @@ void lay_out(const char* op, Config& cfg, int64_t sq, int64_t sk,
 // partial (out, lse) moves fewer bytes than passing k and v, from the global
 // query and key counts, the head counts and head dims.
 bool pass_q_moves_less(int64_t q_tokens, int64_t kv_tokens, int64_t q_heads, int64_t kv_heads,
-                       int64_t head_dim, int64_t v_head_dim, int64_t elem_size,
-                       int64_t acc_size);
+                       int64_t head_dim, int64_t v_head_dim, int64_t elem_size, int64_t acc_size);
 
 }  // namespace cplib::ring
 

@@ -4,19 +4,18 @@
 // accumulation is fp32 (fp64).
 #include <limits>
 
-#include "common/aten.h"
 #include "attention/block.h"
-#include "ring/ring_forward.h"
 #include "attention/heads.h"
+#include "common/aten.h"
+#include "ring/ring_forward.h"
 #include "ring/ring_plan.h"
 #include "ring/ring_rotate.h"
 
 namespace cplib::ring {
 
 std::tuple<Tensor, Tensor, Tensor> ring_backward(const Config& cfg, const Tensor& grad_out,
-                                                 const Tensor& q, const Tensor& k,
-                                                 const Tensor& v, const Tensor& out,
-                                                 const Tensor& lse) {
+                                                 const Tensor& q, const Tensor& k, const Tensor& v,
+                                                 const Tensor& out, const Tensor& lse) {
   const int64_t Lq = q.size(2);
   const auto acc = attention::acc_dtype(q);
   const aten::Opts acc_opts = aten::opts_of(q).dtype_(acc);

@@ -26,8 +26,8 @@ std::string ring_choices() {
     for (const auto& n : names) out += str(out.empty() ? "" : ",", n);
     return out;
   };
-  return str("rotate=", list(kRotateNames), ";layout=", list(kLayoutNames), ";backend=",
-             list(attention::kBackendNames), ";ring_pass=", list(kPassNames));
+  return str("rotate=", list(kRotateNames), ";layout=", list(kLayoutNames),
+             ";backend=", list(attention::kBackendNames), ";ring_pass=", list(kPassNames));
 }
 
 }  // namespace
@@ -50,7 +50,8 @@ RingCall RingCall::read(StackReader& in) {
   c.causal = in.next<bool>();
   c.layout = parse<SeqLayout>("layout", in.next<std::string>(), kLayoutNames, c.unknown);
   c.scale = in.next<std::optional<double>>();
-  const int64_t b = index_of("backend", in.next<std::string>(), attention::kBackendNames, c.unknown);
+  const int64_t b = index_of("backend", in.next<std::string>(), attention::kBackendNames,
+                             c.unknown);
   c.backend = attention::kBackendCodes[static_cast<size_t>(std::max<int64_t>(0, b))];
   c.rotate = parse<Rotate>("rotate", in.next<std::string>(), kRotateNames, c.unknown);
   c.cu_seqlens = in.next<std::optional<Tensor>>();

@@ -17,8 +17,8 @@
 #include <vector>
 
 #include "attention/backend.h"
-#include "common/stack.h"
 #include "common/stable.h"
+#include "common/stack.h"
 
 // Internal to the extension (torch's stable types are hidden).
 #pragma GCC visibility push(hidden)
@@ -38,7 +38,7 @@ inline constexpr std::array<std::string_view, 3> kRotateNames{"p2p", "alltoall",
 // document placement ("placement", ring_placement.h).
 enum class SeqLayout : int64_t { sequential, head_tail, per_document, placement };
 inline constexpr std::array<std::string_view, 4> kLayoutNames{"sequential", "head_tail",
-                                                             "per_document", "placement"};
+                                                              "per_document", "placement"};
 
 // What travels: keys and values ("kv"), the queries with the partial
 // (out, lse) coming back ("q", forward only), or the one that moves fewer
@@ -77,9 +77,9 @@ struct RingCall {
   std::optional<double> scale;
   int64_t backend = attention::kBackendAuto;  // attention/backend.h
   Rotate rotate = Rotate::p2p;
-  std::optional<Tensor> cu_seqlens;             // global document bounds [0, ..., S]
-  std::optional<std::vector<int64_t>> window;   // (left, right)
-  std::optional<int64_t> seq_len;               // global S of uneven shards
+  std::optional<Tensor> cu_seqlens;            // global document bounds [0, ..., S]
+  std::optional<std::vector<int64_t>> window;  // (left, right)
+  std::optional<int64_t> seq_len;              // global S of uneven shards
   // Explicit global positions of this rank's q rows and k/v rows (both or neither).
   std::optional<Tensor> q_positions, kv_positions;
   Pass ring_pass = Pass::kv;

@@ -15,9 +15,10 @@
 
 namespace cplib::ring {
 
-attention::BlockResult attend(const Config& cfg, const RingPlan& plan, const Call& c, const Tensor& q,
-                   const Tensor& k, const Tensor& v) {
-  if (c.kind != Visibility::partial) return attention::block_forward(cfg, q, k, v, c.kind == Visibility::causal);
+attention::BlockResult attend(const Config& cfg, const RingPlan& plan, const Call& c,
+                              const Tensor& q, const Tensor& k, const Tensor& v) {
+  if (c.kind != Visibility::partial)
+    return attention::block_forward(cfg, q, k, v, c.kind == Visibility::causal);
   auto [mask, no_key] = plan.mask(c, aten::opts_of(q));
   attention::BlockResult r = attention::block_forward(cfg, q, k, v, false, mask);
   // Rows that see no key here contribute nothing: the kernels report lse 0
@@ -51,8 +52,8 @@ std::tuple<Tensor, Tensor> ring_forward(const Config& cfg, const Tensor& q, cons
     if (!blk[0].defined()) continue;
     for (const Call& c : plan.calls(s)) {
       attention::BlockResult r = attend(cfg, plan, c, aten::rows(q, 2, c.q_local, c.q_len),
-                             expand_k(aten::rows(blk[0], 2, c.k_local, c.k_len)),
-                             expand_v(aten::rows(blk[1], 2, c.k_local, c.k_len)));
+                                        expand_k(aten::rows(blk[0], 2, c.k_local, c.k_len)),
+                                        expand_v(aten::rows(blk[1], 2, c.k_local, c.k_len)));
       if (!written && c.q_len == Lq) {  // a call over every row initialises the accumulators
         aten::copy_(out, r.out);
         aten::copy_(lse, r.lse);

@@ -21,7 +21,6 @@ namespace cplib::ulysses {
 
 namespace {
 
-
 // An empty (B, H, S, D) tensor whose memory is ordered as dims `order` (outermost first).
 Tensor empty_ordered(const std::vector<int64_t>& sizes, std::array<int64_t, 4> order,
                      const aten::Opts& opts) {
@@ -48,11 +47,11 @@ Tensor in_layout(const Tensor& t, std::array<int64_t, 4> order, ScalarType dtype
 }  // namespace
 
 std::tuple<Tensor, Tensor> local_sdpa(const Tensor& q, const Tensor& k, const Tensor& v,
-                                      bool is_causal, std::optional<double> scale,
-                                      int64_t backend, const Tensor& sinks) {
+                                      bool is_causal, std::optional<double> scale, int64_t backend,
+                                      const Tensor& sinks) {
   aten::NoGradGuard no_grad;
-  const attention::BlockConfig cfg =
-      attention::check_local_args("ulysses_local_sdpa", q, k, v, is_causal, scale, backend);
+  const attention::BlockConfig cfg = attention::check_local_args("ulysses_local_sdpa", q, k, v,
+                                                                 is_causal, scale, backend);
   if (sinks.defined()) attention::check_sinks("ulysses_local_sdpa", q, sinks);
   attention::HeadExpander expand_k(cfg.groups, k, k.size(2)), expand_v(cfg.groups, v, v.size(2));
   attention::BlockResult r = attention::block_forward(cfg, q, expand_k(k), expand_v(v), is_causal);
@@ -67,12 +66,14 @@ std::tuple<Tensor, Tensor> local_sdpa(const Tensor& q, const Tensor& k, const Te
   return {out, lse};
 }
 
-std::tuple<Tensor, Tensor, Tensor> local_sdpa_backward(
-    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-    const Tensor& lse, bool is_causal, std::optional<double> scale, int64_t backend) {
+std::tuple<Tensor, Tensor, Tensor> local_sdpa_backward(const Tensor& grad_out, const Tensor& q,
+                                                       const Tensor& k, const Tensor& v,
+                                                       const Tensor& out, const Tensor& lse,
+                                                       bool is_causal, std::optional<double> scale,
+                                                       int64_t backend) {
   aten::NoGradGuard no_grad;
-  const attention::BlockConfig cfg =
-      attention::check_local_args("ulysses_local_sdpa_backward", q, k, v, is_causal, scale, backend);
+  const attention::BlockConfig cfg = attention::check_local_args("ulysses_local_sdpa_backward", q,
+                                                                 k, v, is_causal, scale, backend);
   const std::vector<int64_t> out_sizes{q.size(0), q.size(1), q.size(2), v.size(3)};
   CPLIB_CHECK_VALUE(grad_out.sizes().vec() == out_sizes && out.sizes().vec() == out_sizes,
                     "cplib.ulysses_local_sdpa_backward: grad_out ", grad_out.sizes(), " and out ",
@@ -83,7 +84,7 @@ std::tuple<Tensor, Tensor, Tensor> local_sdpa_backward(
                     " of shape (B, H, S), got ", lse.scalar_type(), " ", lse.sizes());
   attention::HeadExpander expand_k(cfg.groups, k, k.size(2)), expand_v(cfg.groups, v, v.size(2));
   auto [gq, gk, gv] = attention::block_backward(cfg, grad_out, q, expand_k(k), expand_v(v), out,
-                                           aten::contiguous(lse), is_causal);
+                                                aten::contiguous(lse), is_causal);
   const auto dt = q.scalar_type();
   Tensor dq = in_layout(gq, kBSHD, dt);
   auto reduce = [&](const Tensor& g, const Tensor& like) {
