@@ -36,7 +36,7 @@ TVENV     := .venv-$(subst ==,-,$(TORCH_PIN))
 TPIP      := env PIP_CONFIG_FILE=/dev/null $(TVENV)/bin/python -m pip
 
 .PHONY: all build wheel develop demo test test-gpu-on-cpu test-torch torch-venv bench cuda-check cuda-build cuda-wheel clean \
-        lint lint-python
+        lint lint-python lint-native format-native
 
 all: build
 
@@ -131,6 +131,21 @@ test-torch: torch-venv $(WHEEL_STAMP)
 
 bench: build
 	$(VPY) benchmarks/run_all.py
+
+# `make lint-native`: the pinned clang-format (requirements/lint-native.txt;
+# style in .clang-format) in check mode over csrc/: fails, naming each line,
+# when a file is not formatted. `make format-native` formats them in place.
+LINT_NATIVE_DEPS := $(VENV)/.lint-native-installed
+NATIVE_SOURCES = $(sort $(shell find csrc -name '*.c' -o -name '*.h' -o -name '*.cpp' -o -name '*.cu' -o -name '*.cuh'))
+$(LINT_NATIVE_DEPS): requirements/lint-native.txt | $(VPY)
+	@$(QUIET) $(LOGS)/install-lint-native.log "installing the pinned clang-format into $(VENV)" -- \
+	  $(VPY) -m pip install -r requirements/lint-native.txt
+	@touch $@
+lint-native: $(LINT_NATIVE_DEPS)
+	@$(VENV)/bin/clang-format --dry-run --Werror $(NATIVE_SOURCES)
+	@echo "clang-format: $(words $(NATIVE_SOURCES)) files under csrc/ formatted"
+format-native: $(LINT_NATIVE_DEPS)
+	$(VENV)/bin/clang-format -i $(NATIVE_SOURCES)
 
 # Syntax/type check of every CUDA source with nvcc (no GPU needed).
 cuda-check:

@@ -11,7 +11,12 @@
 * tests/ mirrors the package: no file over MAX_TEST_FILE_LINES lines, no
   function over MAX_FUNCTION_LINES; every folder is a cplib/ package's name or
   one of TEST_FOLDERS_OF_THEIR_OWN; a GPU test (``cuda``-marked) sits in its
-  feature's folder.
+  feature's folder;
+* no C, C++ or CUDA file under csrc/ is over MAX_NATIVE_FILE_LINES lines and no
+  function there over MAX_FUNCTION_LINES (build_support/cxx_functions.py), and
+  the native layers under the features include only what is below them
+  (NATIVE_LAYERS: common/ no other folder of csrc/torch/; comm/, merge/ and
+  attention/ only common/).
 
     python build_support/layout_check.py   # prints each problem; exit 1 if any
 """
@@ -19,6 +24,7 @@
 from __future__ import annotations
 
 import ast
+import importlib.util
 import os
 import re
 import sys
@@ -33,6 +39,12 @@ TEST_FOLDERS_OF_THEIR_OWN = {
     "package": "the package as a whole: build, layout, import and harness checks",
     "gpu": "the GPU check's own run on the CPU (benchmarks/gpu/)",
 }
+MAX_NATIVE_FILE_LINES = 400
+NATIVE_SUFFIXES = (".c", ".h", ".cpp", ".cu", ".cuh")
+# The csrc/torch/ folders below the features (ring, ulysses, decode, ...), and
+# the folders each may include from besides itself: arrows only down.
+NATIVE_LAYERS = {"common": (), "comm": ("common",), "merge": ("common",),
+                 "attention": ("common",)}
 
 
 def _docstring_lines(node: ast.AST) -> int:
@@ -131,6 +143,62 @@ def docs_problems(repo: str, package: str = "cplib") -> list[str]:
     return problems
 
 
+def _cxx_functions():
+    # By path, beside this file: it runs as a script and is loaded by path.
+    here = os.path.dirname(os.path.abspath(__file__))
+    spec = importlib.util.spec_from_file_location(
+        "cxx_functions", os.path.join(here, "cxx_functions.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def native_files(repo: str) -> list[str]:
+    out = []
+    for root, dirs, files in os.walk(os.path.join(repo, "csrc")):
+        dirs.sort()
+        out += [os.path.join(root, f) for f in sorted(files) if f.endswith(NATIVE_SUFFIXES)]
+    return out
+
+
+def _layer_problems(rel: str, source: str, folders: set[str]) -> list[str]:
+    """A file of a NATIVE_LAYERS folder that includes another of csrc/torch/'s
+    `folders` than those below it."""
+    parts = rel.split("/")
+    if len(parts) < 4 or parts[:2] != ["csrc", "torch"] or parts[2] not in NATIVE_LAYERS:
+        return []
+    allowed = {parts[2], *NATIVE_LAYERS[parts[2]]}
+    problems = []
+    for m in re.finditer(r'^\s*#\s*include\s*"(\w+)/', source, re.M):
+        if m.group(1) in folders and m.group(1) not in allowed:
+            line = source.count("\n", 0, m.start()) + 1
+            problems.append(f"{rel}:{line}: csrc/torch/{parts[2]}/ includes {m.group(1)}/ "
+                            f"(it may include only {', '.join(sorted(allowed))})")
+    return problems
+
+
+def native_problems(repo: str) -> list[str]:
+    """csrc/'s files over MAX_NATIVE_FILE_LINES lines, functions over
+    MAX_FUNCTION_LINES, and includes that run up the native layers."""
+    cxx = _cxx_functions()
+    native = os.path.join(repo, "csrc", "torch")
+    folders = {d for d in os.listdir(native) if os.path.isdir(os.path.join(native, d))}
+    problems = []
+    for path in native_files(repo):
+        rel = os.path.relpath(path, repo).replace(os.sep, "/")
+        with open(path, encoding="utf-8") as fh:
+            source = fh.read()
+        n = len(source.splitlines())
+        if n > MAX_NATIVE_FILE_LINES:
+            problems.append(f"{rel}: {n} lines (at most {MAX_NATIVE_FILE_LINES})")
+        for name, line, length in cxx.function_lengths(source):
+            if length > MAX_FUNCTION_LINES:
+                problems.append(f"{rel}:{line}: {name} is {length} lines "
+                                f"(at most {MAX_FUNCTION_LINES})")
+        problems += _layer_problems(rel, source, folders)
+    return problems
+
+
 def anchor(heading: str) -> str:
     """GitHub's anchor of a Markdown heading."""
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
@@ -197,7 +265,7 @@ def tests_problems(repo: str, package: str = "cplib") -> list[str]:
 def main(argv: list[str]) -> int:
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     problems = (size_problems(repo) + mirror_problems(repo) + docs_problems(repo)
-                + link_problems(repo) + tests_problems(repo))
+                + link_problems(repo) + tests_problems(repo) + native_problems(repo))
     for p in problems:
         print(p)
     return 1 if problems else 0

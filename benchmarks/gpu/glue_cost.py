@@ -3,7 +3,7 @@ kernels, measured on META tensors (no GPU, no kernel work: what is left is
 the dispatch and conversion the glue adds):
 
   probe-fwd <backend>   cplib_c._cuda_glue_probe, forward only: one block
-                        forward through ring_block_cuda.cpp (flash:
+                        forward through attention/block_cuda.cpp (flash:
                         _flash_attention_forward with transposed views;
                         efficient: the ATen op; cudnn: the Python op
                         cplib_c::_cudnn_attention calling the ATen op)

@@ -6,7 +6,7 @@ native layer cannot call itself. Both of ATen's cuDNN forward ops
 return ``max_q``/``max_k`` as SymInts, and torch's stable dispatcher call
 converts no SymInt return ("Expected Tensor but got Int", torch 2.11 to
 2.15; see docs/ring.md, "CUDA kernels"). This op calls the ATen op and
-returns its tensors only; csrc/torch/common/aten.cpp (cudnn_cuda) calls it
+returns its tensors only; csrc/torch/attention/kernels.cpp (cudnn_cuda) calls it
 through the dispatcher, one Python round trip per block forward.
 
 ``cplib_c::_schema_arguments``: the argument names of an op on the running

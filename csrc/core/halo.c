@@ -60,9 +60,7 @@ static int halo_copy(const cplib_halo_slab* s, char* buf, int to_dense) {
   return CPLIB_OK;
 }
 
-int cplib_halo_pack_cpu(const cplib_halo_slab* s, void* buf) {
-  return halo_copy(s, (char*)buf, 1);
-}
+int cplib_halo_pack_cpu(const cplib_halo_slab* s, void* buf) { return halo_copy(s, (char*)buf, 1); }
 
 int cplib_halo_unpack_cpu(const cplib_halo_slab* s, const void* buf) {
   /* The dense side is only read in this direction. */

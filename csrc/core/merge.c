@@ -113,9 +113,9 @@ static void merge_chunk_f64(const chunk* c) {
     const int64_t r = c->r0 + i, row = r + p->row_offset;
     double* lse = (double*)p->lse + c->b * p->lse_stride[0] + c->h * p->lse_stride[1] +
                   row * p->lse_stride[2];
-    const double cl = ((const double*)p->blk_lse)[c->b * p->blk_lse_stride[0] +
-                                                   c->h * p->blk_lse_stride[1] +
-                                                   r * p->blk_lse_stride[2]];
+    const double cl =
+        ((const double*)p->blk_lse)[c->b * p->blk_lse_stride[0] + c->h * p->blk_lse_stride[1] +
+                                    r * p->blk_lse_stride[2]];
     if (cl == -INFINITY) continue;
     const double a = *lse;
     double w = 1.0;

@@ -68,8 +68,7 @@ static int64_t work_to(const virtual_seq* v, int64_t x) {
 /* Work of a rank taking V[front, front + h) and V[back - (c - h), back). */
 static int64_t head_tail_work(const virtual_seq* v, int64_t front, int64_t back, int64_t c,
                               int64_t h) {
-  return work_to(v, front + h) - work_to(v, front) + work_to(v, back) -
-         work_to(v, back - (c - h));
+  return work_to(v, front + h) - work_to(v, front) + work_to(v, back) - work_to(v, back - (c - h));
 }
 
 static wide magnitude(wide x) { return x < 0 ? -x : x; }
@@ -77,8 +76,8 @@ static wide magnitude(wide x) { return x < 0 ? -x : x; }
 /* The head length of a rank of capacity c: the one whose work is closest to
  * the target (`goal` = target x S), moved onto a document boundary where the
  * deviation and the running sum `*acc` allow; adds its deviation to *acc. */
-static int64_t head_length(const virtual_seq* v, int64_t front, int64_t back, int64_t c,
-                           wide goal, wide* acc) {
+static int64_t head_length(const virtual_seq* v, int64_t front, int64_t back, int64_t c, wide goal,
+                           wide* acc) {
   const int64_t s = v->total_tokens;
   int64_t lo = 0, hi = c; /* work grows with h: V's density decreases */
   if ((wide)head_tail_work(v, front, back, c, 0) * s > goal) {
@@ -159,9 +158,7 @@ static int64_t cut_documents(const int64_t* bounds, const share* shares, int64_t
   return count;
 }
 
-int64_t cplib_placement_max_pieces(int64_t docs, int64_t ranks) {
-  return 2 * docs + 4 * ranks;
-}
+int64_t cplib_placement_max_pieces(int64_t docs, int64_t ranks) { return 2 * docs + 4 * ranks; }
 
 static int bounds_valid(const int64_t* bounds, int64_t docs, int64_t ranks) {
   if (bounds == NULL || docs < 1 || ranks < 1 || bounds[0] != 0) return 0;

@@ -11,7 +11,8 @@
  * Other compilers and C libraries build the portable loop alone. */
 #if defined(__x86_64__) && defined(__GLIBC__) && defined(__GNUC__) && !defined(__clang__) && \
     !defined(CPLIB_NO_CLONES)
-#define CPLIB_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#define CPLIB_CPU_CLONES \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define CPLIB_CPU_CLONES
 #endif
@@ -24,8 +25,8 @@ static inline float cplib_exp_nonpos_f32(float x) {
   const float xc = x > -87.0f ? x : -87.0f; /* also maps NaN and -inf */
   const float shifter = 12582912.0f;        /* 1.5 * 2^23: adding it rounds to an integer */
   const float n = (xc * 1.44269504088896341f + shifter) - shifter;
-  float r = xc - n * 0.693145751953125f;    /* ln2 split in a high part exact in float */
-  r = r - n * 1.42860682030941723212e-6f;   /* and the low remainder */
+  float r = xc - n * 0.693145751953125f;  /* ln2 split in a high part exact in float */
+  r = r - n * 1.42860682030941723212e-6f; /* and the low remainder */
   float p = 1.0f / 5040.0f;
   p = p * r + 1.0f / 720.0f;
   p = p * r + 1.0f / 120.0f;
@@ -34,7 +35,10 @@ static inline float cplib_exp_nonpos_f32(float x) {
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  union { int32_t i; float f; } scale;
+  union {
+    int32_t i;
+    float f;
+  } scale;
   scale.i = ((int32_t)n + 127) << 23; /* n >= -126 after the clamp */
   return x > -87.0f ? p * scale.f : 0.0f;
 }

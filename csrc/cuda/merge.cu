@@ -11,11 +11,17 @@ namespace {
 
 // Widen a block element to the accumulator type (half types go through float).
 template <typename Acc, typename T>
-__device__ __forceinline__ Acc widen(T v) { return static_cast<Acc>(v); }
+__device__ __forceinline__ Acc widen(T v) {
+  return static_cast<Acc>(v);
+}
 template <>
-__device__ __forceinline__ float widen<float, __nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float widen<float, __nv_bfloat16>(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
 template <>
-__device__ __forceinline__ float widen<float, __half>(__half v) { return __half2float(v); }
+__device__ __forceinline__ float widen<float, __half>(__half v) {
+  return __half2float(v);
+}
 
 template <typename Acc, typename Blk>
 __global__ void merge_kernel(cplib_merge_params p) {
@@ -29,8 +35,8 @@ __global__ void merge_kernel(cplib_merge_params p) {
 
   Acc* lse = static_cast<Acc*>(p.lse) + b * p.lse_stride[0] + h * p.lse_stride[1] +
              (r + p.row_offset) * p.lse_stride[2];
-  const Acc c = static_cast<const Acc*>(p.blk_lse)[b * p.blk_lse_stride[0] +
-                                                   h * p.blk_lse_stride[1] + r * p.blk_lse_stride[2]];
+  const Acc c = static_cast<const Acc*>(
+      p.blk_lse)[b * p.blk_lse_stride[0] + h * p.blk_lse_stride[1] + r * p.blk_lse_stride[2]];
   if (isinf(c) && c < 0) return;
   const Acc a = *lse;
   Acc w;

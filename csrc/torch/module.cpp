@@ -5,14 +5,19 @@
 
 #include "common/stable.h"
 
-STABLE_TORCH_LIBRARY(cplib_c, m) {
-  (void)m;
-}
+STABLE_TORCH_LIBRARY(cplib_c, m) { (void)m; }
 
 extern "C" {
 PyMODINIT_FUNC PyInit__C(void) {
-  static struct PyModuleDef def = {PyModuleDef_HEAD_INIT, "_C", "cplib native ops", -1, nullptr,
-                                   nullptr, nullptr, nullptr, nullptr};
+  static struct PyModuleDef def = {PyModuleDef_HEAD_INIT,
+                                   "_C",
+                                   "cplib native ops",
+                                   -1,
+                                   nullptr,
+                                   nullptr,
+                                   nullptr,
+                                   nullptr,
+                                   nullptr};
   return PyModule_Create(&def);
 }
 }

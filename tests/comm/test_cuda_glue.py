@@ -165,7 +165,7 @@ def test_no_called_op_returns_a_sym_value(qualified):
 
 
 # The type cplib passes for each argument of aten::_flash_attention_forward it
-# knows (csrc/torch/common/aten.cpp: FlashArg), as the schema spells it.
+# knows (csrc/torch/attention/kernels.cpp: FlashArg), as the schema spells it.
 FLASH_ARGUMENT_TYPES = {
     "query": "Tensor", "key": "Tensor", "value": "Tensor", "cum_seq_q": "Tensor?",
     "cum_seq_k": "Tensor?", "max_q": "SymInt", "max_k": "SymInt", "dropout_p": "float",

@@ -5,27 +5,15 @@ environment exports (a GPU image exports one that links it statically)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
 import sys
 
 import pytest
+from build_support_modules import build_support_module
 
-
-def _load_build_check():
-    """build_support/libstdcxx.py by its path: putting the repository root on
-    sys.path would make every later test (and its rank processes) import the
-    source tree's cplib instead of the one under test."""
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "build_support", "libstdcxx.py")
-    spec = importlib.util.spec_from_file_location("cplib_build_libstdcxx", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_check = _load_build_check()
+_check = build_support_module("libstdcxx")
 carries_private_libstdcxx = _check.carries_private_libstdcxx
 refuse_private_libstdcxx = _check.refuse_private_libstdcxx
 

@@ -6,20 +6,11 @@ each cplib/ folder, tests/ mirroring the package)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
+from build_support_modules import build_support_module as _build_support_module
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _build_support_module(name: str):
-    # By path: the repository root must not go on sys.path (it would shadow
-    # an installed cplib for the tests that follow).
-    spec = importlib.util.spec_from_file_location(
-        name, os.path.join(ROOT, "build_support", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _import_cycles_module():
@@ -92,3 +83,11 @@ def test_function_lengths_leave_out_the_docstring():
     source = (f'def f():\n    """one\n    two"""\n{body}\n\n'
               'class C:\n    def g(self):\n        pass\n')
     assert lc.function_lengths(source) == [("f", 1, 4), ("C.g", 9, 2)]
+
+
+def test_native_layout_rules_hold():
+    """csrc/: no file over 400 lines, no function over 80, and no lower layer
+    (common/, comm/, merge/, attention/) includes a folder above it."""
+    lc = _build_support_module("layout_check")
+    assert len(lc.native_files(ROOT)) > 50, "csrc/'s files were not found"
+    assert lc.native_problems(ROOT) == []

@@ -16,14 +16,14 @@ extern "C" {
 #define CPLIB_HALO_MAX_DIMS 8
 
 typedef struct {
-  void* data;          /* element 0 of the strided tensor */
-  int64_t elem_size;   /* bytes per element: 1, 2, 4 or 8 */
-  int ndim;            /* 1 .. CPLIB_HALO_MAX_DIMS */
+  void* data;        /* element 0 of the strided tensor */
+  int64_t elem_size; /* bytes per element: 1, 2, 4 or 8 */
+  int ndim;          /* 1 .. CPLIB_HALO_MAX_DIMS */
   int64_t sizes[CPLIB_HALO_MAX_DIMS];
   int64_t strides[CPLIB_HALO_MAX_DIMS]; /* in elements, may be any non-negative value */
-  int dim;             /* the dim the slab is cut along */
-  int64_t start;       /* first index of the slab along dim */
-  int64_t width;       /* number of indices along dim; 0 copies nothing */
+  int dim;                              /* the dim the slab is cut along */
+  int64_t start;                        /* first index of the slab along dim */
+  int64_t width;                        /* number of indices along dim; 0 copies nothing */
 } cplib_halo_slab;
 
 /* CPU (C11, OpenMP when available). Return CPLIB_OK or CPLIB_EINVAL. */

@@ -17,15 +17,15 @@ extern "C" {
 #endif
 
 typedef struct {
-  void* out;            /* acc_dtype, [batch, heads, *, dim] */
-  void* lse;            /* acc_dtype, [batch, heads, *] */
-  const void* blk_out;  /* blk_dtype, [batch, heads, rows, dim] */
-  const void* blk_lse;  /* acc_dtype, [batch, heads, rows] */
-  cplib_dtype acc_dtype;  /* CPLIB_F32 or CPLIB_F64 */
-  cplib_dtype blk_dtype;  /* any; must equal acc_dtype when that is CPLIB_F64 */
+  void* out;             /* acc_dtype, [batch, heads, *, dim] */
+  void* lse;             /* acc_dtype, [batch, heads, *] */
+  const void* blk_out;   /* blk_dtype, [batch, heads, rows, dim] */
+  const void* blk_lse;   /* acc_dtype, [batch, heads, rows] */
+  cplib_dtype acc_dtype; /* CPLIB_F32 or CPLIB_F64 */
+  cplib_dtype blk_dtype; /* any; must equal acc_dtype when that is CPLIB_F64 */
   int64_t batch, heads, rows, dim;
-  int64_t row_offset;     /* first accumulator row the block lands on */
-  int64_t out_stride[4];  /* element strides of out */
+  int64_t row_offset;    /* first accumulator row the block lands on */
+  int64_t out_stride[4]; /* element strides of out */
   int64_t lse_stride[3];
   int64_t blk_out_stride[4];
   int64_t blk_lse_stride[3];

@@ -9,7 +9,8 @@ Group resolve_group(std::string_view group_name) {
   auto stack = call("cplib_c::group_info", "", name);
   const auto info = ret<std::vector<int64_t>>(stack[0]);
   CPLIB_CHECK_VALUE(info.size() == 4, "cplib: no process group is registered under the name '",
-                    name, "' (destroyed, or never initialised: pass group.group_name of a live "
+                    name,
+                    "' (destroyed, or never initialised: pass group.group_name of a live "
                     "group)");
   return Group{name, info[0], info[1], info[2] != 0, info[3]};
 }

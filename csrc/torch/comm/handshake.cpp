@@ -85,8 +85,7 @@ To bits_of(From v) {
 
 std::string format_value(int64_t v, FieldKind kind) {
   switch (kind) {
-    case FieldKind::boolean:
-      return v == 0 ? "False" : v == 1 ? "True" : std::to_string(v);
+    case FieldKind::boolean: return v == 0 ? "False" : v == 1 ? "True" : std::to_string(v);
     case FieldKind::dtype:
       if (v >= 0 && v < static_cast<int64_t>(ScalarType::NumOptions))
         return torch::headeronly::toString(static_cast<ScalarType>(v));
@@ -106,8 +105,7 @@ std::string format_value(int64_t v, FieldKind kind) {
       os << "hash " << std::hex << static_cast<uint64_t>(v);
       return os.str();
     }
-    case FieldKind::integer:
-      break;
+    case FieldKind::integer: break;
   }
   return std::to_string(v);
 }
@@ -126,8 +124,7 @@ bool handshake_enabled() {
   return v == nullptr || std::strcmp(v, "0") != 0;
 }
 
-void register_handshake_group(int64_t token, const std::string& via, int64_t on_host,
-                              bool side) {
+void register_handshake_group(int64_t token, const std::string& via, int64_t on_host, bool side) {
   std::lock_guard<std::mutex> lock(g_route_mutex);
   g_routes[token] = RouteEntry{via, on_host, side};
 }
@@ -232,13 +229,20 @@ std::vector<int64_t> Handshake::lengths(int64_t rank) const {
 }
 
 void Handshake::exchange(const Group& group) {
-  const std::string& group_name = group.name;
   ranks_ = group.size;
   if (!handshake_enabled() || ranks_ == 1) {
     if (failed()) rethrow_local();
     return;
   }
-  // The record.
+  gather(group, own_record(group.name));
+  // The verdict, from the table alone: the same on every rank.
+  check_magic();
+  raise_failures();
+  check_same_op_and_group();
+  check_same_fields();
+}
+
+std::vector<int64_t> Handshake::own_record(const std::string& group_name) const {
   std::vector<int64_t> mine(kWidth, 0);
   mine[kMagicSlot] = kMagic;
   mine[kStatus] = static_cast<int64_t>(kind_);
@@ -249,6 +253,7 @@ void Handshake::exchange(const Group& group) {
   const auto& f = sig_.fields();
   const int64_t nf = failed() ? 0 : static_cast<int64_t>(f.size());
   mine[kFieldCount] = nf;
+  // The fields past the last slot but one fold into the last slot (a hash).
   uint64_t tail = kFnvBasis;
   for (int64_t i = 0; i < nf; ++i) {
     if (i < kFields - 1)
@@ -258,7 +263,10 @@ void Handshake::exchange(const Group& group) {
   }
   if (nf >= kFields) mine[kFieldSlots + kFields - 1] = static_cast<int64_t>(tail);
   if (failed()) put_string(&mine[kMessage], kMessageBytes, message_);
+  return mine;
+}
 
+void Handshake::gather(const Group& group, const std::vector<int64_t>& mine) {
   // The all-gather, as an all-to-all of the record repeated once per rank
   // (every backend has it; gloo's all-gather is run as one anyway), in host
   // memory unless the route has no CPU group.
@@ -275,52 +283,67 @@ void Handshake::exchange(const Group& group) {
   ++g_handshakes;
   if (!on_host) all = torch::stable::to(all, Device(DeviceType::CPU));  // the fallback's sync
   table_.assign(all.const_data_ptr<int64_t>(), all.const_data_ptr<int64_t>() + ranks_ * kWidth);
+}
 
-  // The verdict, from the table alone: the same on every rank.
-  const int64_t n = ranks_;
-  auto value = [&](int64_t r, int64_t slot) { return table_[r * kWidth + slot]; };
-  auto op_of = [&](int64_t r) { return get_string(&table_[r * kWidth + kOpName], kNameBytes); };
-  for (int64_t r = 0; r < n; ++r)
-    CPLIB_CHECK(value(r, kMagicSlot) == kMagic, "cplib.", op_, ": rank ", r, " sent no handshake "
+int64_t Handshake::slot(int64_t rank, int64_t index) const { return table_[rank * kWidth + index]; }
+
+std::string Handshake::string_of(int64_t rank, int64_t index, int64_t bytes) const {
+  return get_string(&table_[rank * kWidth + index], bytes);
+}
+
+void Handshake::check_magic() const {
+  for (int64_t r = 0; r < ranks_; ++r)
+    CPLIB_CHECK(slot(r, kMagicSlot) == kMagic, "cplib.", op_, ": rank ", r,
+                " sent no handshake "
                 "(another collective, another cplib version, or CPLIB_CHECK_CONSISTENCY=0 on "
                 "that rank only)");
+}
+
+void Handshake::raise_failures() const {
   std::vector<int64_t> failing;
-  for (int64_t r = 0; r < n; ++r)
-    if (value(r, kStatus) != 0) failing.push_back(r);
-  if (!failing.empty()) {
-    const int64_t r0 = failing.front();
-    std::ostringstream os;
-    os << "cplib." << op_of(r0) << ": invalid input on ";
-    if (static_cast<int64_t>(failing.size()) == n) {
-      os << "every rank (rank " << r0 << "'s error)";
-    } else {
-      os << "rank " << r0;
-      if (failing.size() > 1) {
-        os << " (and rank";
-        for (size_t i = 1; i < failing.size(); ++i) os << (i > 1 ? ", " : " ") << failing[i];
-        os << ")";
-      }
+  for (int64_t r = 0; r < ranks_; ++r)
+    if (slot(r, kStatus) != 0) failing.push_back(r);
+  if (failing.empty()) return;
+  const int64_t r0 = failing.front();
+  std::ostringstream os;
+  os << "cplib." << string_of(r0, kOpName, kNameBytes) << ": invalid input on ";
+  if (static_cast<int64_t>(failing.size()) == ranks_) {
+    os << "every rank (rank " << r0 << "'s error)";
+  } else {
+    os << "rank " << r0;
+    if (failing.size() > 1) {
+      os << " (and rank";
+      for (size_t i = 1; i < failing.size(); ++i) os << (i > 1 ? ", " : " ") << failing[i];
+      os << ")";
     }
-    os << ": " << get_string(&table_[r0 * kWidth + kMessage], kMessageBytes);
-    raise(static_cast<ErrorKind>(value(r0, kStatus)), os.str());
   }
+  os << ": " << string_of(r0, kMessage, kMessageBytes);
+  raise(static_cast<ErrorKind>(slot(r0, kStatus)), os.str());
+}
+
+void Handshake::check_same_op_and_group() const {
+  const int64_t n = ranks_;
+  auto op_of = [&](int64_t r) { return string_of(r, kOpName, kNameBytes); };
   for (int64_t r = 1; r < n; ++r)
     CPLIB_CHECK_VALUE(op_of(r) == op_of(0), "cplib: ranks are in different ops on one group (",
                       per_rank(n, [&](int64_t q) { return "cplib." + op_of(q); }),
                       "); every rank must make the same calls in the same order");
-  auto group_of = [&](int64_t r) {
-    return "'" + get_string(&table_[r * kWidth + kGroupName], kNameBytes) + "'";
-  };
+  auto group_of = [&](int64_t r) { return "'" + string_of(r, kGroupName, kNameBytes) + "'"; };
   for (int64_t r = 1; r < n; ++r)
-    CPLIB_CHECK_VALUE(group_of(r) == group_of(0), "cplib.", op_, ": ranks passed different "
-                      "process groups over the same ranks (", per_rank(n, group_of),
-                      "); every rank must pass the same group");
+    CPLIB_CHECK_VALUE(group_of(r) == group_of(0), "cplib.", op_,
+                      ": ranks passed different "
+                      "process groups over the same ranks (",
+                      per_rank(n, group_of), "); every rank must pass the same group");
+}
+
+void Handshake::check_same_fields() const {
   // The fields in order, then their count: fields before the first
   // difference line up, so that difference has a name on every rank.
+  const auto& f = sig_.fields();
   for (int64_t k = 0; k <= kFields; ++k) {
-    const int64_t slot = k < kFields ? kFieldSlots + k : kFieldCount;
+    const int64_t index = k < kFields ? kFieldSlots + k : kFieldCount;
     bool same = true;
-    for (int64_t r = 1; r < n && same; ++r) same = value(r, slot) == value(0, slot);
+    for (int64_t r = 1; r < ranks_ && same; ++r) same = slot(r, index) == slot(0, index);
     if (same) continue;
     std::string name = "the number of described arguments";
     FieldKind kind = FieldKind::integer;
@@ -333,9 +356,10 @@ void Handshake::exchange(const Group& group) {
         name += (i == static_cast<size_t>(kFields - 1) ? " " : ", ") + f[i].name;
       kind = FieldKind::hash;
     }
-    raise(ErrorKind::value, str("cplib.", op_, ": ranks disagree on ", name, " (",
-                      per_rank(n, [&](int64_t r) { return format_value(value(r, slot), kind); }),
-                      "); every rank must make the same call"));
+    raise(ErrorKind::value,
+          str("cplib.", op_, ": ranks disagree on ", name, " (",
+              per_rank(ranks_, [&](int64_t r) { return format_value(slot(r, index), kind); }),
+              "); every rank must make the same call"));
   }
 }
 

@@ -104,6 +104,18 @@ class Handshake {
   void record(std::exception_ptr e);
   [[noreturn]] void rethrow_local() const;
 
+  // exchange's steps: this rank's record, the all-gather into table_, then
+  // the checks of the table (each raises the same error on every rank).
+  std::vector<int64_t> own_record(const std::string& group_name) const;
+  void gather(const Group& group, const std::vector<int64_t>& mine);
+  void check_magic() const;
+  void raise_failures() const;
+  void check_same_op_and_group() const;
+  void check_same_fields() const;
+  // Rank `rank`'s slot `index` of the table, and the string from it on.
+  int64_t slot(int64_t rank, int64_t index) const;
+  std::string string_of(int64_t rank, int64_t index, int64_t bytes) const;
+
   std::string op_;
   CallSignature sig_;
   std::vector<int64_t> lengths_;
@@ -135,8 +147,7 @@ HandshakeRoute handshake_route(const Group& group);
 // without a side group: the fallback), -1 to derive it from the group's
 // backend. `side`: `via` is a side group that cplib made (never destroyed
 // before the group), so it is not resolved again at each handshake.
-void register_handshake_group(int64_t token, const std::string& via, int64_t on_host,
-                              bool side);
+void register_handshake_group(int64_t token, const std::string& via, int64_t on_host, bool side);
 
 // Handshakes (all-gathers) this process has made since the last reset: a
 // debug counter for tests and benchmarks.

@@ -1,13 +1,12 @@
 // The handshake as ops, for the Python side: `handshake` describes a call
 // made of Python checks and tensors (sharding, context_parallel, Ulysses'
 // exchange of ranks of different lengths: `skip_dim`, the dim left out of
-// the comparison) and returns every rank's local lengths; `handshake_error` is a wrapper's own invalid
-// argument, joining the handshake that the other ranks' op is in;
-// `handshake_set_route` is where cplib/comm/native.py says which group carries
-// a group's handshakes (by the group's token), and `handshake_debug_route`
-// what the handshake then uses (the route's group and the record buffer's
-// device type), so that a test can check without a GPU that CUDA tensors are
-// handshaken on the host.
+// the comparison) and returns every rank's local lengths; `handshake_error` is a wrapper's own
+// invalid argument, joining the handshake that the other ranks' op is in; `handshake_set_route` is
+// where cplib/comm/native.py says which group carries a group's handshakes (by the group's token),
+// and `handshake_debug_route` what the handshake then uses (the route's group and the record
+// buffer's device type), so that a test can check without a GPU that CUDA tensors are handshaken on
+// the host.
 #include <algorithm>
 
 #include "comm/handshake.h"
@@ -23,8 +22,8 @@ ErrorKind error_kind(const std::string& name) {
   return ErrorKind::runtime;
 }
 
-std::vector<int64_t> handshake(std::string group_name, std::string op,
-                               std::vector<Tensor> tensors, std::vector<std::string> tensor_names,
+std::vector<int64_t> handshake(std::string group_name, std::string op, std::vector<Tensor> tensors,
+                               std::vector<std::string> tensor_names,
                                std::vector<std::string> names, std::vector<int64_t> values,
                                std::vector<int64_t> lengths, int64_t skip_dim) {
   CPLIB_CHECK_VALUE(tensors.size() == tensor_names.size() && names.size() == values.size() &&
@@ -56,8 +55,8 @@ void handshake_error(std::string group_name, std::string op, std::string kind,
 }
 
 void handshake_set_route(int64_t token, std::string via, int64_t on_host, bool side) {
-  CPLIB_CHECK_VALUE(on_host >= -1 && on_host <= 1, "cplib.handshake_set_route: on_host=",
-                    on_host, " must be -1, 0 or 1");
+  CPLIB_CHECK_VALUE(on_host >= -1 && on_host <= 1, "cplib.handshake_set_route: on_host=", on_host,
+                    " must be -1, 0 or 1");
   register_handshake_group(token, via, on_host, side);
 }
 
@@ -82,11 +81,11 @@ STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
 
 // Ops without tensor arguments dispatch to CompositeExplicitAutograd.
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CompositeExplicitAutograd, m) {
-  m.impl("handshake", TORCH_BOX(&handshake));
-  m.impl("handshake_error", TORCH_BOX(&handshake_error));
-  m.impl("handshake_set_route", TORCH_BOX(&handshake_set_route));
-  m.impl("handshake_debug_route", TORCH_BOX(&handshake_debug_route));
-  m.impl("handshake_debug_count", TORCH_BOX(&handshake_debug_count));
+  m.impl("handshake", CPLIB_BOX(&handshake));
+  m.impl("handshake_error", CPLIB_BOX(&handshake_error));
+  m.impl("handshake_set_route", CPLIB_BOX(&handshake_set_route));
+  m.impl("handshake_debug_route", CPLIB_BOX(&handshake_debug_route));
+  m.impl("handshake_debug_count", CPLIB_BOX(&handshake_debug_count));
 }
 
 }  // namespace cplib

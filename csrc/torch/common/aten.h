@@ -1,6 +1,7 @@
 // The ATen ops the native layer needs beyond torch::stable's, one typed
 // wrapper each (through the stable dispatcher call), and the small tensor
-// helpers the op files share. Ops whose schema takes a Scalar are reached through
+// helpers the op files share (the fused attention kernels are in
+// attention/kernels.h). Ops whose schema takes a Scalar are reached through
 // Tensor overloads: the stable dispatcher call cannot pass a Scalar.
 #pragma once
 
@@ -61,7 +62,6 @@ Tensor on_device(const Tensor& t, const Device& device);
 // through here or the handshake's values hash).
 std::vector<int64_t> to_host(const Tensor& t);
 
-
 Tensor narrow(const Tensor& t, int64_t dim, int64_t start, int64_t len);
 
 // Views made without the dispatcher (torch's _reinterpret_tensor shim): no
@@ -115,49 +115,6 @@ Tensor any_dim(const Tensor& t, int64_t dim);
 Tensor where_scalars(const Tensor& cond, double a, double b, const Opts& o);
 // Zero-pads the last dim of a (B, H, L, D) tensor to `d`.
 Tensor pad_last(const Tensor& t, int64_t d);
-
-// ATen's CPU flash kernel (and its backward): (out, lse).
-std::tuple<Tensor, Tensor> flash_cpu(const Tensor& q, const Tensor& k, const Tensor& v,
-                                     bool causal, const std::optional<Tensor>& mask,
-                                     std::optional<double> scale);
-std::tuple<Tensor, Tensor, Tensor> flash_cpu_backward(
-    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-    const Tensor& lse, bool causal, const std::optional<Tensor>& mask,
-    std::optional<double> scale);
-
-// CUDA's fused kernels. Compiled into every build (no CUDA runtime call):
-// the CPU build reaches them on meta tensors in the guard
-// (csrc/torch/ring/cuda_glue_probe.cpp), through the same conversions a GPU
-// run takes. None of the ops behind them returns a SymInt (see dispatch.h).
-int64_t fused_sdp_choice(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
-                         std::optional<double> scale);
-// (B, H, L, D) in and out; lse (B, H, Lq) float32. Head dims that are not
-// a multiple of 8 are zero-padded at the call (as SDPA does), the scale
-// taken from the real one (nullopt: 1/sqrt of q's head dim).
-std::tuple<Tensor, Tensor> flash_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
-                                      bool causal, std::optional<double> scale);
-std::tuple<Tensor, Tensor, Tensor> flash_cuda_backward(
-    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-    const Tensor& lse, int64_t max_q, int64_t max_k, bool causal, const Tensor& seed,
-    const Tensor& offset, std::optional<double> scale);
-// The argument names cplib passes to aten::_flash_attention_forward, in
-// order: the running torch's schema (asked once; a name cplib cannot fill
-// raises NotImplementedError).
-std::vector<std::string> flash_forward_argument_names();
-std::tuple<Tensor, Tensor> efficient_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
-                                          const std::optional<Tensor>& bias, bool causal,
-                                          std::optional<double> scale);
-std::tuple<Tensor, Tensor, Tensor> efficient_cuda_backward(
-    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& bias,
-    const Tensor& out, const Tensor& lse, const Tensor& seed, const Tensor& offset, bool causal,
-    std::optional<double> scale);
-// Through cplib_c::_cudnn_attention (cplib/comm/cuda_attention.py): lse (B, H, Lq, 1).
-std::tuple<Tensor, Tensor> cudnn_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
-                                      bool causal, std::optional<double> scale);
-std::tuple<Tensor, Tensor, Tensor> cudnn_cuda_backward(
-    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-    const Tensor& lse, const Tensor& seed, const Tensor& offset, int64_t max_q, int64_t max_k,
-    bool causal, std::optional<double> scale);
 
 }  // namespace cplib::aten
 

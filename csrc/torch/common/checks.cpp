@@ -15,10 +15,8 @@ bool is_floating(ScalarType t) {
     case ScalarType::Float8_e4m3fn:
     case ScalarType::Float8_e4m3fnuz:
     case ScalarType::Float8_e8m0fnu:
-    case ScalarType::Float4_e2m1fn_x2:
-      return true;
-    default:
-      return false;
+    case ScalarType::Float4_e2m1fn_x2: return true;
+    default: return false;
   }
 }
 
@@ -31,10 +29,8 @@ bool is_integer(ScalarType t) {
     case ScalarType::Long:
     case ScalarType::UInt16:
     case ScalarType::UInt32:
-    case ScalarType::UInt64:
-      return true;
-    default:
-      return false;
+    case ScalarType::UInt64: return true;
+    default: return false;
   }
 }
 

@@ -15,9 +15,9 @@ namespace {
 using LastMessageFn = const std::string& (*)();
 
 LastMessageFn last_message_fn() {
-  static const LastMessageFn fn = reinterpret_cast<LastMessageFn>(dlsym(
-      RTLD_DEFAULT,
-      "_ZN5torch4csrc4shim7details42get_torch_exception_what_without_backtraceB5cxx11Ev"));
+  static const LastMessageFn fn = reinterpret_cast<LastMessageFn>(
+      dlsym(RTLD_DEFAULT,
+            "_ZN5torch4csrc4shim7details42get_torch_exception_what_without_backtraceB5cxx11Ev"));
   return fn;
 }
 

@@ -23,6 +23,8 @@
 #include <torch/csrc/stable/c/shim.h>
 #include <torch/csrc/stable/stableivalue_conversions.h>
 
+#include "common/box.h"
+
 namespace cplib {
 
 // More than any schema cplib calls reads or writes (the longest, flash's
@@ -42,9 +44,10 @@ auto call(const char* name, const char* overload, const Args&... args) {
   return stack;
 }
 
+// A return slot's value (strings freed: box.h).
 template <class T>
 T ret(StableIValue v) {
-  return torch::stable::detail::to<T>(v);
+  return read<T>(v);
 }
 
 }  // namespace cplib

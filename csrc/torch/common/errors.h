@@ -41,9 +41,9 @@ std::string str(const Args&... args) {
 
 }  // namespace cplib
 
-#define CPLIB_CHECK_KIND(kind, cond, ...)                          \
-  do {                                                             \
-    if (!(cond)) ::cplib::raise(kind, ::cplib::str(__VA_ARGS__));  \
+#define CPLIB_CHECK_KIND(kind, cond, ...)                         \
+  do {                                                            \
+    if (!(cond)) ::cplib::raise(kind, ::cplib::str(__VA_ARGS__)); \
   } while (0)
 // ValueError / NotImplementedError / TypeError / RuntimeError naming the value.
 #define CPLIB_CHECK_VALUE(cond, ...) CPLIB_CHECK_KIND(::cplib::ErrorKind::value, cond, __VA_ARGS__)
@@ -52,6 +52,6 @@ std::string str(const Args&... args) {
 #define CPLIB_CHECK_TYPE(cond, ...) CPLIB_CHECK_KIND(::cplib::ErrorKind::type, cond, __VA_ARGS__)
 #define CPLIB_CHECK(cond, ...) CPLIB_CHECK_KIND(::cplib::ErrorKind::runtime, cond, __VA_ARGS__)
 // A broken invariant of cplib itself, not of the input.
-#define CPLIB_ASSERT(cond)                                                               \
-  CPLIB_CHECK_KIND(::cplib::ErrorKind::runtime, cond, "cplib internal error: ", #cond, \
-                   " (", __FILE__, ":", __LINE__, "); please report it")
+#define CPLIB_ASSERT(cond)                                                                   \
+  CPLIB_CHECK_KIND(::cplib::ErrorKind::runtime, cond, "cplib internal error: ", #cond, " (", \
+                   __FILE__, ":", __LINE__, "); please report it")

@@ -1,13 +1,11 @@
 // Reading an op's arguments off its stable stack in a boxed kernel, for ops
 // whose arguments are parsed into a record of their own (ring/ring_call.h)
-// instead of one C++ parameter each (TORCH_BOX).
+// instead of one C++ parameter each (CPLIB_BOX, box.h).
 #pragma once
 
 #include <cstdint>
-#include <string>
 
-#include <torch/csrc/stable/stableivalue_conversions.h>
-
+#include "common/box.h"
 #include "common/errors.h"
 
 namespace cplib {
@@ -19,14 +17,12 @@ class StackReader {
   StackReader(StableIValue* stack, uint64_t num_args, const char* op)
       : stack_(stack), size_(num_args), op_(op) {}
 
+  // The next argument as T (read<T>, box.h: strings freed).
   template <class T>
   T next() {
     check_room();
-    return torch::stable::detail::to<T>(stack_[at_++]);
+    return read<T>(stack_[at_++]);
   }
-  // A `str` argument. (torch's std::string conversion allocates a copy it
-  // never frees; an op called once per layer would leak on every call.)
-  std::string next_string();
   // Raises unless every argument was read: the schema and the reader agree.
   void done() const;
   const char* op() const { return op_; }

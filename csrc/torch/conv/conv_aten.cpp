@@ -25,8 +25,7 @@ ConvGrads convolution_backward(const Tensor& grad_out, const Tensor& x, const Te
                                const std::vector<int64_t>& dilation, int64_t groups,
                                std::array<bool, 3> mask) {
   const std::optional<std::vector<int64_t>> bias_sizes =
-      mask[2] ? std::optional<std::vector<int64_t>>(std::vector<int64_t>{w.size(0)})
-              : std::nullopt;
+      mask[2] ? std::optional<std::vector<int64_t>>(std::vector<int64_t>{w.size(0)}) : std::nullopt;
   // bool[3] travels as a list of bools (std::vector<bool> has no contiguous storage).
   const torch::headeronly::HeaderOnlyArrayRef<bool> output_mask(mask);
   auto s = call<3>("aten::convolution_backward", "", grad_out, x, w, bias_sizes, stride, padding,

@@ -39,8 +39,7 @@ struct SeqHalo {
   int64_t extended_length() const { return length + (head_tail ? 2 : 1) * halo; }
 };
 
-void check_local(const Tensor& t, int64_t dim, int64_t halo, int64_t first_len,
-                 int64_t length) {
+void check_local(const Tensor& t, int64_t dim, int64_t halo, int64_t first_len, int64_t length) {
   CPLIB_CHECK_VALUE(halo >= 0, "cplib.seq_halo: halo=", halo, " must be >= 0");
   CPLIB_CHECK_VALUE(is_floating(t.scalar_type()), "cplib.seq_halo: the tensor must be floating ",
                     "point, got ", t.scalar_type());
@@ -105,8 +104,8 @@ Tensor seq_halo_impl(const Tensor& x, int64_t dim, int64_t halo, int64_t first_l
   Slab right = talk && s.has_right() ? Slab{x, s.first - h, h} : Slab{};
   Slab left = talk && s.head_tail && s.has_left() ? Slab{x, s.length - h, h} : Slab{};
   NeighbourExchange ex(s.group, d, x, left, right, talk && s.has_left() ? h : 0,
-                       talk && s.head_tail && s.has_right() ? h : 0,
-                       talk && s.head_tail ? h : 0, talk ? h : 0);
+                       talk && s.head_tail && s.has_right() ? h : 0, talk && s.head_tail ? h : 0,
+                       talk ? h : 0);
   // Overlapped with the messages: the pieces and the halos known locally.
   aten::copy_(aten::narrow(ext, d, h, s.first), aten::narrow(x, d, 0, s.first));
   if (!s.has_left()) aten::zero_(aten::narrow(ext, d, 0, h));
@@ -122,8 +121,8 @@ Tensor seq_halo_impl(const Tensor& x, int64_t dim, int64_t halo, int64_t first_l
   return ext;
 }
 
-Tensor seq_halo_backward_impl(const Tensor& grad_ext, int64_t dim, int64_t halo,
-                              int64_t first_len, const std::string& group_name, bool handshake) {
+Tensor seq_halo_backward_impl(const Tensor& grad_ext, int64_t dim, int64_t halo, int64_t first_len,
+                              const std::string& group_name, bool handshake) {
   const SeqHalo s = resolve(grad_ext, dim, halo, first_len, group_name, true, handshake);
   const int64_t h = s.halo, d = s.dim;
   std::vector<int64_t> sizes = aten::sizes_of(grad_ext);
@@ -135,9 +134,8 @@ Tensor seq_halo_backward_impl(const Tensor& grad_ext, int64_t dim, int64_t halo,
   Slab right = talk && s.head_tail && s.has_right() ? Slab{grad_ext, s.second_halo_at(), h}
                                                     : Slab{};
   NeighbourExchange back(s.group, d, grad_ext, left, right,
-                         talk && s.head_tail && s.has_left() ? h : 0,
-                         talk && s.has_right() ? h : 0, talk ? h : 0,
-                         talk && s.head_tail ? h : 0);
+                         talk && s.head_tail && s.has_left() ? h : 0, talk && s.has_right() ? h : 0,
+                         talk ? h : 0, talk && s.head_tail ? h : 0);
   aten::copy_(aten::narrow(grad_x, d, 0, s.first), aten::narrow(grad_ext, d, h, s.first));
   if (s.head_tail) {
     aten::copy_(aten::narrow(grad_x, d, s.first, s.length - s.first),
@@ -182,16 +180,16 @@ STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
 }
 
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CPU, m) {
-  m.impl("seq_halo", TORCH_BOX(&seq_halo));
-  m.impl("seq_halo_backward", TORCH_BOX(&seq_halo_backward));
-  m.impl("seq_halo_backward_covered", TORCH_BOX(&seq_halo_backward_covered));
+  m.impl("seq_halo", CPLIB_BOX(&seq_halo));
+  m.impl("seq_halo_backward", CPLIB_BOX(&seq_halo_backward));
+  m.impl("seq_halo_backward_covered", CPLIB_BOX(&seq_halo_backward_covered));
 }
 
 #ifdef CPLIB_WITH_CUDA
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CUDA, m) {
-  m.impl("seq_halo", TORCH_BOX(&seq_halo));
-  m.impl("seq_halo_backward", TORCH_BOX(&seq_halo_backward));
-  m.impl("seq_halo_backward_covered", TORCH_BOX(&seq_halo_backward_covered));
+  m.impl("seq_halo", CPLIB_BOX(&seq_halo));
+  m.impl("seq_halo_backward", CPLIB_BOX(&seq_halo_backward));
+  m.impl("seq_halo_backward_covered", CPLIB_BOX(&seq_halo_backward_covered));
 }
 #endif
 

@@ -40,8 +40,8 @@ Resolved resolve(const Tensor& x, const Tensor& w, const std::optional<Tensor>& 
     sig.add_meta("x", x, plan.dim);
     sig.add_meta("weight", w);
     sig.add_meta("bias", b ? *b : Tensor());
-    for (const auto& [what, values] : {std::pair{"stride", &stride}, {"padding", &padding},
-                                       {"dilation", &dilation}}) {
+    for (const auto& [what, values] :
+         {std::pair{"stride", &stride}, {"padding", &padding}, {"dilation", &dilation}}) {
       sig.add(std::string(what) + " length", static_cast<int64_t>(values->size()));
       for (size_t i = 0; i < values->size(); ++i)
         sig.add(std::string(what) + "[" + std::to_string(i) + "]", (*values)[i]);
@@ -55,13 +55,11 @@ Resolved resolve(const Tensor& x, const Tensor& w, const std::optional<Tensor>& 
   return {std::move(group), std::move(plan)};
 }
 
-Tensor fresh_contiguous(const Tensor& t) {
-  return t.defined() ? torch::stable::contiguous(t) : t;
-}
+Tensor fresh_contiguous(const Tensor& t) { return t.defined() ? torch::stable::contiguous(t) : t; }
 
 Tensor tp_convolution(Tensor x, Tensor w, std::optional<Tensor> b, std::vector<int64_t> stride,
-                      std::vector<int64_t> padding, std::vector<int64_t> dilation,
-                      int64_t groups, int64_t shard_dim, std::string group_name) {
+                      std::vector<int64_t> padding, std::vector<int64_t> dilation, int64_t groups,
+                      int64_t shard_dim, std::string group_name) {
   Resolved r = resolve(x, w, b, stride, padding, dilation, groups, shard_dim, group_name);
   const TpConvPlan& p = r.plan;
   Tensor out;
@@ -82,8 +80,8 @@ std::tuple<Tensor, Tensor, Tensor> backward_impl(
   CPLIB_CHECK_VALUE(output_mask.size() == 3, "cplib.tp_conv: output_mask must have 3 entries, got ",
                     output_mask.size());
   const std::array<bool, 3> mask{output_mask[0], output_mask[1], output_mask[2]};
-  Resolved r = resolve(x, w, std::nullopt, stride, padding, dilation, groups, shard_dim,
-                       group_name, grad_out, handshake);
+  Resolved r = resolve(x, w, std::nullopt, stride, padding, dilation, groups, shard_dim, group_name,
+                       grad_out, handshake);
   const TpConvPlan& p = r.plan;
   ConvGrads grads;
   if (!p.exchange)
@@ -97,18 +95,18 @@ std::tuple<Tensor, Tensor, Tensor> backward_impl(
 }
 
 std::tuple<Tensor, Tensor, Tensor> tp_convolution_backward(
-    Tensor grad_out, Tensor x, Tensor w, std::vector<int64_t> stride,
-    std::vector<int64_t> padding, std::vector<int64_t> dilation, int64_t groups,
-    int64_t shard_dim, std::string group_name, std::vector<bool> output_mask) {
+    Tensor grad_out, Tensor x, Tensor w, std::vector<int64_t> stride, std::vector<int64_t> padding,
+    std::vector<int64_t> dilation, int64_t groups, int64_t shard_dim, std::string group_name,
+    std::vector<bool> output_mask) {
   return backward_impl(grad_out, x, w, stride, padding, dilation, groups, shard_dim, group_name,
                        output_mask, true);
 }
 
 // Internal: the backward through autograd, covered by its forward's handshake.
 std::tuple<Tensor, Tensor, Tensor> tp_convolution_backward_covered(
-    Tensor grad_out, Tensor x, Tensor w, std::vector<int64_t> stride,
-    std::vector<int64_t> padding, std::vector<int64_t> dilation, int64_t groups,
-    int64_t shard_dim, std::string group_name, std::vector<bool> output_mask) {
+    Tensor grad_out, Tensor x, Tensor w, std::vector<int64_t> stride, std::vector<int64_t> padding,
+    std::vector<int64_t> dilation, int64_t groups, int64_t shard_dim, std::string group_name,
+    std::vector<bool> output_mask) {
   return backward_impl(grad_out, x, w, stride, padding, dilation, groups, shard_dim, group_name,
                        output_mask, false);
 }
@@ -130,16 +128,16 @@ STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
 }
 
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CPU, m) {
-  m.impl("tp_convolution", TORCH_BOX(&tp_convolution));
-  m.impl("tp_convolution_backward", TORCH_BOX(&tp_convolution_backward));
-  m.impl("tp_convolution_backward_covered", TORCH_BOX(&tp_convolution_backward_covered));
+  m.impl("tp_convolution", CPLIB_BOX(&tp_convolution));
+  m.impl("tp_convolution_backward", CPLIB_BOX(&tp_convolution_backward));
+  m.impl("tp_convolution_backward_covered", CPLIB_BOX(&tp_convolution_backward_covered));
 }
 
 #ifdef CPLIB_WITH_CUDA
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CUDA, m) {
-  m.impl("tp_convolution", TORCH_BOX(&tp_convolution));
-  m.impl("tp_convolution_backward", TORCH_BOX(&tp_convolution_backward));
-  m.impl("tp_convolution_backward_covered", TORCH_BOX(&tp_convolution_backward_covered));
+  m.impl("tp_convolution", CPLIB_BOX(&tp_convolution));
+  m.impl("tp_convolution_backward", CPLIB_BOX(&tp_convolution_backward));
+  m.impl("tp_convolution_backward_covered", CPLIB_BOX(&tp_convolution_backward_covered));
 }
 #endif
 

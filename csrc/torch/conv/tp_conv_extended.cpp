@@ -36,10 +36,10 @@ ConvGrads tp_conv_extended_backward(const Group& g, const TpConvPlan& p, const T
                                     const Tensor& x, const Tensor& w, int64_t groups,
                                     std::array<bool, 3> mask) {
   // grad_input reads only the input's shape; grad_weight needs the halos.
-  const Tensor input =
-      mask[1] ? extend_input(g, p, x) : torch::stable::new_empty(x, p.extended_sizes(x));
-  auto [gi, gw, gb] = convolution_backward(grad_out, input, w, p.stride, p.conv_padding,
-                                           p.dilation, groups, mask);
+  const Tensor input = mask[1] ? extend_input(g, p, x)
+                               : torch::stable::new_empty(x, p.extended_sizes(x));
+  auto [gi, gw, gb] = convolution_backward(grad_out, input, w, p.stride, p.conv_padding, p.dilation,
+                                           groups, mask);
   if (gi.defined()) {
     const Tensor grad_ext = torch::stable::contiguous(gi);
     gi = pack_slab(grad_ext, p.dim, p.left, p.width);

@@ -1,7 +1,7 @@
 #include "conv/tp_conv_halo.h"
 
-#include "common/c_core.h"
 #include "common/aten.h"
+#include "common/c_core.h"
 #include "conv/conv_aten.h"
 #include "cplib/halo.h"
 
@@ -86,8 +86,7 @@ NeighbourExchange::NeighbourExchange(const Group& g, int64_t dim, const Tensor& 
   left_shape_ = slab_shape(like, dim, recv_left_width);
   right_shape_ = slab_shape(like, dim, recv_right_width);
   const int64_t to_left = send_left.width ? numel_of(slab_shape(like, dim, send_left.width)) : 0;
-  const int64_t to_right =
-      send_right.width ? numel_of(slab_shape(like, dim, send_right.width)) : 0;
+  const int64_t to_right = send_right.width ? numel_of(slab_shape(like, dim, send_right.width)) : 0;
   // One flat buffer each way, in rank order: [to rank - 1 | to rank + 1].
   sent_ = torch::stable::new_empty(like, std::vector<int64_t>{to_left + to_right});
   char* base = static_cast<char*>(sent_.mutable_data_ptr());
@@ -114,8 +113,8 @@ void NeighbourExchange::wait() {
   cplib::wait(received_);
   const int64_t n_left = numel_of(left_shape_), n_right = numel_of(right_shape_);
   from_left = torch::stable::view(torch::stable::narrow(received_, 0, 0, n_left), left_shape_);
-  from_right =
-      torch::stable::view(torch::stable::narrow(received_, 0, n_left, n_right), right_shape_);
+  from_right = torch::stable::view(torch::stable::narrow(received_, 0, n_left, n_right),
+                                   right_shape_);
   sent_ = Tensor();
 }
 
@@ -128,15 +127,14 @@ NeighbourExchange::~NeighbourExchange() {
 }
 
 std::unique_ptr<NeighbourExchange> exchange_input_halos(const Group& g, const TpConvPlan& p,
-                                                       const Tensor& x) {
-  return std::make_unique<NeighbourExchange>(
-      g, p.dim, x, Slab{x, 0, p.send_left}, Slab{x, p.width - p.send_right, p.send_right},
-      p.halo_left, p.halo_right, p.rh, p.lh);
+                                                        const Tensor& x) {
+  return std::make_unique<NeighbourExchange>(g, p.dim, x, Slab{x, 0, p.send_left},
+                                             Slab{x, p.width - p.send_right, p.send_right},
+                                             p.halo_left, p.halo_right, p.rh, p.lh);
 }
 
 std::unique_ptr<NeighbourExchange> return_halo_grads(const Group& g, const TpConvPlan& p,
-                                                     const Tensor& like,
-                                                     const Slab& grad_halo_left,
+                                                     const Tensor& like, const Slab& grad_halo_left,
                                                      const Slab& grad_halo_right) {
   return std::make_unique<NeighbourExchange>(g, p.dim, like, grad_halo_left, grad_halo_right,
                                              p.send_left, p.send_right, p.lh, p.rh);
@@ -146,7 +144,7 @@ void add_halo_grads(const TpConvPlan& p, Tensor& grad_x, const NeighbourExchange
   if (p.send_left) aten::add_(torch::stable::narrow(grad_x, p.dim, 0, p.send_left), back.from_left);
   if (p.send_right)
     aten::add_(torch::stable::narrow(grad_x, p.dim, p.width - p.send_right, p.send_right),
-         back.from_right);
+               back.from_right);
 }
 
 }  // namespace cplib

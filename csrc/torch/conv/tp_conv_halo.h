@@ -38,9 +38,9 @@ class NeighbourExchange {
   // (0: none). Every leftward message of this pass is `leftward` columns wide
   // on the ranks that send one, every rightward one `rightward`: when both are
   // 0 no rank has anything to send, and the collective is skipped everywhere.
-  NeighbourExchange(const Group& g, int64_t dim, const Tensor& like,
-                    const Slab& send_left, const Slab& send_right, int64_t recv_left_width,
-                    int64_t recv_right_width, int64_t leftward, int64_t rightward);
+  NeighbourExchange(const Group& g, int64_t dim, const Tensor& like, const Slab& send_left,
+                    const Slab& send_right, int64_t recv_left_width, int64_t recv_right_width,
+                    int64_t leftward, int64_t rightward);
   NeighbourExchange(const NeighbourExchange&) = delete;
   NeighbourExchange& operator=(const NeighbourExchange&) = delete;
   ~NeighbourExchange();
@@ -58,13 +58,12 @@ class NeighbourExchange {
 // Forward pass: the input columns the neighbours need (send_left/right of x)
 // go out, the halo columns (halo_left/right) come in.
 std::unique_ptr<NeighbourExchange> exchange_input_halos(const Group& g, const TpConvPlan& plan,
-                                                       const Tensor& x);
+                                                        const Tensor& x);
 
 // Backward pass: the gradients of the halo columns go back to their owners,
 // the gradients of this rank's own border columns (send_left/right) come in.
 std::unique_ptr<NeighbourExchange> return_halo_grads(const Group& g, const TpConvPlan& plan,
-                                                     const Tensor& like,
-                                                     const Slab& grad_halo_left,
+                                                     const Tensor& like, const Slab& grad_halo_left,
                                                      const Slab& grad_halo_right);
 
 // Adds what a completed return_halo_grads exchange brought into grad_x's

@@ -52,8 +52,8 @@ ConvGrads tp_conv_patched_backward(const Group& g, const TpConvPlan& p, const Te
   auto slab_backward = [&](const Tensor& halo, bool left, std::array<bool, 3> m) {
     const int64_t width = left ? p.left : p.right;
     Tensor go = grad_out;
-    const Tensor g_cols =
-        torch::stable::narrow(go, p.dim, left ? 0 : grad_out.size(p.dim) - width, width);
+    const Tensor g_cols = torch::stable::narrow(go, p.dim, left ? 0 : grad_out.size(p.dim) - width,
+                                                width);
     const auto sizes = x.sizes();
     std::vector<int64_t> shape(sizes.begin(), sizes.end());
     shape[p.dim] = width + p.halo;
@@ -82,8 +82,8 @@ ConvGrads tp_conv_patched_backward(const Group& g, const TpConvPlan& p, const Te
   if (halos_in) {
     halos_in->wait();
     auto add_halo_term = [&](const Tensor& halo, bool left) {
-      gw = torch::stable::subtract(
-          gw, std::get<1>(slab_backward(halo, left, {false, true, false})), -1.0);
+      gw = torch::stable::subtract(gw, std::get<1>(slab_backward(halo, left, {false, true, false})),
+                                   -1.0);
     };
     if (p.halo_left) add_halo_term(halos_in->from_left, true);
     if (p.halo_right) add_halo_term(halos_in->from_right, false);

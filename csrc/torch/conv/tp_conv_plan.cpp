@@ -15,13 +15,13 @@ std::vector<int64_t> per_dim(const std::vector<int64_t>& v, int64_t n, const cha
                              int64_t min_value) {
   const IntHeaderOnlyArrayRef shown(v);
   CPLIB_CHECK_VALUE(!v.empty() && (v.size() == 1 || static_cast<int64_t>(v.size()) == n),
-                    "cplib.tp_conv: ", name, "=", shown, " must have 1 or ", n,
-                    " entries for a ", n, "-d convolution");
+                    "cplib.tp_conv: ", name, "=", shown, " must have 1 or ", n, " entries for a ",
+                    n, "-d convolution");
   std::vector<int64_t> out(n, v[0]);
   for (int64_t i = 0; i < n; ++i) {
     out[i] = v.size() == 1 ? v[0] : v[i];
-    CPLIB_CHECK_VALUE(out[i] >= min_value, "cplib.tp_conv: ", name, "=", shown, " must be >= ",
-                      min_value);
+    CPLIB_CHECK_VALUE(out[i] >= min_value, "cplib.tp_conv: ", name, "=", shown,
+                      " must be >= ", min_value);
   }
   return out;
 }

@@ -12,9 +12,9 @@
 namespace cplib {
 
 struct TpConvPlan {
-  int64_t dim = 0;                        // shard dim of x (normalised)
+  int64_t dim = 0;                                 // shard dim of x (normalised)
   std::vector<int64_t> stride, padding, dilation;  // one entry per spatial dim
-  std::vector<int64_t> conv_padding;      // padding handed to aten::convolution
+  std::vector<int64_t> conv_padding;               // padding handed to aten::convolution
   int64_t rank = 0, size = 1;
   // exchange == false: the local convolution is already the local output
   // (batch sharding, one rank, non-overlapping windows, 1-wide kernels).

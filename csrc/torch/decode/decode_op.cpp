@@ -8,26 +8,24 @@
 #include <limits>
 #include <tuple>
 
+#include "attention/block.h"
+#include "attention/checks.h"
 #include "comm/collectives.h"
 #include "comm/handshake.h"
+#include "common/aten.h"
 #include "common/checks.h"
 #include "common/format.h"
 #include "merge/merge_op.h"
-#include "common/aten.h"
-#include "ring/ring_block.h"
 
 namespace cplib::decode {
 namespace {
-
-using ring::acc_dtype;
 
 void check_positions(const std::optional<Tensor>& pos, const char* name, int64_t rows,
                      const char* rows_of) {
   if (!pos) return;
   const Tensor& p = *pos;
-  CPLIB_CHECK_VALUE(is_integer(p.scalar_type()),
-                    "cplib.decode_sdpa: ", name, " must be an integer tensor, got dtype ",
-                    p.scalar_type());
+  CPLIB_CHECK_VALUE(is_integer(p.scalar_type()), "cplib.decode_sdpa: ", name,
+                    " must be an integer tensor, got dtype ", p.scalar_type());
   CPLIB_CHECK_VALUE(p.dim() == 1, "cplib.decode_sdpa: ", name,
                     " must be 1-D (one global position per row), got shape ", p.sizes());
   CPLIB_CHECK_VALUE(p.numel() == rows, "cplib.decode_sdpa: ", name, " has ", p.numel(),
@@ -39,18 +37,19 @@ void check_args(const Tensor& q, const Tensor& k, const Tensor& v,
                 const std::optional<std::vector<int64_t>>& window, std::optional<double> scale) {
   CPLIB_CHECK_VALUE(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
                     "cplib.decode_sdpa: expected q (B, Hq, T, D) and k, v (B, Hkv, L_local, D), "
-                    "got q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
+                    "got q ",
+                    q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
   CPLIB_CHECK_VALUE(q.device() == k.device() && q.device() == v.device(),
                     "cplib.decode_sdpa: q, k, v must be on one device");
   CPLIB_CHECK_VALUE(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
                     "cplib.decode_sdpa: q, k, v must have one dtype, got ", q.scalar_type(), ", ",
                     k.scalar_type(), ", ", v.scalar_type());
   const auto dt = q.scalar_type();
-  CPLIB_CHECK_VALUE(dt == ScalarType::Float || dt == ScalarType::Double || dt == ScalarType::BFloat16 ||
-                        dt == ScalarType::Half,
+  CPLIB_CHECK_VALUE(dt == ScalarType::Float || dt == ScalarType::Double ||
+                        dt == ScalarType::BFloat16 || dt == ScalarType::Half,
                     "cplib.decode_sdpa: unsupported dtype ", dt);
-  CPLIB_CHECK_VALUE(q.size(2) >= 1, "cplib.decode_sdpa: q needs at least one token, got T = ",
-                    q.size(2));
+  CPLIB_CHECK_VALUE(q.size(2) >= 1,
+                    "cplib.decode_sdpa: q needs at least one token, got T = ", q.size(2));
   CPLIB_CHECK_VALUE(q.size(0) == k.size(0) && q.size(0) == v.size(0),
                     "cplib.decode_sdpa: batch sizes differ: q ", q.size(0), ", k ", k.size(0),
                     ", v ", v.size(0));
@@ -60,19 +59,21 @@ void check_args(const Tensor& q, const Tensor& k, const Tensor& v,
                     " differs from k head dim ", k.size(3));
   CPLIB_CHECK_VALUE(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "cplib.decode_sdpa: q has ",
                     q.size(1), " heads, which is not a multiple of k/v's ", k.size(1), " heads");
-  CPLIB_CHECK_VALUE(q_pos.has_value() == kv_pos.has_value(), "cplib.decode_sdpa: ",
-                    q_pos ? "kv_positions" : "q_positions",
+  CPLIB_CHECK_VALUE(q_pos.has_value() == kv_pos.has_value(),
+                    "cplib.decode_sdpa: ", q_pos ? "kv_positions" : "q_positions",
                     " is missing: give q_positions and kv_positions together, or neither");
   check_positions(q_pos, "q_positions", q.size(2), "q");
   check_positions(kv_pos, "kv_positions", k.size(2), "k/v");
-  CPLIB_CHECK_VALUE(!window || q_pos, "cplib.decode_sdpa: window needs q_positions and "
+  CPLIB_CHECK_VALUE(!window || q_pos,
+                    "cplib.decode_sdpa: window needs q_positions and "
                     "kv_positions");
   if (window) {
     CPLIB_CHECK_VALUE(window->size() == 2 && (*window)[0] >= 0 && (*window)[1] >= 0,
                       "cplib.decode_sdpa: window must be (left, right), non-negative");
   }
-  CPLIB_CHECK_VALUE(!scale || (std::isfinite(*scale) && *scale > 0.0), "cplib.decode_sdpa: scale=",
-                    scale ? *scale : 0.0, " must be a finite positive number or None");
+  CPLIB_CHECK_VALUE(!scale || (std::isfinite(*scale) && *scale > 0.0),
+                    "cplib.decode_sdpa: scale=", scale ? *scale : 0.0,
+                    " must be a finite positive number or None");
 }
 
 // What every rank must agree on: q's shape and dtype (its values are
@@ -80,8 +81,8 @@ void check_args(const Tensor& q, const Tensor& k, const Tensor& v,
 // every generated token), the cache's heads and head dims, the mask and the
 // scale.
 void describe(CallSignature& sig, const Tensor& q, const Tensor& k, const Tensor& v,
-              const std::optional<Tensor>& q_pos,
-              const std::optional<std::vector<int64_t>>& window, std::optional<double> scale) {
+              const std::optional<Tensor>& q_pos, const std::optional<std::vector<int64_t>>& window,
+              std::optional<double> scale) {
   sig.add_meta("q", q);
   sig.add_meta("k", k, /*skip_dim=*/2);
   sig.add_meta("v", v, /*skip_dim=*/2);
@@ -112,8 +113,8 @@ std::pair<Tensor, Tensor> decode_mask(const Tensor& q, const Tensor& q_pos, cons
                                      aten::full({}, left, aten::Opts{ScalarType::Double, dev}));
     visible = aten::logical_and(visible, aten::ge(aten::to(kp, ScalarType::Double), lo));
   }
-  const Tensor additive =
-      aten::where_scalars(visible, 0.0, -std::numeric_limits<double>::infinity(), aten::opts_of(q));
+  const Tensor additive = aten::where_scalars(
+      visible, 0.0, -std::numeric_limits<double>::infinity(), aten::opts_of(q));
   return {additive, aten::logical_not(aten::any_dim(visible, 1))};
 }
 
@@ -124,19 +125,21 @@ std::tuple<Tensor, Tensor> decode_sdpa(Tensor q, Tensor k, Tensor v, std::string
                                        std::optional<double> scale) {
   aten::NoGradGuard no_grad;
   const Group group = resolve_group(group_name);
-  ring::Config cfg;
+  attention::BlockConfig cfg;
   Handshake hs("decode_sdpa");
   hs.validate([&] {
     check_args(q, k, v, q_positions, kv_positions, window, scale);
     describe(hs.sig(), q, k, v, q_positions, window, scale);
     // The block's checks and backend here, so that an error joins the handshake.
-    if (k.size(2) > 0) cfg = ring::check_local_args("decode_sdpa", q, k, v, false, scale, -1);
+    if (k.size(2) > 0)
+      cfg = attention::check_local_args("decode_sdpa", q, k, v, false, scale,
+                                        attention::kBackendAuto);
     hs.set_lengths({k.size(2)});
   });
   hs.exchange(group);
 
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), Dv = v.size(3), L = k.size(2);
-  const aten::Opts acc_opts = aten::opts_of(q).dtype_(acc_dtype(q));
+  const aten::Opts acc_opts = aten::opts_of(q).dtype_(attention::acc_dtype(q));
   const double ninf = -std::numeric_limits<double>::infinity();
   // This rank's partial, packed as (B, H, T, Dv + 1): out, then lse.
   Tensor packed = aten::empty({B, H, T, Dv + 1}, acc_opts);
@@ -153,7 +156,7 @@ std::tuple<Tensor, Tensor> decode_sdpa(Tensor q, Tensor k, Tensor v, std::string
     const Tensor qg = aten::reshape(q, {B, Hkv, G * T, q.size(3)});
     const Tensor mg = mask.defined() && G > 1 ? aten::repeat(mask, {G, 1}) : mask;
     cfg.groups = 1;
-    ring::BlockResult r = ring::block_forward(cfg, qg, k, v, /*causal=*/false, mg);
+    attention::BlockResult r = attention::block_forward(cfg, qg, k, v, /*causal=*/false, mg);
     Tensor o = aten::reshape(r.out, {B, H, T, Dv}), l = aten::reshape(r.lse, {B, H, T});
     if (mask.defined()) {
       // Rows that see no key here contribute nothing (lse -inf in the merge).
@@ -192,10 +195,10 @@ STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
       "-> (Tensor out, Tensor lse)");
 }
 
-STABLE_TORCH_LIBRARY_IMPL(cplib_c, CPU, m) { m.impl("decode_sdpa", TORCH_BOX(&decode_sdpa)); }
+STABLE_TORCH_LIBRARY_IMPL(cplib_c, CPU, m) { m.impl("decode_sdpa", CPLIB_BOX(&decode_sdpa)); }
 
 #ifdef CPLIB_WITH_CUDA
-STABLE_TORCH_LIBRARY_IMPL(cplib_c, CUDA, m) { m.impl("decode_sdpa", TORCH_BOX(&decode_sdpa)); }
+STABLE_TORCH_LIBRARY_IMPL(cplib_c, CUDA, m) { m.impl("decode_sdpa", CPLIB_BOX(&decode_sdpa)); }
 #endif
 
 }  // namespace cplib::decode

@@ -3,13 +3,13 @@
 #include <utility>
 #include <vector>
 
-#include "flex/calls_begun.h"
 #include "comm/collectives.h"
-#include "common/aten.h"
 #include "comm/handshake.h"
+#include "common/aten.h"
 #include "common/checks.h"
 #include "common/format.h"
 #include "common/stable.h"
+#include "flex/calls_begun.h"
 
 namespace cplib::flex {
 namespace {
@@ -90,8 +90,8 @@ Tensor dim_to_chunks(const Tensor& full, int64_t dim, int64_t n) {
 
 std::tuple<Tensor, Tensor> flex_cp_allgather(Tensor k, Tensor v, int64_t seq_dim,
                                              std::string group_name) {
-  const auto [group, dim] =
-      checked_call("flex_cp_allgather", k, v, seq_dim, group_name, [](auto&&...) {});
+  const auto [group, dim] = checked_call("flex_cp_allgather", k, v, seq_dim, group_name,
+                                         [](auto&&...) {});
   const Tensor kin = ops::contiguous(k), vin = ops::contiguous(v);
   // Both gathers in flight before either is waited on.
   const Tensor kbuf = all_gather_dim0(group, kin);
@@ -120,8 +120,8 @@ std::tuple<Tensor, Tensor> reduce_scatter(const Tensor& grad_k, const Tensor& gr
   return {kout, vout};
 }
 
-std::tuple<Tensor, Tensor> flex_cp_allgather_backward(Tensor grad_k, Tensor grad_v,
-                                                      int64_t seq_dim, std::string group_name) {
+std::tuple<Tensor, Tensor> flex_cp_allgather_backward(Tensor grad_k, Tensor grad_v, int64_t seq_dim,
+                                                      std::string group_name) {
   return reduce_scatter(grad_k, grad_v, seq_dim, group_name, true);
 }
 
@@ -145,16 +145,16 @@ STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
 }
 
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CPU, m) {
-  m.impl("flex_cp_allgather", TORCH_BOX(&flex_cp_allgather));
-  m.impl("flex_cp_allgather_backward", TORCH_BOX(&flex_cp_allgather_backward));
-  m.impl("flex_cp_allgather_backward_covered", TORCH_BOX(&flex_cp_allgather_backward_covered));
+  m.impl("flex_cp_allgather", CPLIB_BOX(&flex_cp_allgather));
+  m.impl("flex_cp_allgather_backward", CPLIB_BOX(&flex_cp_allgather_backward));
+  m.impl("flex_cp_allgather_backward_covered", CPLIB_BOX(&flex_cp_allgather_backward_covered));
 }
 
 #ifdef CPLIB_WITH_CUDA
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CUDA, m) {
-  m.impl("flex_cp_allgather", TORCH_BOX(&flex_cp_allgather));
-  m.impl("flex_cp_allgather_backward", TORCH_BOX(&flex_cp_allgather_backward));
-  m.impl("flex_cp_allgather_backward_covered", TORCH_BOX(&flex_cp_allgather_backward_covered));
+  m.impl("flex_cp_allgather", CPLIB_BOX(&flex_cp_allgather));
+  m.impl("flex_cp_allgather_backward", CPLIB_BOX(&flex_cp_allgather_backward));
+  m.impl("flex_cp_allgather_backward_covered", CPLIB_BOX(&flex_cp_allgather_backward_covered));
 }
 #endif
 

@@ -30,13 +30,13 @@
 #include <tuple>
 #include <vector>
 
-#include "flex/calls_begun.h"
 #include "comm/collectives.h"
 #include "comm/handshake.h"
 #include "common/aten.h"
 #include "common/checks.h"
 #include "common/format.h"
 #include "common/stable.h"
+#include "flex/calls_begun.h"
 
 namespace cplib::flex {
 
@@ -51,15 +51,14 @@ std::atomic<int64_t> g_bytes_received{0};
 const std::string kErrorField = "error: ";
 
 void check_qkv(const Tensor& q, const Tensor& k, const Tensor& v) {
-  for (const auto& [name, t] : {std::pair{"query", &q}, std::pair{"key", &k},
-                                std::pair{"value", &v}}) {
+  for (const auto& [name, t] :
+       {std::pair{"query", &q}, std::pair{"key", &k}, std::pair{"value", &v}}) {
     CPLIB_CHECK_VALUE(t->dim() == 4, "cplib.flex_ring: ", name, " must be 4-D (B, H, S, D), got ",
                       t->sizes());
     CPLIB_CHECK_VALUE(is_floating(t->scalar_type()), "cplib.flex_ring: ", name, " has dtype ",
-                      torch::headeronly::toString(t->scalar_type()),
-                      "; expected a floating dtype");
-    CPLIB_CHECK_VALUE(t->device() == q.device(), "cplib.flex_ring: ", name, " is on ",
-                      t->device(), " but query is on ", q.device());
+                      torch::headeronly::toString(t->scalar_type()), "; expected a floating dtype");
+    CPLIB_CHECK_VALUE(t->device() == q.device(), "cplib.flex_ring: ", name, " is on ", t->device(),
+                      " but query is on ", q.device());
   }
   CPLIB_CHECK_VALUE(q.is_cpu() || q.is_cuda(), "cplib.flex_ring: unsupported device ", q.device());
 }
@@ -148,21 +147,21 @@ STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
 }
 
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CPU, m) {
-  m.impl("flex_ring_begin", TORCH_BOX(&flex_ring_begin));
-  m.impl("flex_ring_shift", TORCH_BOX(&flex_ring_shift));
-  m.impl("flex_ring_end", TORCH_BOX(&flex_ring_end));
+  m.impl("flex_ring_begin", CPLIB_BOX(&flex_ring_begin));
+  m.impl("flex_ring_shift", CPLIB_BOX(&flex_ring_shift));
+  m.impl("flex_ring_end", CPLIB_BOX(&flex_ring_end));
 }
 
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CompositeExplicitAutograd, m) {
-  m.impl("flex_ring_debug_bytes", TORCH_BOX(&flex_ring_debug_bytes));
-  m.impl("flex_debug_calls_begun", TORCH_BOX(&flex_debug_calls_begun));
+  m.impl("flex_ring_debug_bytes", CPLIB_BOX(&flex_ring_debug_bytes));
+  m.impl("flex_debug_calls_begun", CPLIB_BOX(&flex_debug_calls_begun));
 }
 
 #ifdef CPLIB_WITH_CUDA
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CUDA, m) {
-  m.impl("flex_ring_begin", TORCH_BOX(&flex_ring_begin));
-  m.impl("flex_ring_shift", TORCH_BOX(&flex_ring_shift));
-  m.impl("flex_ring_end", TORCH_BOX(&flex_ring_end));
+  m.impl("flex_ring_begin", CPLIB_BOX(&flex_ring_begin));
+  m.impl("flex_ring_shift", CPLIB_BOX(&flex_ring_shift));
+  m.impl("flex_ring_end", CPLIB_BOX(&flex_ring_end));
 }
 #endif
 

@@ -23,8 +23,8 @@ cplib_merge_params merge_params(Tensor& out, Tensor& lse, const Tensor& blk_out,
                                 const Tensor& blk_lse, int64_t row_offset) {
   CPLIB_CHECK_VALUE(out.dim() == 4 && blk_out.dim() == 4 && lse.dim() == 3 && blk_lse.dim() == 3,
                     "cplib.merge_partial_: expected out/blk_out (B,H,L,D) and lse/blk_lse (B,H,L), "
-                    "got ", out.sizes(), ", ", lse.sizes(), ", ", blk_out.sizes(), ", ",
-                    blk_lse.sizes());
+                    "got ",
+                    out.sizes(), ", ", lse.sizes(), ", ", blk_out.sizes(), ", ", blk_lse.sizes());
   const ScalarType acc = out.scalar_type();
   CPLIB_CHECK_VALUE(acc == ScalarType::Float || acc == ScalarType::Double,
                     "cplib.merge_partial_: accumulator dtype must be float32 or float64, got ",
@@ -37,17 +37,19 @@ cplib_merge_params merge_params(Tensor& out, Tensor& lse, const Tensor& blk_out,
   // Rows that share memory (an expanded `out`) would be merged into each other.
   for (const auto& [name, t] : {std::pair{"out", &out}, std::pair{"lse", &lse}})
     CPLIB_CHECK_VALUE(!has_internal_overlap(*t), "cplib.merge_partial_: ", name, " (strides ",
-                      t->strides(), ") has elements that share memory (expanded?); pass a "
+                      t->strides(),
+                      ") has elements that share memory (expanded?); pass a "
                       "dense tensor");
   CPLIB_CHECK_VALUE(out.device() == lse.device() && out.device() == blk_out.device() &&
                         out.device() == blk_lse.device(),
                     "cplib.merge_partial_: out, lse, blk_out and blk_lse must be on one device, "
-                    "got ", out.device(), ", ", lse.device(), ", ", blk_out.device(), ", ",
+                    "got ",
+                    out.device(), ", ", lse.device(), ", ", blk_out.device(), ", ",
                     blk_lse.device());
   const int64_t B = blk_out.size(0), H = blk_out.size(1), R = blk_out.size(2), D = blk_out.size(3);
-  CPLIB_CHECK_VALUE(out.size(0) == B && out.size(1) == H && out.size(3) == D &&
-                        lse.size(0) == B && lse.size(1) == H && blk_lse.size(0) == B &&
-                        blk_lse.size(1) == H && blk_lse.size(2) == R,
+  CPLIB_CHECK_VALUE(out.size(0) == B && out.size(1) == H && out.size(3) == D && lse.size(0) == B &&
+                        lse.size(1) == H && blk_lse.size(0) == B && blk_lse.size(1) == H &&
+                        blk_lse.size(2) == R,
                     "cplib.merge_partial_: shapes disagree: out ", out.sizes(), ", lse ",
                     lse.sizes(), ", blk_out ", blk_out.sizes(), ", blk_lse ", blk_lse.sizes());
   CPLIB_CHECK_VALUE(row_offset >= 0 && row_offset + R <= out.size(2) && lse.size(2) == out.size(2),
@@ -76,8 +78,7 @@ cplib_merge_params merge_params(Tensor& out, Tensor& lse, const Tensor& blk_out,
   return p;
 }
 
-void merge_partial_op(Tensor out, Tensor lse, Tensor blk_out, Tensor blk_lse,
-                      int64_t row_offset) {
+void merge_partial_op(Tensor out, Tensor lse, Tensor blk_out, Tensor blk_lse, int64_t row_offset) {
   merge_partial(out, lse, blk_out, blk_lse, row_offset);
 }
 
@@ -103,10 +104,14 @@ STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
       "int row_offset=0) -> ()");
 }
 
-STABLE_TORCH_LIBRARY_IMPL(cplib_c, CPU, m) { m.impl("merge_partial_", TORCH_BOX(&merge_partial_op)); }
+STABLE_TORCH_LIBRARY_IMPL(cplib_c, CPU, m) {
+  m.impl("merge_partial_", CPLIB_BOX(&merge_partial_op));
+}
 
 #ifdef CPLIB_WITH_CUDA
-STABLE_TORCH_LIBRARY_IMPL(cplib_c, CUDA, m) { m.impl("merge_partial_", TORCH_BOX(&merge_partial_op)); }
+STABLE_TORCH_LIBRARY_IMPL(cplib_c, CUDA, m) {
+  m.impl("merge_partial_", CPLIB_BOX(&merge_partial_op));
+}
 #endif
 
 }  // namespace cplib

@@ -14,12 +14,11 @@
 // `backend`: by name (ring_call.h); "auto" resolves as the ring does.
 // `masked`: the windows/documents path (an all-zero additive mask).
 // Without `backward`, dq/dk/dv come back empty.
-#include <cmath>
-
+#include "attention/block.h"
+#include "attention/checks.h"
+#include "attention/heads.h"
 #include "common/aten.h"
 #include "ring/ring_agreed.h"
-#include "ring/ring_block.h"
-#include "ring/ring_heads.h"
 #include "ring/ring_rotate.h"
 
 namespace cplib::ring {
@@ -27,16 +26,14 @@ namespace {
 
 // The ring's configuration of a one-rank ring over these tensors, taking the
 // CUDA kernels whatever the device (meta, here).
-Config probe_config(const Tensor& q, const Tensor& k, const Tensor& v, int64_t backend,
-                    bool causal, std::optional<double> scale) {
+Config probe_config(const Tensor& q, const Tensor& k, const Tensor& v, int64_t backend, bool causal,
+                    std::optional<double> scale) {
   Config cfg;
   cfg.causal = causal;
   cfg.cuda = true;
   cfg.backend = backend;
   cfg.groups = q.size(1) / k.size(1);
-  // As check_args fixes it for MLA (the kernels may see padded head dims).
-  if (!scale && q.size(3) != v.size(3)) scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
-  cfg.scale = scale;
+  cfg.scale = attention::block_scale(scale, q, v);  // as check_args fixes it for MLA
   cfg.q_layout = {q.size(2), 1, false, {}, {}, {}, {}};
   cfg.kv_layout = {k.size(2), 1, false, {}, {}, {}, {}};
   cfg.backend = resolve_ring_backend(cfg, q, k, v);
@@ -46,12 +43,12 @@ Config probe_config(const Tensor& q, const Tensor& k, const Tensor& v, int64_t b
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> cuda_glue_probe(
     const Tensor& q, const Tensor& k, const Tensor& v, const std::string& backend_name,
     bool is_causal, bool masked, bool backward, std::optional<double> scale) {
-  const int64_t backend = backend_code("_cuda_glue_probe", backend_name);
+  const int64_t backend = attention::backend_code("_cuda_glue_probe", backend_name);
   aten::NoGradGuard no_grad;
-  CPLIB_CHECK_VALUE(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k.size(1) > 0 &&
-                        q.size(1) % k.size(1) == 0,
-                    "cplib._cuda_glue_probe: q (B, Hq, Lq, D), k/v (B, Hkv, Lk, D/Dv) with Hkv "
-                    "dividing Hq");
+  CPLIB_CHECK_VALUE(
+      q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k.size(1) > 0 && q.size(1) % k.size(1) == 0,
+      "cplib._cuda_glue_probe: q (B, Hq, Lq, D), k/v (B, Hkv, Lk, D/Dv) with Hkv "
+      "dividing Hq");
   const bool causal = is_causal && !masked;
   const Config cfg = probe_config(q, k, v, backend, causal, scale);
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2), Dv = v.size(3);
@@ -61,12 +58,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> cuda_glue_probe(
   const KV blk = pack.views(arrived, Lk);
   aten::copy_(blk[0], k);
   aten::copy_(blk[1], v);
-  HeadExpander expand_k(cfg.groups, k, Lk), expand_v(cfg.groups, v, Lk);
+  attention::HeadExpander expand_k(cfg.groups, k, Lk), expand_v(cfg.groups, v, Lk);
   const Tensor ek = expand_k(blk[0]), ev = expand_v(blk[1]);
   const Tensor mask = masked ? aten::zeros({Lq, Lk}, aten::opts_of(q)) : Tensor();
 
-  const aten::Opts acc = aten::opts_of(q).dtype_(acc_dtype(q));
-  const BlockResult r = block_forward(cfg, q, ek, ev, causal, mask);
+  const aten::Opts acc = aten::opts_of(q).dtype_(attention::acc_dtype(q));
+  const attention::BlockResult r = attention::block_forward(cfg, q, ek, ev, causal, mask);
   Tensor out_acc = aten::empty({B, H, Lq, Dv}, acc), lse = aten::empty({B, H, Lq}, acc);
   aten::copy_(out_acc, r.out);
   aten::copy_(lse, r.lse);
@@ -83,11 +80,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> cuda_glue_probe(
     const int64_t len = std::min(half, Lq - start);
     auto rows = [&](const Tensor& t) { return aten::rows(t, 2, start, len); };
     const Tensor m = masked ? aten::narrow(mask, 0, start, len) : Tensor();
-    auto [gq, gk, gv] = block_backward(cfg, rows(grad_out), rows(q), ek, ev, rows(out),
-                                       rows(lse), causal, m);
+    auto [gq, gk, gv] = attention::block_backward(cfg, rows(grad_out), rows(q), ek, ev, rows(out),
+                                                  rows(lse), causal, m);
     aten::add_(rows(dq), gq);
-    reduce_heads_into(dk, gk, cfg.groups, /*accumulate=*/true);
-    reduce_heads_into(dv, gv, cfg.groups, /*accumulate=*/true);
+    attention::reduce_heads_into(dk, gk, cfg.groups, /*accumulate=*/true);
+    attention::reduce_heads_into(dv, gv, cfg.groups, /*accumulate=*/true);
   }
   const ScalarType dt = q.scalar_type();
   return {out, lse, aten::to(dq, dt), aten::to(dk, dt), aten::to(dv, dt)};
@@ -100,23 +97,16 @@ STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
       "_cuda_glue_probe(Tensor q, Tensor k, Tensor v, str backend, bool is_causal, bool masked, "
       "bool backward, float? scale=None) -> (Tensor out, Tensor lse, Tensor dq, Tensor dk, "
       "Tensor dv)");
-  // The argument names cplib passes to aten::_flash_attention_forward, in
-  // order (the running torch's schema; tests/comm/test_cuda_glue.py compares them).
-  m.def("_flash_forward_arguments() -> str[]");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, Meta, m) {
-  m.impl("_cuda_glue_probe", TORCH_BOX(&cuda_glue_probe));
+  m.impl("_cuda_glue_probe", CPLIB_BOX(&cuda_glue_probe));
 }
 
 #ifdef CPLIB_WITH_CUDA
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CUDA, m) {
-  m.impl("_cuda_glue_probe", TORCH_BOX(&cuda_glue_probe));
+  m.impl("_cuda_glue_probe", CPLIB_BOX(&cuda_glue_probe));
 }
 #endif
-
-STABLE_TORCH_LIBRARY_IMPL(cplib_c, CompositeExplicitAutograd, m) {
-  m.impl("_flash_forward_arguments", TORCH_BOX(&aten::flash_forward_argument_names));
-}
 
 }  // namespace cplib::ring

@@ -5,6 +5,7 @@
 #include <optional>
 #include <string_view>
 
+#include "attention/block.h"
 #include "comm/collectives.h"
 #include "common/stable.h"
 #include "ring/ring_call.h"
@@ -17,21 +18,16 @@
 namespace cplib::ring {
 
 // Everything a ring pass needs besides the tensors; built by check_args.
-struct Config {
+// Its blocks run as attention::BlockConfig says (causal, scale, backend,
+// GQA groups, CUDA), which it extends with the ring's own.
+struct Config : attention::BlockConfig {
   Group group;
   int64_t rank = 0, size = 1;
-  bool causal = false;
   SeqLayout layout = SeqLayout::sequential;
-  std::optional<double> scale;
-  int64_t backend = kBackendAuto;
   Rotate rotate = Rotate::p2p;
-  int64_t groups = 1;  // q heads per k/v head (GQA)
   Layout q_layout, kv_layout;  // where every rank's q and k/v rows sit globally
   Mask mask;                   // causal, documents, window, in global positions
   bool pass_q = false;         // queries travel, k/v stay (forward only)
-  // The CUDA block kernels (ring_block_cuda*.cpp): q on a CUDA device, or
-  // meta tensors in the guard (cuda_glue_probe.cpp).
-  bool cuda = false;
 };
 
 // Validates every argument (ValueError naming the value) against the group,
@@ -55,28 +51,7 @@ void lay_out(const char* op, Config& cfg, int64_t sq, int64_t sk,
 // partial (out, lse) moves fewer bytes than passing k and v, from the global
 // query and key counts, the head counts and head dims.
 bool pass_q_moves_less(int64_t q_tokens, int64_t kv_tokens, int64_t q_heads, int64_t kv_heads,
-                       int64_t head_dim, int64_t v_head_dim, int64_t elem_size,
-                       int64_t acc_size);
-
-// The checks of check_args that concern one block of attention (tensors,
-// backend, scale, causal lengths), for a world of one: no group, size 1.
-Config check_local_args(const char* op, const Tensor& q, const Tensor& k,
-                        const Tensor& v, bool is_causal, std::optional<double> scale,
-                        int64_t backend);
-
-// Attention sinks: a 1-D tensor of one logit per q head, on q's device, in
-// q's dtype or float32/float64 (ValueError naming what is wrong).
-void check_sinks(const char* op, const Tensor& q, const Tensor& sinks);
-
-// Joins each row's softmax denominator with its head's sink logit, once:
-// lse' = logaddexp(lse, s), out *= exp(lse - lse'). `out` (B, H, L, Dv) is
-// scaled in place in the accumulator dtype; returns lse' in that dtype.
-Tensor apply_sinks(Tensor& out, const Tensor& lse, const Tensor& sinks);
-
-// The accumulator dtype: float64 for float64 inputs, else float32.
-inline ScalarType acc_dtype(const Tensor& t) {
-  return t.scalar_type() == ScalarType::Double ? ScalarType::Double : ScalarType::Float;
-}
+                       int64_t head_dim, int64_t v_head_dim, int64_t elem_size, int64_t acc_size);
 
 }  // namespace cplib::ring
 

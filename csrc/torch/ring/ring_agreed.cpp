@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <atomic>
 
+#include "attention/block.h"
 #include "common/aten.h"
-#include "ring/ring_block.h"
 #include "ring/ring_lengths.h"
 
 namespace cplib::ring {
@@ -39,7 +39,8 @@ class Reader {
 
  private:
   void check(int64_t n) const {
-    CPLIB_CHECK_VALUE(n >= 0 && n <= end_ - p_, "cplib.ring_sdpa_backward_covered: the agreed "
+    CPLIB_CHECK_VALUE(n >= 0 && n <= end_ - p_,
+                      "cplib.ring_sdpa_backward_covered: the agreed "
                       "record is cut short (it is internal: made by ring_sdpa's forward)");
   }
   const int64_t* p_;
@@ -54,7 +55,8 @@ void gather_positions(Config& cfg, const RingCall& call, const Tensor& q, const 
   if (static_cast<int64_t>(lengths.size()) != 2 * n)
     lengths = gather_local_lengths(cfg.group, {q.size(2), k.size(2)}, q.device());
   int64_t wq = 1, wk = 1;
-  for (int64_t r = 0; r < n; ++r) wq = std::max(wq, lengths[2 * r]), wk = std::max(wk, lengths[2 * r + 1]);
+  for (int64_t r = 0; r < n; ++r)
+    wq = std::max(wq, lengths[2 * r]), wk = std::max(wk, lengths[2 * r + 1]);
   std::vector<int64_t> mine(wq + wk, -1);
   const std::vector<int64_t>& qp = call.q_positions_values();
   const std::vector<int64_t>& kp = call.kv_positions_values();
@@ -97,7 +99,8 @@ Agreed Agreed::from_record(const Tensor& record) {
                     "cplib.ring_sdpa_backward_covered: agreed must be the 1-D int64 CPU record "
                     "ring_sdpa's forward made (an internal op)");
   Reader in(record.const_data_ptr<int64_t>(), record.numel());
-  CPLIB_CHECK_VALUE(in.next() == kRecordMagic, "cplib.ring_sdpa_backward_covered: agreed is not "
+  CPLIB_CHECK_VALUE(in.next() == kRecordMagic,
+                    "cplib.ring_sdpa_backward_covered: agreed is not "
                     "a record of ring_sdpa's forward (an internal op)");
   Agreed a;
   a.rank = in.next();
@@ -116,9 +119,9 @@ Agreed Agreed::from_record(const Tensor& record) {
   return a;
 }
 
-BlockShape ring_block_shape(const Config& cfg, const Tensor& q, const Tensor& k,
-                           const Tensor& v) {
-  BlockShape s;
+attention::BlockShape ring_block_shape(const Config& cfg, const Tensor& q, const Tensor& k,
+                                       const Tensor& v) {
+  attention::BlockShape s;
   s.batch = q.size(0);
   s.heads = q.size(1);
   s.q_len = std::max<int64_t>(1, cfg.q_layout.max_local_len());
@@ -128,12 +131,12 @@ BlockShape ring_block_shape(const Config& cfg, const Tensor& q, const Tensor& k,
   return s;
 }
 
-int64_t resolve_ring_backend(const Config& cfg, const Tensor& q, const Tensor& k,
-                             const Tensor& v) {
-  if (!cfg.cuda || cfg.backend != kBackendAuto) return cfg.backend;
+int64_t resolve_ring_backend(const Config& cfg, const Tensor& q, const Tensor& k, const Tensor& v) {
+  if (!cfg.cuda || cfg.backend != attention::kBackendAuto) return cfg.backend;
   // Causal calls run on the diagonal of equal layouts; explicit positions mask instead.
   const bool causal = cfg.causal && !cfg.q_layout.is_explicit();
-  return resolve_backend_cuda(cfg.backend, q, ring_block_shape(cfg, q, k, v), causal, cfg.scale);
+  return attention::resolve_backend_cuda(cfg.backend, q, ring_block_shape(cfg, q, k, v), causal,
+                                         cfg.scale);
 }
 
 std::vector<int64_t> last_block_shape() { return t_last_shape; }
@@ -163,7 +166,7 @@ void finish_config(Config& cfg, const RingCall& call, const Tensor& q, const Ten
     }
     if (cfg.causal) m.right = 0;
   }
-  const BlockShape s = ring_block_shape(cfg, q, k, v);
+  const attention::BlockShape s = ring_block_shape(cfg, q, k, v);
   t_last_shape = {s.batch, s.heads, s.q_len, s.kv_len, s.head_dim, s.v_head_dim};
   cfg.backend = agreed ? agreed->backend : resolve_ring_backend(cfg, q, k, v);
   Pass pass = call.ring_pass;
@@ -173,7 +176,7 @@ void finish_config(Config& cfg, const RingCall& call, const Tensor& q, const Ten
       tq += cfg.q_layout.local_len(r), tk += cfg.kv_layout.local_len(r);
     pass = pass_q_moves_less(tq, tk, q.size(1), k.size(1), q.size(3), v.size(3),
                              static_cast<int64_t>(q.element_size()),
-                             acc_dtype(q) == ScalarType::Double ? 8 : 4)
+                             attention::acc_dtype(q) == ScalarType::Double ? 8 : 4)
                ? Pass::q
                : Pass::kv;
   }

@@ -9,9 +9,9 @@
 
 #include <vector>
 
+#include "attention/block.h"
 #include "common/stable.h"
 #include "ring/ring.h"
-#include "ring/ring_block.h"
 
 // Internal to the extension (torch's stable types are hidden).
 #pragma GCC visibility push(hidden)
@@ -22,10 +22,10 @@ struct Agreed {
   // The group as the forward resolved it (its rank, size, backend and
   // token): the backward asks Python for none of it again.
   int64_t rank = 0, size = 1, nccl = 0, token = 0;
-  int64_t backend = kBackendAuto;   // as resolved (auto on CPU)
-  std::vector<int64_t> lengths;     // rank-major {q rows, k/v rows}; empty when not exchanged
+  int64_t backend = attention::kBackendAuto;  // as resolved (auto on CPU)
+  std::vector<int64_t> lengths;  // rank-major {q rows, k/v rows}; empty when not exchanged
   bool has_bounds = false;
-  std::vector<int64_t> bounds;      // cu_seqlens as read
+  std::vector<int64_t> bounds;  // cu_seqlens as read
   // Explicit layouts: every rank's q and k/v positions (empty otherwise).
   std::vector<std::vector<int64_t>> q_positions, kv_positions;
 
@@ -54,11 +54,10 @@ Pass last_ring_pass();
 // dtype and device. From inputs every rank agrees on, so every rank resolves
 // the same backend (or raises the same NotImplementedError) before the first
 // exchange, whatever its own shard holds (none at all, with positions).
-int64_t resolve_ring_backend(const Config& cfg, const Tensor& q, const Tensor& k,
-                             const Tensor& v);
+int64_t resolve_ring_backend(const Config& cfg, const Tensor& q, const Tensor& k, const Tensor& v);
 // The block shape it resolves from (on every device; the same on every rank).
-BlockShape ring_block_shape(const Config& cfg, const Tensor& q, const Tensor& k,
-                            const Tensor& v);
+attention::BlockShape ring_block_shape(const Config& cfg, const Tensor& q, const Tensor& k,
+                                       const Tensor& v);
 // That shape for the last finish_config of this thread: {batch, heads, q
 // rows, k/v rows, head dim, v head dim} (ring_debug_block_shape).
 std::vector<int64_t> last_block_shape();

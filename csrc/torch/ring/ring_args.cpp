@@ -3,52 +3,18 @@
 // cu_seqlens (the same on every rank by contract).
 #include <algorithm>
 #include <array>
-#include <cmath>
 #include <sstream>
 
+#include "attention/checks.h"
+#include "common/aten.h"
 #include "common/checks.h"
 #include "common/format.h"
 #include "ring/ring.h"
-#include "common/aten.h"
-#include "ring/ring_block.h"
 #include "ring/ring_placement.h"
 
 namespace cplib::ring {
 
 namespace {
-
-// With explicit positions a rank may hold no queries or no keys.
-void check_tensors(const char* op, const Tensor& q, const Tensor& k, const Tensor& v,
-                   bool allow_empty = false) {
-  CPLIB_CHECK_VALUE(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "cplib.", op,
-                    ": expected q, k, v of shape (B, H, S_local, D), got q ", q.sizes(), ", k ",
-                    k.sizes(), ", v ", v.sizes());
-  CPLIB_CHECK_VALUE(q.device() == k.device() && q.device() == v.device(), "cplib.", op,
-                    ": q, k, v must be on one device, got ", q.device(), ", ", k.device(), ", ",
-                    v.device());
-  CPLIB_CHECK_VALUE(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
-                    "cplib.", op, ": q, k, v must have one dtype, got ", q.scalar_type(), ", ",
-                    k.scalar_type(), ", ", v.scalar_type());
-  const auto dt = q.scalar_type();
-  CPLIB_CHECK_VALUE(dt == ScalarType::Float || dt == ScalarType::Double || dt == ScalarType::BFloat16 ||
-                        dt == ScalarType::Half,
-                    "cplib.", op, ": unsupported dtype ", dt,
-                    " (expected float32, float64, bfloat16 or float16)");
-  CPLIB_CHECK_VALUE(q.size(0) == k.size(0) && q.size(0) == v.size(0), "cplib.", op,
-                    ": batch sizes differ: q ", q.size(0), ", k ", k.size(0), ", v ", v.size(0));
-  CPLIB_CHECK_VALUE(q.size(0) > 0, "cplib.", op, ": empty batch (q has shape ", q.sizes(), ")");
-  CPLIB_CHECK_VALUE(k.size(1) == v.size(1) && k.size(2) == v.size(2), "cplib.", op,
-                    ": k ", k.sizes(), " and v ", v.sizes(), " must agree in heads and length");
-  CPLIB_CHECK_VALUE(q.size(3) == k.size(3), "cplib.", op, ": q head dim ", q.size(3),
-                    " differs from k head dim ", k.size(3));
-  CPLIB_CHECK_VALUE(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "cplib.", op, ": q has ",
-                    q.size(1), " heads, which is not a multiple of k/v's ", k.size(1), " heads");
-  CPLIB_CHECK_VALUE(allow_empty || (q.size(2) > 0 && k.size(2) > 0), "cplib.", op,
-                    ": empty local sequence (q length ", q.size(2), ", kv length ", k.size(2), ")");
-  CPLIB_CHECK_VALUE(q.size(3) > 0 && v.size(3) > 0, "cplib.", op, ": empty head dim");
-  if (!q.is_cuda())
-    CPLIB_CHECK_VALUE(q.device().type() == DeviceType::CPU, "cplib.", op, ": unsupported device ", q.device());
-}
 
 std::string join(const std::vector<int64_t>& v) {
   std::ostringstream os;
@@ -67,27 +33,31 @@ std::string join(const std::vector<int64_t>& v) {
 }  // namespace
 
 void check_bounds(const char* op, const std::vector<int64_t>& b, int64_t seq_len) {
-  CPLIB_CHECK_VALUE(b.size() >= 2, "cplib.", op, ": cu_seqlens must have at least 2 entries "
-                    "[0, ..., S], got ", join(b));
-  CPLIB_CHECK_VALUE(b.front() == 0, "cplib.", op, ": cu_seqlens must start at 0, got ",
-                    b.front(), " in ", join(b));
-  CPLIB_CHECK_VALUE(b.back() == seq_len, "cplib.", op, ": cu_seqlens must end at the sequence "
-                    "length ", seq_len, ", got ", b.back(), " in ", join(b));
+  CPLIB_CHECK_VALUE(b.size() >= 2, "cplib.", op,
+                    ": cu_seqlens must have at least 2 entries "
+                    "[0, ..., S], got ",
+                    join(b));
+  CPLIB_CHECK_VALUE(b.front() == 0, "cplib.", op, ": cu_seqlens must start at 0, got ", b.front(),
+                    " in ", join(b));
+  CPLIB_CHECK_VALUE(b.back() == seq_len, "cplib.", op,
+                    ": cu_seqlens must end at the sequence "
+                    "length ",
+                    seq_len, ", got ", b.back(), " in ", join(b));
   for (size_t i = 1; i < b.size(); ++i)
-    CPLIB_CHECK_VALUE(b[i] > b[i - 1], "cplib.", op, ": cu_seqlens must be strictly increasing, "
-                      "got ", b[i - 1], " then ", b[i], " at index ", i, " in ", join(b));
+    CPLIB_CHECK_VALUE(b[i] > b[i - 1], "cplib.", op,
+                      ": cu_seqlens must be strictly increasing, "
+                      "got ",
+                      b[i - 1], " then ", b[i], " at index ", i, " in ", join(b));
 }
 
 namespace {
 
 // cu_seqlens as host integers (read once, RingCall), checked: [0, ..., S],
 // strictly increasing.
-const std::vector<int64_t>& document_bounds(const char* op, const RingCall& call,
-                                            int64_t seq_len) {
+const std::vector<int64_t>& document_bounds(const char* op, const RingCall& call, int64_t seq_len) {
   const Tensor& cu = *call.cu_seqlens;
-  CPLIB_CHECK_VALUE(is_integer(cu.scalar_type()),
-                    "cplib.", op, ": cu_seqlens must be an integer tensor, got dtype ",
-                    cu.scalar_type());
+  CPLIB_CHECK_VALUE(is_integer(cu.scalar_type()), "cplib.", op,
+                    ": cu_seqlens must be an integer tensor, got dtype ", cu.scalar_type());
   CPLIB_CHECK_VALUE(cu.dim() == 1 && cu.numel() >= 2, "cplib.", op,
                     ": cu_seqlens must be 1-D with at least 2 entries [0, ..., S], got shape ",
                     cu.sizes());
@@ -99,14 +69,13 @@ const std::vector<int64_t>& document_bounds(const char* op, const RingCall& call
 // Explicit positions: 1-D integers, one per row, non-negative, inside the
 // documents if any. Reads only this rank's values (once, RingCall).
 void check_positions(const char* op, const char* name, const std::optional<Tensor>& pos,
-                     const std::vector<int64_t>& (RingCall::*values)() const,
-                     const RingCall& call, int64_t rows, const char* rows_of) {
+                     const std::vector<int64_t>& (RingCall::*values)() const, const RingCall& call,
+                     int64_t rows, const char* rows_of) {
   CPLIB_CHECK_VALUE(pos.has_value(), "cplib.", op, ": ", name,
                     " is missing: give q_positions and kv_positions together, or neither");
   const Tensor& p = *pos;
-  CPLIB_CHECK_VALUE(is_integer(p.scalar_type()),
-                    "cplib.", op, ": ", name, " must be an integer tensor, got dtype ",
-                    p.scalar_type());
+  CPLIB_CHECK_VALUE(is_integer(p.scalar_type()), "cplib.", op, ": ", name,
+                    " must be an integer tensor, got dtype ", p.scalar_type());
   CPLIB_CHECK_VALUE(p.dim() == 1, "cplib.", op, ": ", name,
                     " must be 1-D (one global position per row), got shape ", p.sizes());
   CPLIB_CHECK_VALUE(p.numel() == rows, "cplib.", op, ": ", name, " has ", p.numel(),
@@ -124,9 +93,8 @@ int64_t documents_end(const char* op, const RingCall& call) {
   CPLIB_CHECK_VALUE(cu.dim() == 1 && cu.numel() >= 2, "cplib.", op,
                     ": cu_seqlens must be 1-D with at least 2 entries [0, ..., S], got shape ",
                     cu.sizes());
-  CPLIB_CHECK_VALUE(is_integer(cu.scalar_type()),
-                    "cplib.", op, ": cu_seqlens must be an integer tensor, got dtype ",
-                    cu.scalar_type());
+  CPLIB_CHECK_VALUE(is_integer(cu.scalar_type()), "cplib.", op,
+                    ": cu_seqlens must be an integer tensor, got dtype ", cu.scalar_type());
   return call.cu_seqlens_values().back();
 }
 
@@ -137,13 +105,13 @@ void check_explicit(const char* op, const Tensor& q, const Tensor& k, const Ring
                   k.size(2), "k/v");
   CPLIB_CHECK_VALUE(call.layout == SeqLayout::sequential && !call.seq_len, "cplib.", op,
                     ": q_positions/kv_positions describe the layout themselves: they exclude "
-                    "seq_len and layout='", kLayoutNames[static_cast<size_t>(call.layout)],
+                    "seq_len and layout='",
+                    kLayoutNames[static_cast<size_t>(call.layout)],
                     "' (load_balanced, per_document and placement)");
   if (call.cu_seqlens) {
     const int64_t end = documents_end(op, call);
     for (const bool is_q : {true, false}) {
-      const std::vector<int64_t>& v =
-          is_q ? call.q_positions_values() : call.kv_positions_values();
+      const std::vector<int64_t>& v = is_q ? call.q_positions_values() : call.kv_positions_values();
       if (v.empty()) continue;
       const int64_t hi = *std::max_element(v.begin(), v.end());
       CPLIB_CHECK_VALUE(hi < end, "cplib.", op, ": ", is_q ? "q_positions" : "kv_positions",
@@ -159,8 +127,8 @@ void check_extras(const char* op, Config& cfg, const Tensor& q, const Tensor& k,
   int64_t sq = lq * n, sk = lk * n;
   if (call.seq_len) {
     const int64_t s = *call.seq_len;
-    CPLIB_CHECK_VALUE(s >= n, "cplib.", op, ": seq_len=", s,
-                      " is shorter than the world size ", n, " (every rank needs a token)");
+    CPLIB_CHECK_VALUE(s >= n, "cplib.", op, ": seq_len=", s, " is shorter than the world size ", n,
+                      " (every rank needs a token)");
     sq = sk = s;
   }
   if (call.has_positions()) {
@@ -174,17 +142,18 @@ void check_extras(const char* op, Config& cfg, const Tensor& q, const Tensor& k,
   const bool documented = call.layout == SeqLayout::per_document ||
                           call.layout == SeqLayout::placement;
   CPLIB_CHECK_VALUE(call.layout != SeqLayout::per_document || (call.cu_seqlens && call.seq_len),
-                    "cplib.", op, ": per_document=True (head-tail inside every document) needs "
+                    "cplib.", op,
+                    ": per_document=True (head-tail inside every document) needs "
                     "cu_seqlens and seq_len");
   CPLIB_CHECK_VALUE(call.layout != SeqLayout::placement || (call.cu_seqlens && call.seq_len),
-                    "cplib.", op, ": placement=True (documents placed across the ranks) needs "
+                    "cplib.", op,
+                    ": placement=True (documents placed across the ranks) needs "
                     "cu_seqlens and seq_len");
   if (call.cu_seqlens) cfg.mask.bounds = document_bounds(op, call, sq);
   lay_out(op, cfg, sq, sk, call.window);
   if (call.seq_len || documented) {
-    static constexpr std::array<const char*, 4> kWords{"sequential", "head-tail",
-                                                      "per-document head-tail",
-                                                      "document placement"};
+    static constexpr std::array<const char*, 4> kWords{
+        "sequential", "head-tail", "per-document head-tail", "document placement"};
     const int64_t want = cfg.q_layout.local_len(cfg.rank);
     CPLIB_CHECK_VALUE(lq == want && lk == want, "cplib.", op, ": seq_len=", sq, " over ", n,
                       " ranks (", kWords[static_cast<size_t>(cfg.layout)], " layout) gives rank ",
@@ -210,8 +179,7 @@ void lay_out(const char* op, Config& cfg, int64_t sq, int64_t sk,
   m.left = m.right = m.seq_len;
   if (window) {
     const auto& w = *window;
-    CPLIB_CHECK_VALUE(w.size() == 2, "cplib.", op, ": window must be (left, right), got ",
-                      join(w));
+    CPLIB_CHECK_VALUE(w.size() == 2, "cplib.", op, ": window must be (left, right), got ", join(w));
     CPLIB_CHECK_VALUE(w[0] >= 0 && w[1] >= 0, "cplib.", op, ": window=", join(w),
                       " must be non-negative (None for no limit)");
     m.left = std::min(w[0], m.seq_len);
@@ -220,51 +188,12 @@ void lay_out(const char* op, Config& cfg, int64_t sq, int64_t sk,
   if (cfg.causal) m.right = 0;
 }
 
-namespace {
-
-Config check_local(const char* op, const Tensor& q, const Tensor& k, const Tensor& v,
-                   bool is_causal, std::optional<double> scale, int64_t backend, bool positions) {
-  check_tensors(op, q, k, v, positions);
-  CPLIB_CHECK_VALUE(backend_name(backend) != "?", "cplib.", op, ": backend=", backend,
-                    " is not a backend code");
-  CPLIB_CHECK_VALUE(q.is_cuda() || backend == kBackendAuto || backend == kBackendFlash, "cplib.",
-                    op, ": backend='", backend_name(backend),
-                    "' needs CUDA; CPU tensors always use 'flash'");
-  CPLIB_CHECK_VALUE(!scale || (std::isfinite(*scale) && *scale > 0.0), "cplib.", op, ": scale=",
-                    scale ? *scale : 0.0, " must be a finite positive number or None");
-  CPLIB_CHECK_VALUE(!is_causal || positions || q.size(2) == k.size(2), "cplib.", op,
-                    ": is_causal needs equal local q and kv lengths, got q ", q.size(2), " and kv ",
-                    k.size(2));
-  Config cfg;
-  cfg.causal = is_causal;
-  // SDPA's default scale is q's; with v's head dim different (MLA) some
-  // kernels see zero-padded q/k (ring_block_cpu.cpp), so it is fixed here.
-  if (!scale && q.size(3) != v.size(3)) scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
-  cfg.scale = scale;
-  cfg.backend = backend;
-  cfg.cuda = q.is_cuda();
-  cfg.groups = q.size(1) / k.size(1);
-  return cfg;
-}
-
-}  // namespace
-
-Config check_local_args(const char* op, const Tensor& q, const Tensor& k,
-                        const Tensor& v, bool is_causal, std::optional<double> scale,
-                        int64_t backend) {
-  Config cfg = check_local(op, q, k, v, is_causal, scale, backend, false);
-  // One call on these very shapes (the ring instead resolves from what
-  // every rank agrees on: resolve_ring_backend).
-  if (cfg.cuda && q.size(2) > 0 && k.size(2) > 0)
-    cfg.backend = resolve_backend_cuda(backend, q, k, v, is_causal, cfg.scale);
-  return cfg;
-}
-
 Config check_args(const char* op, const Tensor& q, const Tensor& k, const Tensor& v,
                   const Group& group, const RingCall& call) {
   CPLIB_CHECK_VALUE(call.unknown.empty(), "cplib.", op, ": ", call.unknown);
-  Config cfg = check_local(op, q, k, v, call.causal, call.scale, call.backend,
-                           call.has_positions());
+  Config cfg;
+  static_cast<attention::BlockConfig&>(cfg) = attention::check_block_args(
+      op, q, k, v, call.causal, call.scale, call.backend, call.has_positions());
   // Without seq_len the global length is N times the local one, two equal
   // chunks per rank when load balanced.
   CPLIB_CHECK_VALUE(call.seq_len || !call.head_tail() || call.has_positions() ||
@@ -282,8 +211,7 @@ Config check_args(const char* op, const Tensor& q, const Tensor& k, const Tensor
 }
 
 bool pass_q_moves_less(int64_t q_tokens, int64_t kv_tokens, int64_t q_heads, int64_t kv_heads,
-                       int64_t head_dim, int64_t v_head_dim, int64_t elem_size,
-                       int64_t acc_size) {
+                       int64_t head_dim, int64_t v_head_dim, int64_t elem_size, int64_t acc_size) {
   // pass-KV: every k/v row travels; pass-Q: every q row travels and its
   // partial out and lse (accumulator dtype) come back.
   const double kv = static_cast<double>(kv_tokens) * kv_heads * (head_dim + v_head_dim) * elem_size;

@@ -4,21 +4,20 @@
 // accumulation is fp32 (fp64).
 #include <limits>
 
+#include "attention/block.h"
+#include "attention/heads.h"
 #include "common/aten.h"
-#include "ring/ring_block.h"
 #include "ring/ring_forward.h"
-#include "ring/ring_heads.h"
 #include "ring/ring_plan.h"
 #include "ring/ring_rotate.h"
 
 namespace cplib::ring {
 
 std::tuple<Tensor, Tensor, Tensor> ring_backward(const Config& cfg, const Tensor& grad_out,
-                                                 const Tensor& q, const Tensor& k,
-                                                 const Tensor& v, const Tensor& out,
-                                                 const Tensor& lse) {
+                                                 const Tensor& q, const Tensor& k, const Tensor& v,
+                                                 const Tensor& out, const Tensor& lse) {
   const int64_t Lq = q.size(2);
-  const auto acc = acc_dtype(q);
+  const auto acc = attention::acc_dtype(q);
   const aten::Opts acc_opts = aten::opts_of(q).dtype_(acc);
   Tensor dq = aten::empty(aten::sizes_of(q), acc_opts);
   bool dq_written = false;  // the first call over every row initialises it
@@ -26,7 +25,7 @@ std::tuple<Tensor, Tensor, Tensor> ring_backward(const Config& cfg, const Tensor
   const RingPlan plan(cfg);
   BlockRing ring(cfg, plan, k, v);
   GradRing grads(cfg, plan, k, v, acc);
-  HeadExpander expand_k(cfg.groups, k, cfg.kv_layout.max_local_len()),
+  attention::HeadExpander expand_k(cfg.groups, k, cfg.kv_layout.max_local_len()),
       expand_v(cfg.groups, v, cfg.kv_layout.max_local_len());
   // A row that sees no key at all has lse -inf, and the block backward's
   // exp(score - lse) would be NaN there; +inf gives probability 0 to every
@@ -50,7 +49,7 @@ std::tuple<Tensor, Tensor, Tensor> ring_backward(const Config& cfg, const Tensor
         auto rows = [&c](const Tensor& t) { return aten::rows(t, 2, c.q_local, c.q_len); };
         Tensor mask;
         if (c.kind == Visibility::partial) mask = plan.mask(c, aten::opts_of(q)).first;
-        auto [gq, gk, gv] = block_backward(
+        auto [gq, gk, gv] = attention::block_backward(
             cfg, rows(grad_out), rows(q), expand_k(aten::rows(blk[0], 2, c.k_local, c.k_len)),
             expand_v(aten::rows(blk[1], 2, c.k_local, c.k_len)), rows(out), rows(lse_of(c)),
             c.kind == Visibility::causal, mask);

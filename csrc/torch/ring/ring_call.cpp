@@ -5,27 +5,10 @@
 #include <algorithm>
 
 #include "common/aten.h"
+#include "common/names.h"
 
 namespace cplib::ring {
 namespace {
-
-template <size_t N>
-std::string quoted(const std::array<std::string_view, N>& names) {
-  std::string out;
-  for (size_t i = 0; i < N; ++i) out += str(i ? ", " : "", "'", names[i], "'");
-  return out;
-}
-
-// The index of `value` among `names`, or -1 with `unknown` set to the
-// message naming it (the first unknown choice of a call).
-template <size_t N>
-int64_t index_of(std::string_view what, const std::string& value,
-                 const std::array<std::string_view, N>& names, std::string& unknown) {
-  for (size_t i = 0; i < N; ++i)
-    if (names[i] == value) return static_cast<int64_t>(i);
-  if (unknown.empty()) unknown = str(what, "='", value, "' is not one of ", quoted(names));
-  return -1;
-}
 
 // The enum E whose values are the indices of `names` (their order is the
 // enum's); its first value for an unknown name (then `unknown` says so).
@@ -43,8 +26,8 @@ std::string ring_choices() {
     for (const auto& n : names) out += str(out.empty() ? "" : ",", n);
     return out;
   };
-  return str("rotate=", list(kRotateNames), ";layout=", list(kLayoutNames), ";backend=",
-             list(kBackendNames), ";ring_pass=", list(kPassNames));
+  return str("rotate=", list(kRotateNames), ";layout=", list(kLayoutNames),
+             ";backend=", list(attention::kBackendNames), ";ring_pass=", list(kPassNames));
 }
 
 }  // namespace
@@ -52,19 +35,6 @@ std::string ring_choices() {
 std::string ring_schema(std::string_view head, std::string_view tail) {
   return str(head, kRingCallArgs, tail);
 }
-
-namespace {
-
-template <size_t N>
-size_t checked_index(const char* op, const char* what, const std::string& value,
-                     const std::array<std::string_view, N>& names) {
-  std::string unknown;
-  const int64_t i = index_of(what, value, names, unknown);
-  CPLIB_CHECK_VALUE(i >= 0, "cplib.", op, ": ", unknown);
-  return static_cast<size_t>(i);
-}
-
-}  // namespace
 
 Rotate parse_rotate(const char* op, const std::string& name) {
   return static_cast<Rotate>(checked_index(op, "rotate", name, kRotateNames));
@@ -74,31 +44,22 @@ SeqLayout parse_layout(const char* op, const std::string& name) {
   return static_cast<SeqLayout>(checked_index(op, "layout", name, kLayoutNames));
 }
 
-int64_t backend_code(const char* op, const std::string& name) {
-  return kBackendCodes[checked_index(op, "backend", name, kBackendNames)];
-}
-
-std::string_view backend_name(int64_t code) {
-  for (size_t i = 0; i < kBackendCodes.size(); ++i)
-    if (kBackendCodes[i] == code) return kBackendNames[i];
-  return "?";
-}
-
 RingCall RingCall::read(StackReader& in) {
   RingCall c;
-  c.group_name = in.next_string();
+  c.group_name = in.next<std::string>();
   c.causal = in.next<bool>();
-  c.layout = parse<SeqLayout>("layout", in.next_string(), kLayoutNames, c.unknown);
+  c.layout = parse<SeqLayout>("layout", in.next<std::string>(), kLayoutNames, c.unknown);
   c.scale = in.next<std::optional<double>>();
-  const int64_t b = index_of("backend", in.next_string(), kBackendNames, c.unknown);
-  c.backend = kBackendCodes[static_cast<size_t>(std::max<int64_t>(0, b))];
-  c.rotate = parse<Rotate>("rotate", in.next_string(), kRotateNames, c.unknown);
+  const int64_t b = index_of("backend", in.next<std::string>(), attention::kBackendNames,
+                             c.unknown);
+  c.backend = attention::kBackendCodes[static_cast<size_t>(std::max<int64_t>(0, b))];
+  c.rotate = parse<Rotate>("rotate", in.next<std::string>(), kRotateNames, c.unknown);
   c.cu_seqlens = in.next<std::optional<Tensor>>();
   c.window = in.next<std::optional<std::vector<int64_t>>>();
   c.seq_len = in.next<std::optional<int64_t>>();
   c.q_positions = in.next<std::optional<Tensor>>();
   c.kv_positions = in.next<std::optional<Tensor>>();
-  c.ring_pass = parse<Pass>("ring_pass", in.next_string(), kPassNames, c.unknown);
+  c.ring_pass = parse<Pass>("ring_pass", in.next<std::string>(), kPassNames, c.unknown);
   return c;
 }
 
@@ -124,7 +85,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
 
 // No tensor arguments: CompositeExplicitAutograd.
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CompositeExplicitAutograd, m) {
-  m.impl("ring_choices", TORCH_BOX(&ring_choices));
+  m.impl("ring_choices", CPLIB_BOX(&ring_choices));
 }
 
 }  // namespace cplib::ring

@@ -4,9 +4,10 @@
 // composed into each op's schema (ring_schema), parsed once from the op's
 // stack into a RingCall (RingCall::read), which the ring passes down.
 //
-// The names of each choice (rotation, layout, CUDA backend, ring pass) are
-// defined here and nowhere else: the schemas take them as strings, and
-// cplib_c::ring_choices hands them to Python (cplib/ring/names.py).
+// The names of each choice (rotation, layout, ring pass) are defined here
+// and nowhere else, the CUDA backends' in attention/backend.h: the schemas
+// take them as strings, and cplib_c::ring_choices hands them all to Python
+// (cplib/ring/names.py).
 #pragma once
 
 #include <array>
@@ -15,8 +16,9 @@
 #include <string_view>
 #include <vector>
 
-#include "common/stack.h"
+#include "attention/backend.h"
 #include "common/stable.h"
+#include "common/stack.h"
 
 // Internal to the extension (torch's stable types are hidden).
 #pragma GCC visibility push(hidden)
@@ -36,26 +38,13 @@ inline constexpr std::array<std::string_view, 3> kRotateNames{"p2p", "alltoall",
 // document placement ("placement", ring_placement.h).
 enum class SeqLayout : int64_t { sequential, head_tail, per_document, placement };
 inline constexpr std::array<std::string_view, 4> kLayoutNames{"sequential", "head_tail",
-                                                             "per_document", "placement"};
+                                                              "per_document", "placement"};
 
 // What travels: keys and values ("kv"), the queries with the partial
 // (out, lse) coming back ("q", forward only), or the one that moves fewer
 // bytes ("auto", resolved per call: ring_agreed.h).
 enum class Pass : int64_t { kv, q, fewer_bytes };
 inline constexpr std::array<std::string_view, 3> kPassNames{"kv", "q", "auto"};
-
-// The CUDA block kernels by name, as their at::SDPBackend values. "auto":
-// chosen as scaled_dot_product_attention would (torch.nn.attention.sdpa_kernel
-// is honoured). CPU always runs _scaled_dot_product_flash_attention_for_cpu
-// and accepts only "auto" and "flash".
-constexpr int64_t kBackendAuto = -1;
-constexpr int64_t kBackendFlash = 1;
-constexpr int64_t kBackendEfficient = 2;
-constexpr int64_t kBackendCudnn = 3;
-inline constexpr std::array<std::string_view, 4> kBackendNames{"auto", "flash", "efficient",
-                                                              "cudnn"};
-inline constexpr std::array<int64_t, 4> kBackendCodes{kBackendAuto, kBackendFlash,
-                                                      kBackendEfficient, kBackendCudnn};
 
 // The arguments every ring op takes after its tensors, in RingCall's order.
 inline constexpr const char* kRingCallArgs =
@@ -71,9 +60,6 @@ std::string ring_schema(std::string_view head, std::string_view tail);
 // and the value when it is none of the names.
 Rotate parse_rotate(const char* op, const std::string& name);
 SeqLayout parse_layout(const char* op, const std::string& name);
-int64_t backend_code(const char* op, const std::string& name);
-// The name of a backend code ("?" for none).
-std::string_view backend_name(int64_t code);
 
 // The values of the integer tensors a ring plans with, on the host: each
 // read at most once per op (for a tensor on the GPU, one device-to-host copy;
@@ -89,11 +75,11 @@ struct RingCall {
   bool causal = false;
   SeqLayout layout = SeqLayout::sequential;
   std::optional<double> scale;
-  int64_t backend = kBackendAuto;
+  int64_t backend = attention::kBackendAuto;  // attention/backend.h
   Rotate rotate = Rotate::p2p;
-  std::optional<Tensor> cu_seqlens;             // global document bounds [0, ..., S]
-  std::optional<std::vector<int64_t>> window;   // (left, right)
-  std::optional<int64_t> seq_len;               // global S of uneven shards
+  std::optional<Tensor> cu_seqlens;            // global document bounds [0, ..., S]
+  std::optional<std::vector<int64_t>> window;  // (left, right)
+  std::optional<int64_t> seq_len;              // global S of uneven shards
   // Explicit global positions of this rank's q rows and k/v rows (both or neither).
   std::optional<Tensor> q_positions, kv_positions;
   Pass ring_pass = Pass::kv;

@@ -50,10 +50,11 @@ void learn_local_lengths(const char* op, Config& cfg, const Tensor& q, const Ten
   std::vector<int64_t> lq(n), lk(n);
   for (int64_t r = 0; r < n; ++r) lq[r] = table[2 * r], lk[r] = table[2 * r + 1];
   if (all_equal(lq) && all_equal(lk)) return;
-  const bool positional =
-      cfg.causal || cfg.layout != SeqLayout::sequential || call.cu_seqlens || call.window;
+  const bool positional = cfg.causal || cfg.layout != SeqLayout::sequential || call.cu_seqlens ||
+                          call.window;
   CPLIB_CHECK_VALUE(!positional, "cplib.", op, ": the ranks' local lengths differ (q ", list(lq),
-                    ", k/v ", list(lk), "), which only non-causal attention without documents, "
+                    ", k/v ", list(lk),
+                    "), which only non-causal attention without documents, "
                     "windows or load balancing accepts; pass seq_len for a layout cplib derives");
   cfg.q_layout = {0, n, false, {}, lq, {}, {}};
   cfg.kv_layout = {0, n, false, {}, lk, {}, {}};
@@ -79,7 +80,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
 
 // No tensor arguments: CompositeExplicitAutograd.
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CompositeExplicitAutograd, m) {
-  m.impl("gather_local_lengths", TORCH_BOX(&gather_local_lengths_op));
+  m.impl("gather_local_lengths", CPLIB_BOX(&gather_local_lengths_op));
 }
 
 }  // namespace cplib::ring

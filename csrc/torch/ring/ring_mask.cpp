@@ -83,8 +83,8 @@ std::pair<Tensor, Tensor> Mask::build_at(const std::vector<int64_t>& q_pos,
     const Tensor kdt = aten::view(aten::from_host(kd, dev), {1, static_cast<int64_t>(lk)});
     visible = aten::logical_and(visible, aten::eq(kdt, column(qd)));
   }
-  Tensor additive =
-      aten::where_scalars(visible, 0.0, -std::numeric_limits<double>::infinity(), opts);
+  Tensor additive = aten::where_scalars(visible, 0.0, -std::numeric_limits<double>::infinity(),
+                                        opts);
   return {additive, aten::logical_not(aten::any_dim(visible, 1))};
 }
 

@@ -8,8 +8,8 @@
 
 #include <vector>
 
-#include "common/stable.h"
 #include "common/aten.h"
+#include "common/stable.h"
 
 #include "ring/ring_layout.h"
 
@@ -22,9 +22,9 @@ enum class Visibility { empty, full, causal, partial };
 
 struct Mask {
   bool causal = false;
-  int64_t seq_len = 0;           // S (the larger of q's and kv's)
-  int64_t left = 0, right = 0;   // window sides, clamped to [0, S]; causal: right = 0
-  std::vector<int64_t> bounds;   // cu_seqlens; empty: one document
+  int64_t seq_len = 0;          // S (the larger of q's and kv's)
+  int64_t left = 0, right = 0;  // window sides, clamped to [0, S]; causal: right = 0
+  std::vector<int64_t> bounds;  // cu_seqlens; empty: one document
 
   // No mask at all: every key visible from every query.
   bool dense() const;

@@ -4,6 +4,7 @@
 // debug counter of the bytes the rings have sent.
 #include <initializer_list>
 
+#include "attention/sinks.h"
 #include "comm/handshake.h"
 #include "common/format.h"
 #include "ring/ring_agreed.h"
@@ -44,7 +45,8 @@ void describe(CallSignature& sig, NamedTensors tensors, const RingCall& call,
   static const std::string kLayout = legend("layout", kLayoutNames, indices<4>());
   static const std::string kRotate = legend("rotate", kRotateNames, indices<3>());
   static const std::string kPass = legend("ring_pass", kPassNames, indices<3>());
-  static const std::string kBackend = legend("backend", kBackendNames, kBackendCodes);
+  static const std::string kBackend = legend("backend", attention::kBackendNames,
+                                             attention::kBackendCodes);
   // The device first: a rank on other tensors (meta beside CPU, say) differs
   // in everything after it, and this names the cause.
   const Tensor& q = *tensors.begin()->second;
@@ -92,8 +94,8 @@ thread_local Agreed t_agreed;
 // that could fail on one rank alone. `learned`: every rank's {q rows, k/v
 // rows}, when exchanged.
 template <class F>
-Config agreed_config(const char* op, const RingCall& call, NamedTensors tensors,
-                     F&& more_checks, const Agreed* covered, std::vector<int64_t>& learned) {
+Config agreed_config(const char* op, const RingCall& call, NamedTensors tensors, F&& more_checks,
+                     const Agreed* covered, std::vector<int64_t>& learned) {
   const Group group = covered ? covered->group(call.group_name) : resolve_group(call.group_name);
   const Tensor& q = *tensors.begin()->second;
   const Tensor& k = *(tensors.begin() + 1)->second;
@@ -140,9 +142,12 @@ void ring_sdpa(StableIValue* stack, uint64_t num_args, uint64_t) {
   in.done();
   aten::NoGradGuard no_grad;
   std::vector<int64_t> lengths;
-  Config cfg = agreed_config("ring_sdpa", call, {{"q", &q}, {"k", &k}, {"v", &v}}, [&] {
-    if (sinks) check_sinks("ring_sdpa", q, *sinks);
-  }, nullptr, lengths);
+  Config cfg = agreed_config(
+      "ring_sdpa", call, {{"q", &q}, {"k", &k}, {"v", &v}},
+      [&] {
+        if (sinks) attention::check_sinks("ring_sdpa", q, *sinks);
+      },
+      nullptr, lengths);
   finish_config(cfg, call, q, k, v, lengths);
   auto [out, lse] = ring_forward(cfg, q, k, v, sinks ? *sinks : Tensor());
   t_agreed = agreed_of(cfg, call, std::move(lengths));
@@ -160,16 +165,16 @@ void check_backward_tensors(const Tensor& grad_out, const Tensor& q, const Tenso
   CPLIB_CHECK_VALUE(grad_out.sizes().vec() == out_sizes && out.sizes().vec() == out_sizes, "cplib.",
                     "ring_sdpa_backward: grad_out ", grad_out.sizes(), " and out ", out.sizes(),
                     " must have shape ", format_sizes(out_sizes));
-  CPLIB_CHECK_VALUE(grad_out.scalar_type() == q.scalar_type() &&
-                        out.scalar_type() == q.scalar_type(),
-                    "cplib.ring_sdpa_backward: grad_out (", grad_out.scalar_type(), ") and out (",
-                    out.scalar_type(), ") must have q's dtype ", q.scalar_type());
-  CPLIB_CHECK_VALUE(lse.sizes().vec() == lse_sizes && lse.scalar_type() == acc_dtype(q),
-                    "cplib.ring_sdpa_backward: lse must be ", acc_dtype(q), " of shape ",
+  CPLIB_CHECK_VALUE(
+      grad_out.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
+      "cplib.ring_sdpa_backward: grad_out (", grad_out.scalar_type(), ") and out (",
+      out.scalar_type(), ") must have q's dtype ", q.scalar_type());
+  CPLIB_CHECK_VALUE(lse.sizes().vec() == lse_sizes && lse.scalar_type() == attention::acc_dtype(q),
+                    "cplib.ring_sdpa_backward: lse must be ", attention::acc_dtype(q), " of shape ",
                     format_sizes(lse_sizes), ", got ", lse.scalar_type(), " ", lse.sizes());
-  CPLIB_CHECK_VALUE(grad_out.device() == q.device() && out.device() == q.device() &&
-                        lse.device() == q.device(),
-                    "cplib.ring_sdpa_backward: grad_out, out and lse must be on ", q.device());
+  CPLIB_CHECK_VALUE(
+      grad_out.device() == q.device() && out.device() == q.device() && lse.device() == q.device(),
+      "cplib.ring_sdpa_backward: grad_out, out and lse must be on ", q.device());
 }
 
 // [agreed,] grad_out, q, k, v, out, lse, <call> -> (dq, dk, dv). With the
@@ -183,8 +188,8 @@ void backward(StableIValue* stack, uint64_t num_args, bool covered) {
                v = in.next<Tensor>(), out = in.next<Tensor>(), lse = in.next<Tensor>();
   RingCall call = RingCall::read(in);
   in.done();
-  const std::optional<Agreed> agreed =
-      covered ? std::optional<Agreed>(Agreed::from_record(record)) : std::nullopt;
+  const std::optional<Agreed> agreed = covered ? std::optional<Agreed>(Agreed::from_record(record))
+                                               : std::nullopt;
   // The backward always runs the pass-KV ring (pass-Q is forward only).
   call.ring_pass = Pass::kv;
   aten::NoGradGuard no_grad;
@@ -218,7 +223,7 @@ void ring_sdpa_backward_covered(StableIValue* stack, uint64_t num_args, uint64_t
 // cplib_c::handshake_error).
 void describe_call(StableIValue* stack, uint64_t num_args, uint64_t) {
   StackReader in(stack, num_args, "ring_describe_call");
-  const std::string op = in.next_string();
+  const std::string op = in.next<std::string>();
   const std::vector<Tensor> tensors = in.next<std::vector<Tensor>>();
   RingCall call = RingCall::read(in);
   in.done();
@@ -234,8 +239,13 @@ void describe_call(StableIValue* stack, uint64_t num_args, uint64_t) {
       describe(hs.sig(), {{"q", &tensors[0]}, {"k", &tensors[1]}, {"v", &tensors[2]}}, call,
                nullptr);
     else
-      describe(hs.sig(), {{"q", &tensors[1]}, {"k", &tensors[2]}, {"v", &tensors[3]},
-                          {"grad_out", &tensors[0]}, {"out", &tensors[4]}, {"lse", &tensors[5]}},
+      describe(hs.sig(),
+               {{"q", &tensors[1]},
+                {"k", &tensors[2]},
+                {"v", &tensors[3]},
+                {"grad_out", &tensors[0]},
+                {"out", &tensors[4]},
+                {"lse", &tensors[5]}},
                call, nullptr);
     const Tensor& q = tensors[tensors.size() == 3 ? 0 : 1];
     const Tensor& k = tensors[tensors.size() == 3 ? 1 : 2];
@@ -296,10 +306,10 @@ STABLE_TORCH_LIBRARY_IMPL(cplib_c, CUDA, m) {
 
 // Ops without tensor arguments dispatch to CompositeExplicitAutograd.
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CompositeExplicitAutograd, m) {
-  m.impl("ring_debug_bytes_sent", TORCH_BOX(&ring_debug_bytes_sent));
-  m.impl("ring_debug_last_pass", TORCH_BOX(&ring_debug_last_pass));
-  m.impl("ring_debug_block_shape", TORCH_BOX(&ring_debug_block_shape));
-  m.impl("ring_agreed_record", TORCH_BOX(&ring_agreed_record));
+  m.impl("ring_debug_bytes_sent", CPLIB_BOX(&ring_debug_bytes_sent));
+  m.impl("ring_debug_last_pass", CPLIB_BOX(&ring_debug_last_pass));
+  m.impl("ring_debug_block_shape", CPLIB_BOX(&ring_debug_block_shape));
+  m.impl("ring_agreed_record", CPLIB_BOX(&ring_agreed_record));
   m.impl("ring_describe_call", &describe_call);
 }
 

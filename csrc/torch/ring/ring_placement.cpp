@@ -40,9 +40,8 @@ std::shared_ptr<const Placement> compute(const std::vector<int64_t>& bounds, int
 
 std::shared_ptr<const Placement> document_placement(const std::vector<int64_t>& bounds,
                                                     int64_t ranks) {
-  auto hit = std::find_if(t_cache.begin(), t_cache.end(), [&](const Entry& e) {
-    return e.ranks == ranks && e.bounds == bounds;
-  });
+  auto hit = std::find_if(t_cache.begin(), t_cache.end(),
+                          [&](const Entry& e) { return e.ranks == ranks && e.bounds == bounds; });
   if (hit != t_cache.end()) {
     std::rotate(t_cache.begin(), hit, hit + 1);
     return t_cache.front().placement;
@@ -67,14 +66,18 @@ namespace {
 std::vector<int64_t> document_placement_op(std::vector<int64_t> cu_seqlens, int64_t world_size) {
   CPLIB_CHECK_VALUE(world_size >= 1, "cplib.document_placement: world_size must be >= 1, got ",
                     world_size);
-  CPLIB_CHECK_VALUE(cu_seqlens.size() >= 2 && cu_seqlens.front() == 0, "cplib.document_placement: "
+  CPLIB_CHECK_VALUE(cu_seqlens.size() >= 2 && cu_seqlens.front() == 0,
+                    "cplib.document_placement: "
                     "cu_seqlens must be [0, ..., S] with at least 2 entries");
   for (size_t i = 1; i < cu_seqlens.size(); ++i)
-    CPLIB_CHECK_VALUE(cu_seqlens[i] > cu_seqlens[i - 1], "cplib.document_placement: cu_seqlens "
-                      "must be strictly increasing, got ", cu_seqlens[i - 1], " then ",
-                      cu_seqlens[i], " at index ", i);
-  CPLIB_CHECK_VALUE(cu_seqlens.back() >= world_size, "cplib.document_placement: the sequence "
-                    "length ", cu_seqlens.back(), " is shorter than the world size ", world_size,
+    CPLIB_CHECK_VALUE(cu_seqlens[i] > cu_seqlens[i - 1],
+                      "cplib.document_placement: cu_seqlens "
+                      "must be strictly increasing, got ",
+                      cu_seqlens[i - 1], " then ", cu_seqlens[i], " at index ", i);
+  CPLIB_CHECK_VALUE(cu_seqlens.back() >= world_size,
+                    "cplib.document_placement: the sequence "
+                    "length ",
+                    cu_seqlens.back(), " is shorter than the world size ", world_size,
                     " (every rank needs a token)");
   return flatten(*document_placement(cu_seqlens, world_size));
 }
@@ -87,7 +90,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
 
 // No tensor arguments: CompositeExplicitAutograd.
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CompositeExplicitAutograd, m) {
-  m.impl("document_placement", TORCH_BOX(&document_placement_op));
+  m.impl("document_placement", CPLIB_BOX(&document_placement_op));
 }
 
 }  // namespace cplib::ring

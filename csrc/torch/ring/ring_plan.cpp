@@ -20,8 +20,9 @@ int64_t mod(int64_t a, int64_t n) { return ((a % n) + n) % n; }
 // positions: a cache's positions change every call).
 std::vector<int64_t> plan_key(const Config& c) {
   if (c.q_layout.is_explicit() || c.kv_layout.is_explicit()) return {};
-  std::vector<int64_t> key{c.rank, c.size, static_cast<int64_t>(c.rotate), c.pass_q,
-                           c.mask.causal, c.mask.seq_len, c.mask.left, c.mask.right};
+  std::vector<int64_t> key{c.rank,      c.size,        static_cast<int64_t>(c.rotate),
+                           c.pass_q,    c.mask.causal, c.mask.seq_len,
+                           c.mask.left, c.mask.right};
   auto add = [&key](const std::vector<int64_t>& v) {
     key.push_back(static_cast<int64_t>(v.size()));
     key.insert(key.end(), v.begin(), v.end());

@@ -42,9 +42,9 @@ class RingPlan {
   // the values it depends on (the layouts, the mask, rank, size, rotation).
   struct Tables {
     std::vector<int64_t> offsets;
-    std::vector<char> needs;             // [offset * size + rank]
+    std::vector<char> needs;               // [offset * size + rank]
     std::vector<std::vector<Call>> calls;  // per step
-    std::vector<Rows> recv, send;        // per step
+    std::vector<Rows> recv, send;          // per step
   };
 
   explicit RingPlan(const Config& cfg);

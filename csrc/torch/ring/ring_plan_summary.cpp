@@ -17,17 +17,12 @@ constexpr const char* kOp = "ring_plan_summary";
 // step [offset, receives, sends, rows received, rows sent, calls], then per
 // call [kind (1 full, 2 causal, 3 partial), q rows, k rows].
 // `layout` and `rotate` by name, as the ring takes them (ring_call.h).
-std::vector<int64_t> ring_plan_summary_op(StableIValue* stack, uint64_t num_args) {
-  StackReader in(stack, num_args, kOp);
-  const int64_t seq_len = in.next<int64_t>(), world_size = in.next<int64_t>();
-  const bool is_causal = in.next<bool>();
-  const std::string layout = in.next_string();
-  const auto cu_seqlens = in.next<std::optional<std::vector<int64_t>>>();
-  const auto window = in.next<std::optional<std::vector<int64_t>>>();
-  const std::string rotate = in.next_string();
-  in.done();
-  CPLIB_CHECK_VALUE(world_size >= 1, "cplib.", kOp, ": world_size must be >= 1, got ",
-                    world_size);
+std::vector<int64_t> ring_plan_summary_op(int64_t seq_len, int64_t world_size, bool is_causal,
+                                          std::string layout,
+                                          std::optional<std::vector<int64_t>> cu_seqlens,
+                                          std::optional<std::vector<int64_t>> window,
+                                          std::string rotate) {
+  CPLIB_CHECK_VALUE(world_size >= 1, "cplib.", kOp, ": world_size must be >= 1, got ", world_size);
   CPLIB_CHECK_VALUE(seq_len >= world_size, "cplib.", kOp, ": seq_len=", seq_len,
                     " is shorter than the world size ", world_size);
   Config cfg;
@@ -35,8 +30,8 @@ std::vector<int64_t> ring_plan_summary_op(StableIValue* stack, uint64_t num_args
   cfg.causal = is_causal;
   cfg.layout = parse_layout(kOp, layout);
   cfg.rotate = parse_rotate(kOp, rotate);
-  const bool documented =
-      cfg.layout == SeqLayout::per_document || cfg.layout == SeqLayout::placement;
+  const bool documented = cfg.layout == SeqLayout::per_document ||
+                          cfg.layout == SeqLayout::placement;
   CPLIB_CHECK_VALUE(!documented || cu_seqlens, "cplib.", kOp, ": layout='", layout,
                     "' needs cu_seqlens");
   if (cu_seqlens) {
@@ -52,9 +47,9 @@ std::vector<int64_t> ring_plan_summary_op(StableIValue* stack, uint64_t num_args
     out.push_back(plan.steps());
     for (int64_t s = 0; s < plan.steps(); ++s) {
       const std::vector<Call>& calls = plan.calls(s);
-      out.insert(out.end(), {plan.offset(s), plan.receives(s), s > 0 && plan.sends(s),
-                             plan.recv_len(s), plan.send_len(s),
-                             static_cast<int64_t>(calls.size())});
+      out.insert(out.end(),
+                 {plan.offset(s), plan.receives(s), s > 0 && plan.sends(s), plan.recv_len(s),
+                  plan.send_len(s), static_cast<int64_t>(calls.size())});
       for (const Call& c : calls)
         out.insert(out.end(), {static_cast<int64_t>(c.kind), c.q_len, c.k_len});
     }
@@ -65,15 +60,14 @@ std::vector<int64_t> ring_plan_summary_op(StableIValue* stack, uint64_t num_args
 }  // namespace
 
 STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
-  m.def("ring_plan_summary(int seq_len, int world_size, bool is_causal, str layout, "
-        "int[]? cu_seqlens, int[]? window, str rotate) -> int[]");
+  m.def(
+      "ring_plan_summary(int seq_len, int world_size, bool is_causal, str layout, "
+      "int[]? cu_seqlens, int[]? window, str rotate) -> int[]");
 }
 
 // No tensor arguments: CompositeExplicitAutograd.
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CompositeExplicitAutograd, m) {
-  m.impl("ring_plan_summary", [](StableIValue* stack, uint64_t num_args, uint64_t) {
-    stack[0] = torch::stable::detail::from(ring_plan_summary_op(stack, num_args));
-  });
+  m.impl("ring_plan_summary", CPLIB_BOX(&ring_plan_summary_op));
 }
 
 }  // namespace cplib::ring

@@ -3,7 +3,7 @@
 
 #include <atomic>
 
-#include "ring/ring_heads.h"
+#include "attention/heads.h"
 
 namespace cplib::ring {
 
@@ -33,8 +33,7 @@ KV Packing::views(const Tensor& buf, int64_t len, int64_t offset) const {
           aten::carve(buf, sizes(1, len), offset + numel(0, len))};
 }
 
-KV Packing::views_padded(const Tensor& buf, int64_t len, int64_t longest,
-                         int64_t offset) const {
+KV Packing::views_padded(const Tensor& buf, int64_t len, int64_t longest, int64_t offset) const {
   const KV full = views(buf, longest, offset);
   return {aten::rows(full[0], 2, 0, len), aten::rows(full[1], 2, 0, len)};
 }
@@ -73,7 +72,8 @@ BlockRing::BlockRing(const Config& cfg, const RingPlan& plan, const Tensor& k, c
     : cfg_(cfg),
       plan_(plan),
       // Step 0 attends them as they are: kernels want dense rows.
-      local_{k.is_contiguous() ? k : aten::contiguous(k), v.is_contiguous() ? v : aten::contiguous(v)},
+      local_{k.is_contiguous() ? k : aten::contiguous(k),
+             v.is_contiguous() ? v : aten::contiguous(v)},
       pack_(k, v) {}
 
 const Tensor& BlockRing::packed(int64_t longest) {
@@ -151,14 +151,19 @@ void BlockRing::finish() {
 
 GradRing::GradRing(const Config& cfg, const RingPlan& plan, const Tensor& k, const Tensor& v,
                    ScalarType acc)
-    : cfg_(cfg), plan_(plan), pack_(k, v), own_len_(k.size(2)), opts_(aten::opts_of(k).dtype_(acc)) {
+    : cfg_(cfg),
+      plan_(plan),
+      pack_(k, v),
+      own_len_(k.size(2)),
+      opts_(aten::opts_of(k).dtype_(acc)) {
   const int64_t longest = cfg.kv_layout.max_local_len();
   if (cfg.rotate == Rotate::allgather && cfg.size > 1) {
     all_ = aten::zeros({cfg.size * pack_.total(longest)}, opts_);
     own_fresh_ = false;
     return;
   }
-  own_ = {aten::empty(pack_.sizes(0, own_len_), opts_), aten::empty(pack_.sizes(1, own_len_), opts_)};
+  own_ = {aten::empty(pack_.sizes(0, own_len_), opts_),
+          aten::empty(pack_.sizes(1, own_len_), opts_)};
 }
 
 KV& GradRing::slot(int64_t s) {
@@ -202,8 +207,8 @@ void GradRing::add(int64_t s, const Tensor& gk, const Tensor& gv, int64_t start,
   }
   fresh = false;
   for (int p = 0; p < 2; ++p)
-    reduce_heads_into(aten::rows(acc[p], 2, start, len), p == 0 ? gk : gv, cfg_.groups,
-                      !overwrite);
+    attention::reduce_heads_into(aten::rows(acc[p], 2, start, len), p == 0 ? gk : gv, cfg_.groups,
+                                 !overwrite);
 }
 
 void GradRing::settle() {

@@ -20,8 +20,8 @@
 #include "comm/collectives.h"
 #include "common/stable.h"
 
-#include "ring/ring.h"
 #include "common/aten.h"
+#include "ring/ring.h"
 #include "ring/ring_plan.h"
 
 // Internal to the extension (torch's stable types are hidden).
@@ -85,7 +85,7 @@ class BlockRing {
   // p2p / alltoall: the received blocks (flat, fresh from the exchange):
   // step s's block and step s+1's, in flight; never more.
   std::array<Tensor, 2> buf_;
-  Tensor gathered_;  // allgather: N padded packed blocks, rank-major
+  Tensor gathered_;                          // allgather: N padded packed blocks, rank-major
   std::array<std::vector<Tensor>, 2> recv_;  // unwaited exchange outputs
 };
 
@@ -129,15 +129,15 @@ class GradRing {
   int64_t own_len_;
   aten::Opts opts_;
   KV own_;
-  Tensor send_;               // packed dk|dv, flat, longest block; allocated on first use
-  Tensor sending_;            // what holds send_step_'s gradient: send_, or a spent block
-  Tensor spent_;              // the block buffer offered for spent_step_'s gradient
+  Tensor send_;     // packed dk|dv, flat, longest block; allocated on first use
+  Tensor sending_;  // what holds send_step_'s gradient: send_, or a spent block
+  Tensor spent_;    // the block buffer offered for spent_step_'s gradient
   int64_t spent_step_ = -1;
-  Tensor recv_;               // packed, what the last pass brought back (fresh)
-  int64_t recv_step_ = -1;    // the step whose gradient recv_ holds (its rows: send_rows)
-  int64_t send_step_ = -1;    // the step whose gradient send_ holds
-  bool send_fresh_ = false;   // send_ belongs to send_step_ but nothing is written yet
-  bool recv_full_ = false;    // recv_ holds (or is receiving) a gradient not yet absorbed
+  Tensor recv_;              // packed, what the last pass brought back (fresh)
+  int64_t recv_step_ = -1;   // the step whose gradient recv_ holds (its rows: send_rows)
+  int64_t send_step_ = -1;   // the step whose gradient send_ holds
+  bool send_fresh_ = false;  // send_ belongs to send_step_ but nothing is written yet
+  bool recv_full_ = false;   // recv_ holds (or is receiving) a gradient not yet absorbed
   bool own_fresh_ = true;
   KV view_;
   Tensor all_;  // allgather: every block's partial gradient, packed and padded, rank-major

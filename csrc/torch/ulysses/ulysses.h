@@ -34,23 +34,21 @@ Tensor reshard(const Tensor& x, std::string_view group_name, bool to_heads, int6
 // flight at once, every input checked before any exchange starts.
 std::vector<Tensor> reshard_many(const std::vector<Tensor>& xs, std::string_view group_name,
                                  bool to_heads, const std::vector<int64_t>& head_repeats,
-                                 const std::vector<int64_t>& lengths = {},
-                                 bool handshake = true);
+                                 const std::vector<int64_t>& lengths = {}, bool handshake = true);
 
 // Full-sequence attention of head-sharded q, k, v (k/v may have fewer heads:
 // GQA; v's head dim may differ: MLA). out is sequence-major (strides of
 // (S, B, H, D)), lse (B, H, S) contiguous in the accumulator dtype, as
 // ring_sdpa's; `sinks` (one logit per local q head) join the softmax.
 std::tuple<Tensor, Tensor> local_sdpa(const Tensor& q, const Tensor& k, const Tensor& v,
-                                      bool is_causal, std::optional<double> scale,
-                                      int64_t backend, const Tensor& sinks = {});
+                                      bool is_causal, std::optional<double> scale, int64_t backend,
+                                      const Tensor& sinks = {});
 
 // dq, dk, dv with the strides of a (B, S, H, D) tensor.
 std::tuple<Tensor, Tensor, Tensor> local_sdpa_backward(const Tensor& grad_out, const Tensor& q,
                                                        const Tensor& k, const Tensor& v,
                                                        const Tensor& out, const Tensor& lse,
-                                                       bool is_causal,
-                                                       std::optional<double> scale,
+                                                       bool is_causal, std::optional<double> scale,
                                                        int64_t backend);
 
 // Bytes this process has sent in Ulysses exchanges since the last reset (a

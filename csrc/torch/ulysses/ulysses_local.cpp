@@ -1,5 +1,5 @@
 // The attention each Ulysses rank runs on its heads over the whole sequence:
-// the ring's block kernels with a world of one (CPU flash; CUDA flash,
+// the shared block kernels (attention/) with a world of one (CPU flash; CUDA flash,
 // efficient or cuDNN as SDPA would choose), K/V expanded to q's heads only
 // for the kernel, and outputs in fixed layouts (so the fake kernel can state
 // them): the kernel's own tensor when it already has that layout, else one copy.
@@ -8,18 +8,18 @@
 #include <tuple>
 #include <vector>
 
+#include "attention/block.h"
+#include "attention/checks.h"
+#include "attention/heads.h"
+#include "attention/sinks.h"
+#include "common/aten.h"
 #include "common/format.h"
 #include "common/stable.h"
-#include "ring/ring.h"
-#include "common/aten.h"
-#include "ring/ring_block.h"
-#include "ring/ring_heads.h"
 #include "ulysses/ulysses.h"
 
 namespace cplib::ulysses {
 
 namespace {
-
 
 // An empty (B, H, S, D) tensor whose memory is ordered as dims `order` (outermost first).
 Tensor empty_ordered(const std::vector<int64_t>& sizes, std::array<int64_t, 4> order,
@@ -47,18 +47,18 @@ Tensor in_layout(const Tensor& t, std::array<int64_t, 4> order, ScalarType dtype
 }  // namespace
 
 std::tuple<Tensor, Tensor> local_sdpa(const Tensor& q, const Tensor& k, const Tensor& v,
-                                      bool is_causal, std::optional<double> scale,
-                                      int64_t backend, const Tensor& sinks) {
+                                      bool is_causal, std::optional<double> scale, int64_t backend,
+                                      const Tensor& sinks) {
   aten::NoGradGuard no_grad;
-  const ring::Config cfg =
-      ring::check_local_args("ulysses_local_sdpa", q, k, v, is_causal, scale, backend);
-  if (sinks.defined()) ring::check_sinks("ulysses_local_sdpa", q, sinks);
-  ring::HeadExpander expand_k(cfg.groups, k, k.size(2)), expand_v(cfg.groups, v, v.size(2));
-  ring::BlockResult r = ring::block_forward(cfg, q, expand_k(k), expand_v(v), is_causal);
-  const auto acc = ring::acc_dtype(q);
+  const attention::BlockConfig cfg = attention::check_local_args("ulysses_local_sdpa", q, k, v,
+                                                                 is_causal, scale, backend);
+  if (sinks.defined()) attention::check_sinks("ulysses_local_sdpa", q, sinks);
+  attention::HeadExpander expand_k(cfg.groups, k, k.size(2)), expand_v(cfg.groups, v, v.size(2));
+  attention::BlockResult r = attention::block_forward(cfg, q, expand_k(k), expand_v(v), is_causal);
+  const auto acc = attention::acc_dtype(q);
   if (sinks.defined()) {  // scaled in the accumulator dtype, then cast once
     Tensor out_acc = aten::to(r.out, acc);
-    r.lse = ring::apply_sinks(out_acc, r.lse, sinks);
+    r.lse = attention::apply_sinks(out_acc, r.lse, sinks);
     r.out = out_acc;
   }
   Tensor out = in_layout(r.out, kSeqMajor, q.scalar_type());
@@ -66,29 +66,31 @@ std::tuple<Tensor, Tensor> local_sdpa(const Tensor& q, const Tensor& k, const Te
   return {out, lse};
 }
 
-std::tuple<Tensor, Tensor, Tensor> local_sdpa_backward(
-    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-    const Tensor& lse, bool is_causal, std::optional<double> scale, int64_t backend) {
+std::tuple<Tensor, Tensor, Tensor> local_sdpa_backward(const Tensor& grad_out, const Tensor& q,
+                                                       const Tensor& k, const Tensor& v,
+                                                       const Tensor& out, const Tensor& lse,
+                                                       bool is_causal, std::optional<double> scale,
+                                                       int64_t backend) {
   aten::NoGradGuard no_grad;
-  const ring::Config cfg =
-      ring::check_local_args("ulysses_local_sdpa_backward", q, k, v, is_causal, scale, backend);
+  const attention::BlockConfig cfg = attention::check_local_args("ulysses_local_sdpa_backward", q,
+                                                                 k, v, is_causal, scale, backend);
   const std::vector<int64_t> out_sizes{q.size(0), q.size(1), q.size(2), v.size(3)};
   CPLIB_CHECK_VALUE(grad_out.sizes().vec() == out_sizes && out.sizes().vec() == out_sizes,
                     "cplib.ulysses_local_sdpa_backward: grad_out ", grad_out.sizes(), " and out ",
                     out.sizes(), " must have shape ", format_sizes(out_sizes));
   CPLIB_CHECK_VALUE(lse.dim() == 3 && lse.size(0) == q.size(0) && lse.size(1) == q.size(1) &&
-                        lse.size(2) == q.size(2) && lse.scalar_type() == ring::acc_dtype(q),
-                    "cplib.ulysses_local_sdpa_backward: lse must be ", ring::acc_dtype(q),
+                        lse.size(2) == q.size(2) && lse.scalar_type() == attention::acc_dtype(q),
+                    "cplib.ulysses_local_sdpa_backward: lse must be ", attention::acc_dtype(q),
                     " of shape (B, H, S), got ", lse.scalar_type(), " ", lse.sizes());
-  ring::HeadExpander expand_k(cfg.groups, k, k.size(2)), expand_v(cfg.groups, v, v.size(2));
-  auto [gq, gk, gv] = ring::block_backward(cfg, grad_out, q, expand_k(k), expand_v(v), out,
-                                           aten::contiguous(lse), is_causal);
+  attention::HeadExpander expand_k(cfg.groups, k, k.size(2)), expand_v(cfg.groups, v, v.size(2));
+  auto [gq, gk, gv] = attention::block_backward(cfg, grad_out, q, expand_k(k), expand_v(v), out,
+                                                aten::contiguous(lse), is_causal);
   const auto dt = q.scalar_type();
   Tensor dq = in_layout(gq, kBSHD, dt);
   auto reduce = [&](const Tensor& g, const Tensor& like) {
     if (cfg.groups == 1) return in_layout(g, kBSHD, dt);
     Tensor acc = empty_ordered(aten::sizes_of(like), kBSHD, aten::opts_of(like));
-    ring::reduce_heads_into(acc, g, cfg.groups, /*accumulate=*/false);
+    attention::reduce_heads_into(acc, g, cfg.groups, /*accumulate=*/false);
     return acc;
   };
   return {dq, reduce(gk, k), reduce(gv, v)};

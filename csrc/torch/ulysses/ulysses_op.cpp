@@ -3,8 +3,8 @@
 //     backward of one direction is the other, registered in cplib/ulysses/op.py);
 //   ulysses_local_sdpa(+_backward): full-sequence attention on the local heads;
 //   ulysses_debug_bytes_sent: what the exchanges have sent.
-#include "common/stack.h"
-#include "ring/ring_call.h"
+#include "attention/backend.h"
+#include "common/box.h"
 #include "ulysses/ulysses.h"
 
 namespace cplib::ulysses {
@@ -22,35 +22,22 @@ Tensor reshard_covered_op(Tensor x, std::string group_name, bool to_heads, int64
                  false);
 }
 
-// The backend by name (ring/ring_call.h), read off the stack by hand: torch's
-// std::string conversion leaks a copy per call.
-void local_sdpa_op(StableIValue* stack, uint64_t num_args, uint64_t) {
-  StackReader in(stack, num_args, "ulysses_local_sdpa");
-  const Tensor q = in.next<Tensor>(), k = in.next<Tensor>(), v = in.next<Tensor>();
-  const bool is_causal = in.next<bool>();
-  const auto scale = in.next<std::optional<double>>();
-  const std::string backend = in.next_string();
-  const auto sinks = in.next<std::optional<Tensor>>();
-  in.done();
-  auto [out, lse] = local_sdpa(q, k, v, is_causal, scale, ring::backend_code(in.op(), backend),
-                               sinks ? *sinks : Tensor());
-  stack[0] = torch::stable::detail::from(out);
-  stack[1] = torch::stable::detail::from(lse);
+// The backend by name (attention/backend.h).
+std::tuple<Tensor, Tensor> local_sdpa_op(Tensor q, Tensor k, Tensor v, bool is_causal,
+                                         std::optional<double> scale, std::string backend,
+                                         std::optional<Tensor> sinks) {
+  return local_sdpa(q, k, v, is_causal, scale,
+                    attention::backend_code("ulysses_local_sdpa", backend),
+                    sinks ? *sinks : Tensor());
 }
 
-void local_sdpa_backward_op(StableIValue* stack, uint64_t num_args, uint64_t) {
-  StackReader in(stack, num_args, "ulysses_local_sdpa_backward");
-  const Tensor grad_out = in.next<Tensor>(), q = in.next<Tensor>(), k = in.next<Tensor>(),
-               v = in.next<Tensor>(), out = in.next<Tensor>(), lse = in.next<Tensor>();
-  const bool is_causal = in.next<bool>();
-  const auto scale = in.next<std::optional<double>>();
-  const std::string backend = in.next_string();
-  in.done();
-  auto [dq, dk, dv] = local_sdpa_backward(grad_out, q, k, v, out, lse, is_causal, scale,
-                                          ring::backend_code(in.op(), backend));
-  stack[0] = torch::stable::detail::from(dq);
-  stack[1] = torch::stable::detail::from(dk);
-  stack[2] = torch::stable::detail::from(dv);
+std::tuple<Tensor, Tensor, Tensor> local_sdpa_backward_op(Tensor grad_out, Tensor q, Tensor k,
+                                                          Tensor v, Tensor out, Tensor lse,
+                                                          bool is_causal,
+                                                          std::optional<double> scale,
+                                                          std::string backend) {
+  return local_sdpa_backward(grad_out, q, k, v, out, lse, is_causal, scale,
+                             attention::backend_code("ulysses_local_sdpa_backward", backend));
 }
 
 int64_t debug_bytes_sent(bool reset) { return bytes_sent(reset); }
@@ -75,24 +62,24 @@ STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
 }
 
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CPU, m) {
-  m.impl("ulysses_reshard", TORCH_BOX(&reshard_op));
-  m.impl("ulysses_reshard_covered", TORCH_BOX(&reshard_covered_op));
-  m.impl("ulysses_local_sdpa", &local_sdpa_op);
-  m.impl("ulysses_local_sdpa_backward", &local_sdpa_backward_op);
+  m.impl("ulysses_reshard", CPLIB_BOX(&reshard_op));
+  m.impl("ulysses_reshard_covered", CPLIB_BOX(&reshard_covered_op));
+  m.impl("ulysses_local_sdpa", CPLIB_BOX(&local_sdpa_op));
+  m.impl("ulysses_local_sdpa_backward", CPLIB_BOX(&local_sdpa_backward_op));
 }
 
 #ifdef CPLIB_WITH_CUDA
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CUDA, m) {
-  m.impl("ulysses_reshard", TORCH_BOX(&reshard_op));
-  m.impl("ulysses_reshard_covered", TORCH_BOX(&reshard_covered_op));
-  m.impl("ulysses_local_sdpa", &local_sdpa_op);
-  m.impl("ulysses_local_sdpa_backward", &local_sdpa_backward_op);
+  m.impl("ulysses_reshard", CPLIB_BOX(&reshard_op));
+  m.impl("ulysses_reshard_covered", CPLIB_BOX(&reshard_covered_op));
+  m.impl("ulysses_local_sdpa", CPLIB_BOX(&local_sdpa_op));
+  m.impl("ulysses_local_sdpa_backward", CPLIB_BOX(&local_sdpa_backward_op));
 }
 #endif
 
 // No tensor arguments: dispatches to CompositeExplicitAutograd.
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CompositeExplicitAutograd, m) {
-  m.impl("ulysses_debug_bytes_sent", TORCH_BOX(&debug_bytes_sent));
+  m.impl("ulysses_debug_bytes_sent", CPLIB_BOX(&debug_bytes_sent));
 }
 
 }  // namespace cplib::ulysses

@@ -45,14 +45,14 @@ STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
 }
 
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CPU, m) {
-  m.impl("ulysses_reshard_qkv", TORCH_BOX(&reshard_qkv_op));
-  m.impl("ulysses_reshard_qkv_covered", TORCH_BOX(&reshard_qkv_covered_op));
+  m.impl("ulysses_reshard_qkv", CPLIB_BOX(&reshard_qkv_op));
+  m.impl("ulysses_reshard_qkv_covered", CPLIB_BOX(&reshard_qkv_covered_op));
 }
 
 #ifdef CPLIB_WITH_CUDA
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CUDA, m) {
-  m.impl("ulysses_reshard_qkv", TORCH_BOX(&reshard_qkv_op));
-  m.impl("ulysses_reshard_qkv_covered", TORCH_BOX(&reshard_qkv_covered_op));
+  m.impl("ulysses_reshard_qkv", CPLIB_BOX(&reshard_qkv_op));
+  m.impl("ulysses_reshard_qkv_covered", CPLIB_BOX(&reshard_qkv_covered_op));
 }
 #endif
 

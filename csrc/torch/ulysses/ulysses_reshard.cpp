@@ -10,8 +10,8 @@
 
 #include "comm/collectives.h"
 #include "comm/handshake.h"
-#include "common/format.h"
 #include "common/aten.h"
+#include "common/format.h"
 
 namespace cplib::ulysses {
 namespace {
@@ -44,8 +44,9 @@ Geometry check(const Tensor& x, int64_t n, bool to_heads, int64_t repeat,
                       " cannot be split over the Ulysses degree ", n);
     CPLIB_CHECK_VALUE(repeat == 1 || g.H * repeat == n, op, ": head_repeat=", repeat,
                       " must bring the ", g.H, " heads to exactly the Ulysses degree ", n);
-    CPLIB_CHECK_VALUE(lengths.empty() || lengths[rank] == g.S, op, ": lengths[", rank, "] = ",
-                      lengths.empty() ? 0 : lengths[rank], " but this rank holds ", g.S, " rows");
+    CPLIB_CHECK_VALUE(lengths.empty() || lengths[rank] == g.S, op, ": lengths[", rank,
+                      "] = ", lengths.empty() ? 0 : lengths[rank], " but this rank holds ", g.S,
+                      " rows");
   } else {
     int64_t total = 0;
     for (const int64_t l : lengths) total += l;
@@ -127,7 +128,8 @@ Pending start(const Group& group, const Tensor& x, const Geometry& g, bool to_he
     p.recv = p.send;  // a world of one keeps its (fresh) packed copy
     return p;
   }
-  g_bytes_sent += (p.send.numel() - in_splits[p.rank]) * static_cast<int64_t>(p.send.element_size());
+  g_bytes_sent += (p.send.numel() - in_splits[p.rank]) *
+                  static_cast<int64_t>(p.send.element_size());
   // The 1-D buffers' rows are elements: the splits count elements.
   p.recv = all_to_all_split(group, p.send, out_splits, in_splits);
   return p;
@@ -201,10 +203,11 @@ std::vector<Tensor> reshard_many(const std::vector<Tensor>& xs, std::string_view
                                  bool to_heads, const std::vector<int64_t>& head_repeats,
                                  const std::vector<int64_t>& lengths, bool handshake) {
   const Group group = resolve_group(group_name);
-  CPLIB_CHECK_VALUE(head_repeats.size() == xs.size(), "cplib.ulysses_reshard_qkv: ",
-                    head_repeats.size(), " head repeats for ", xs.size(), " tensors");
-  const std::vector<Geometry> gs =
-      checked(group, "ulysses_reshard_qkv", xs, to_heads, head_repeats, lengths, handshake);
+  CPLIB_CHECK_VALUE(head_repeats.size() == xs.size(),
+                    "cplib.ulysses_reshard_qkv: ", head_repeats.size(), " head repeats for ",
+                    xs.size(), " tensors");
+  const std::vector<Geometry> gs = checked(group, "ulysses_reshard_qkv", xs, to_heads, head_repeats,
+                                           lengths, handshake);
   // All exchanges in flight at once: packing the next overlaps the previous.
   std::vector<Pending> pending;
   for (size_t i = 0; i < xs.size(); ++i)

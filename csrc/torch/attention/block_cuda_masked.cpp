@@ -6,14 +6,15 @@
 // key positions) would need one call per document; the bias expresses any
 // tile in one call. Rows the mask hides entirely are fixed by the caller
 // (out 0, lse -inf), whatever the kernel returns for them.
-// Compiled into every build; the CPU build's guard (cuda_glue_probe.cpp)
+// Compiled into every build; the CPU build's guard (ring/cuda_glue_probe.cpp)
 // runs these functions on meta tensors.
 
+#include "attention/block.h"
+#include "attention/cuda_tiles.h"
+#include "attention/kernels.h"
 #include "common/aten.h"
-#include "ring/cuda_tiles.h"
-#include "ring/ring_block.h"
 
-namespace cplib::ring {
+namespace cplib::attention {
 namespace {
 
 // The efficient kernel needs the bias rows 16-element aligned.
@@ -31,19 +32,19 @@ Tensor as_bias(const Tensor& mask, const Tensor& q, const Tensor& k) {
 
 }  // namespace
 
-BlockResult block_forward_cuda_masked(const Config& cfg, const Tensor& q, const Tensor& k,
+BlockResult block_forward_cuda_masked(const BlockConfig& cfg, const Tensor& q, const Tensor& k,
                                       const Tensor& v, const Tensor& mask) {
-  auto [out, lse] = aten::efficient_cuda(q, k, v, as_bias(mask, q, k), /*causal=*/false, cfg.scale);
+  auto [out, lse] = efficient_cuda(q, k, v, as_bias(mask, q, k), /*causal=*/false, cfg.scale);
   return {out, aten::narrow(lse, 2, 0, q.size(2))};
 }
 
 std::tuple<Tensor, Tensor, Tensor> block_backward_cuda_masked(
-    const Config& cfg, const Tensor& grad_out, const Tensor& q, const Tensor& k,
+    const BlockConfig& cfg, const Tensor& grad_out, const Tensor& q, const Tensor& k,
     const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& mask) {
   const Tensor seed = philox_placeholder(q), offset = philox_placeholder(q);
-  return aten::efficient_cuda_backward(seq_major(grad_out), q, k, v, as_bias(mask, q, k),
-                                       seq_major(out), efficient_lse_padded(lse), seed, offset,
-                                       /*is_causal=*/false, cfg.scale);
+  return efficient_cuda_backward(seq_major(grad_out), q, k, v, as_bias(mask, q, k), seq_major(out),
+                                 efficient_lse_padded(lse), seed, offset,
+                                 /*is_causal=*/false, cfg.scale);
 }
 
-}  // namespace cplib::ring
+}  // namespace cplib::attention

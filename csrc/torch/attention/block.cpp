@@ -1,12 +1,14 @@
 // Block attention on CPU: ATen's flash kernel for CPU (lse is (B,H,L) in
 // float32, float64 for float64 inputs, and strided); and block_forward /
-// block_backward, which pick the CPU or the CUDA kernels (cfg.cuda).
+// block_backward, which pick the CPU or the CUDA kernels (cfg.cuda) and pad
+// MLA's head dims where a kernel needs one.
 #include <algorithm>
 
+#include "attention/block.h"
+#include "attention/kernels.h"
 #include "common/aten.h"
-#include "ring/ring_block.h"
 
-namespace cplib::ring {
+namespace cplib::attention {
 namespace {
 
 std::optional<Tensor> optional(const Tensor& t) {
@@ -15,17 +17,18 @@ std::optional<Tensor> optional(const Tensor& t) {
 
 }  // namespace
 
-BlockResult block_forward_cpu(const Config& cfg, const Tensor& q, const Tensor& k,
+BlockResult block_forward_cpu(const BlockConfig& cfg, const Tensor& q, const Tensor& k,
                               const Tensor& v, bool causal, const Tensor& mask) {
-  auto [out, lse] = aten::flash_cpu(q, k, v, causal, optional(mask), cfg.scale);
+  auto [out, lse] = flash_cpu(q, k, v, causal, optional(mask), cfg.scale);
   return {out, lse};
 }
 
-std::tuple<Tensor, Tensor, Tensor> block_backward_cpu(
-    const Config& cfg, const Tensor& grad_out, const Tensor& q, const Tensor& k,
-    const Tensor& v, const Tensor& out, const Tensor& lse, bool causal,
-    const Tensor& mask) {
-  return aten::flash_cpu_backward(grad_out, q, k, v, out, lse, causal, optional(mask), cfg.scale);
+std::tuple<Tensor, Tensor, Tensor> block_backward_cpu(const BlockConfig& cfg,
+                                                      const Tensor& grad_out, const Tensor& q,
+                                                      const Tensor& k, const Tensor& v,
+                                                      const Tensor& out, const Tensor& lse,
+                                                      bool causal, const Tensor& mask) {
+  return flash_cpu_backward(grad_out, q, k, v, out, lse, causal, optional(mask), cfg.scale);
 }
 
 namespace {
@@ -35,23 +38,24 @@ namespace {
 // at the call (exact: zero q/k columns add nothing to the scores, zero v
 // columns give zero output columns) and the results are sliced back. The
 // scale was fixed from q's head dim in check_local_args.
-bool pads(const Config& cfg, const Tensor& q, const Tensor& v, bool masked) {
+bool pads(const BlockConfig& cfg, const Tensor& q, const Tensor& v, bool masked) {
   if (q.size(3) == v.size(3)) return false;
   if (!cfg.cuda) return true;
   return !masked && cfg.backend != kBackendEfficient;
 }
 
-BlockResult forward_kernel(const Config& cfg, const Tensor& q, const Tensor& k,
+BlockResult forward_kernel(const BlockConfig& cfg, const Tensor& q, const Tensor& k,
                            const Tensor& v, bool causal, const Tensor& mask) {
   if (cfg.cuda && mask.defined()) return block_forward_cuda_masked(cfg, q, k, v, mask);
   if (cfg.cuda) return block_forward_cuda(cfg, q, k, v, causal);
   return block_forward_cpu(cfg, q, k, v, causal, mask);
 }
 
-std::tuple<Tensor, Tensor, Tensor> backward_kernel(
-    const Config& cfg, const Tensor& grad_out, const Tensor& q, const Tensor& k,
-    const Tensor& v, const Tensor& out, const Tensor& lse, bool causal,
-    const Tensor& mask) {
+std::tuple<Tensor, Tensor, Tensor> backward_kernel(const BlockConfig& cfg, const Tensor& grad_out,
+                                                   const Tensor& q, const Tensor& k,
+                                                   const Tensor& v, const Tensor& out,
+                                                   const Tensor& lse, bool causal,
+                                                   const Tensor& mask) {
   if (cfg.cuda && mask.defined())
     return block_backward_cuda_masked(cfg, grad_out, q, k, v, out, lse, mask);
   if (cfg.cuda) return block_backward_cuda(cfg, grad_out, q, k, v, out, lse, causal);
@@ -60,8 +64,8 @@ std::tuple<Tensor, Tensor, Tensor> backward_kernel(
 
 }  // namespace
 
-BlockResult block_forward(const Config& cfg, const Tensor& q, const Tensor& k,
-                          const Tensor& v, bool causal, const Tensor& mask) {
+BlockResult block_forward(const BlockConfig& cfg, const Tensor& q, const Tensor& k, const Tensor& v,
+                          bool causal, const Tensor& mask) {
   if (!pads(cfg, q, v, mask.defined())) return forward_kernel(cfg, q, k, v, causal, mask);
   const int64_t d = std::max(q.size(3), v.size(3));
   BlockResult r = forward_kernel(cfg, aten::pad_last(q, d), aten::pad_last(k, d),
@@ -70,10 +74,10 @@ BlockResult block_forward(const Config& cfg, const Tensor& q, const Tensor& k,
   return r;
 }
 
-std::tuple<Tensor, Tensor, Tensor> block_backward(
-    const Config& cfg, const Tensor& grad_out, const Tensor& q, const Tensor& k,
-    const Tensor& v, const Tensor& out, const Tensor& lse, bool causal,
-    const Tensor& mask) {
+std::tuple<Tensor, Tensor, Tensor> block_backward(const BlockConfig& cfg, const Tensor& grad_out,
+                                                  const Tensor& q, const Tensor& k, const Tensor& v,
+                                                  const Tensor& out, const Tensor& lse, bool causal,
+                                                  const Tensor& mask) {
   if (!pads(cfg, q, v, mask.defined()))
     return backward_kernel(cfg, grad_out, q, k, v, out, lse, causal, mask);
   const int64_t d = std::max(q.size(3), v.size(3));
@@ -84,4 +88,4 @@ std::tuple<Tensor, Tensor, Tensor> block_backward(
           aten::narrow(gv, 3, 0, v.size(3))};
 }
 
-}  // namespace cplib::ring
+}  // namespace cplib::attention

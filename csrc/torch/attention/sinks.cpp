@@ -1,19 +1,16 @@
-// Attention sinks (gpt-oss): one learned logit per q head that joins every
-// row's softmax denominator and contributes no value. Applied once to the
-// merged (out, lse); the block backward run with the sunk (out', lse') is
-// then exact for q, k and v (cplib/ring/op.py adds the sinks' own gradient).
-#include "common/format.h"
-#include "ring/ring.h"
-#include "common/aten.h"
+#include "attention/sinks.h"
 
-namespace cplib::ring {
+#include "common/aten.h"
+#include "common/format.h"
+
+namespace cplib::attention {
 
 void check_sinks(const char* op, const Tensor& q, const Tensor& sinks) {
   CPLIB_CHECK_VALUE(sinks.dim() == 1 && sinks.size(0) == q.size(1), "cplib.", op,
                     ": sinks must have shape (", q.size(1), ",) (one logit per q head), got ",
                     sinks.sizes());
-  CPLIB_CHECK_VALUE(sinks.device() == q.device(), "cplib.", op, ": sinks must be on ",
-                    q.device(), ", got ", sinks.device());
+  CPLIB_CHECK_VALUE(sinks.device() == q.device(), "cplib.", op, ": sinks must be on ", q.device(),
+                    ", got ", sinks.device());
   const auto dt = sinks.scalar_type();
   CPLIB_CHECK_VALUE(dt == q.scalar_type() || dt == ScalarType::Float || dt == ScalarType::Double,
                     "cplib.", op, ": sinks must have q's dtype (",
@@ -31,4 +28,4 @@ Tensor apply_sinks(Tensor& out, const Tensor& lse, const Tensor& sinks) {
   return sunk;
 }
 
-}  // namespace cplib::ring
+}  // namespace cplib::attention

@@ -1,6 +1,6 @@
-// K/V travel with Hkv heads; only the local block attention sees them
-// expanded to q's heads (GQA), and gradients are reduced back over each
-// group of q heads before they are accumulated.
+// K/V keep their Hkv heads (and travel with them in the ring); only the
+// block kernels see them expanded to q's heads (GQA), and gradients are
+// reduced back over each group of q heads before they are accumulated.
 #pragma once
 
 #include "common/stable.h"
@@ -8,7 +8,7 @@
 // Internal to the extension (torch's stable types are hidden).
 #pragma GCC visibility push(hidden)
 
-namespace cplib::ring {
+namespace cplib::attention {
 
 // Expands (B, Hkv, L, D) to (B, Hkv * groups, L, D) into a buffer allocated
 // once for the largest block (`like` with up to `max_len` rows); with
@@ -27,6 +27,6 @@ class HeadExpander {
 // heads of g (B, Hkv * groups, L, D), summing in acc's dtype.
 void reduce_heads_into(const Tensor& acc, const Tensor& g, int64_t groups, bool accumulate);
 
-}  // namespace cplib::ring
+}  // namespace cplib::attention
 
 #pragma GCC visibility pop

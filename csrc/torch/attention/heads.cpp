@@ -1,13 +1,12 @@
-#include "ring/ring_heads.h"
+#include "attention/heads.h"
 
 #include <algorithm>
 
 #include "common/aten.h"
 
-namespace cplib::ring {
+namespace cplib::attention {
 
-HeadExpander::HeadExpander(int64_t groups, const Tensor& like, int64_t max_len)
-    : groups_(groups) {
+HeadExpander::HeadExpander(int64_t groups, const Tensor& like, int64_t max_len) : groups_(groups) {
   const int64_t rows = std::max<int64_t>(max_len, like.size(2));
   if (groups_ > 1)
     storage_ = aten::empty({like.size(0) * like.size(1) * rows * like.size(3) * groups_},
@@ -43,4 +42,4 @@ void reduce_heads_into(const Tensor& acc, const Tensor& g, int64_t groups, bool 
     aten::sum_dim_out(acc, grouped, 2, acc.scalar_type());
 }
 
-}  // namespace cplib::ring
+}  // namespace cplib::attention

@@ -1,7 +1,7 @@
-// What the CUDA block helpers (ring_block_cuda.cpp, ring_block_cuda_masked.cpp)
+// What the CUDA block kernels (block_cuda.cpp, block_cuda_masked.cpp)
 // share: the placeholders and layouts ATen's CUDA attention backwards expect.
 // No CUDA runtime call: compiled into every build, run on meta tensors by the
-// guard (cuda_glue_probe.cpp).
+// guard (ring/cuda_glue_probe.cpp).
 #pragma once
 
 #include "common/stable.h"
@@ -9,7 +9,7 @@
 // Internal to the extension (torch's stable types are hidden).
 #pragma GCC visibility push(hidden)
 
-namespace cplib::ring {
+namespace cplib::attention {
 
 // A philox seed or offset for a backward that never drops out: a 0-d int64
 // tensor on `like`'s device (the kernels read it only with dropout).
@@ -17,7 +17,7 @@ Tensor philox_placeholder(const Tensor& like);
 
 // A (B, H, L, D) view of `t` whose memory is (B, L, H, D)-dense, the layout
 // the efficient kernels' outputs have and their backward assumes for out and
-// grad_out (see ring_block_cuda.cpp).
+// grad_out (see block_cuda.cpp).
 Tensor seq_major(const Tensor& t);
 
 // The lse rows (B, H, Lq) as the efficient backward reads them: float32 (the
@@ -26,6 +26,6 @@ Tensor seq_major(const Tensor& t);
 // with +inf (padding rows get probability 0).
 Tensor efficient_lse_padded(const Tensor& lse);
 
-}  // namespace cplib::ring
+}  // namespace cplib::attention
 
 #pragma GCC visibility pop

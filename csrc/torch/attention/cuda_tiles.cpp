@@ -1,10 +1,10 @@
-#include "ring/cuda_tiles.h"
+#include "attention/cuda_tiles.h"
 
 #include <limits>
 
 #include "common/aten.h"
 
-namespace cplib::ring {
+namespace cplib::attention {
 namespace {
 
 // The efficient kernel pads its lse rows to a multiple of 32.
@@ -30,4 +30,4 @@ Tensor efficient_lse_padded(const Tensor& lse) {
   return out;
 }
 
-}  // namespace cplib::ring
+}  // namespace cplib::attention
