@@ -104,7 +104,8 @@ test-gpu-on-cpu: build
 
 # `make lint`: every linter, clean or it fails (CI runs it first). Python:
 # the pinned ruff (requirements/lint.txt; rules in pyproject.toml's
-# [tool.ruff]), installed into .venv on its own (no torch needed to lint).
+# [tool.ruff]), installed into .venv on its own (no torch needed to lint);
+# C/C++/CUDA: the pinned clang-format (lint-native below).
 LINT_DEPS := $(VENV)/.lint-installed
 $(LINT_DEPS): requirements/lint.txt | $(VPY)
 	@$(QUIET) $(LOGS)/install-lint.log "installing the pinned linters into $(VENV)" -- \
@@ -112,7 +113,7 @@ $(LINT_DEPS): requirements/lint.txt | $(VPY)
 	@touch $@
 lint-python: $(LINT_DEPS)
 	$(VENV)/bin/ruff check --no-cache .
-lint: lint-python
+lint: lint-python lint-native
 
 # The venv and pinned dependencies alone (CI prepares them while other
 # stages run).
