@@ -36,7 +36,8 @@ from .ring.load_balancer import (
     _PerDocumentHeadTailLoadBalancer,
     _PTRRLoadBalancer,
 )
-from .ring.op import ring_pass_auto, ring_sdpa
+from .ring.op import ring_pass_auto
+from .strategy.ring_entry import ring_sdpa
 from .ring.placement import DocumentPlacementLoadBalancer
 
 # ulysses: Ulysses and USP (Ulysses x ring).

@@ -8,7 +8,7 @@ full buffer (same data, e.g. the same batch), as with torch's
 
 Any length S >= N shards without padding when there is no load balancer or
 it is an ``AnyLengthHeadTailLoadBalancer``: shard lengths then differ by at
-most one token per chunk (``cplib.ring.layout``); for lengths that divide,
+most one token per chunk (``cplib.attention.layout``); for lengths that divide,
 the cut is ``torch.chunk``'s.
 """
 

@@ -16,10 +16,11 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from ..attention.args import check_cu_seqlens, window_arg
 from ..flex.hook import _flex_input_hook, _register_flex_cp
 from ..comm.handshake import agreed, handshake, register_groups
 from .options import RingConfig, _cp_options, _RotateMethod, explicit_rotation, rotate_method_name
-from ..ring.names import layout_of
+from ..attention.names import layout_of
 from .shard_layout import check_layout_read
 from .sdpa_dispatch import CPDispatchMode, agreed_before_attention, dispatcher_enabled
 from ..comm.native import check_mesh
@@ -72,7 +73,6 @@ class _ContextParallel(ParallelStyle):
             self.strategy = None
         self._applied: list[AutoStrategy] = []  # the strategies of its modules (explain)
         if window is not None:
-            from ..ring.args import window_arg
             window_arg(window)  # ValueError naming a bad window, at construction
         self.window = window
         self.seq_dim = seq_dim
@@ -82,8 +82,6 @@ class _ContextParallel(ParallelStyle):
         self.ulysses_degree = ulysses_degree
 
     def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
-        from ..ring.args import window_arg
-
         group = check_mesh(mesh, register=False)
         register_groups(group)  # its CPU side group on NCCL, before the first handshake
         sdpa = self.attention_type == self.AttentionType.SDPA
@@ -164,7 +162,8 @@ def _flex_ring_selected(auto: AutoStrategy | None, group_name: str, world: int, 
         return default
     from ..strategy.flex_route import flex_use_ring
 
-    return flex_use_ring(auto, args, kwargs, group_name, world, rank, default)
+    return flex_use_ring(auto, explicit_rotation(None), args, kwargs, group_name, world,
+                         rank, default)
 
 
 def _flex_layout() -> torch.Tensor | None:
@@ -197,7 +196,6 @@ def attention_documents(cu_seqlens: torch.Tensor | None = None, *,
     ``placement=True``: they were sharded with
     ``DocumentPlacementLoadBalancer`` (ring only: ``ulysses_degree`` 1)."""
     from .documents import cu_seqlens_from_position_ids
-    from ..ring.args import check_cu_seqlens
 
     if (cu_seqlens is None) == (position_ids is None):
         raise ValueError("cplib.attention_documents: pass cu_seqlens or position_ids (one)")

@@ -33,7 +33,7 @@ from typing import Any, Callable
 from ..hybrid.layout import SequenceLayout
 from .hybrid_families import FAMILIES, KERNEL_ROLES, Mixer
 from .hybrid_kernels import HANDLERS
-from ..clients.sequence import active_handle as _active_handle
+from ..frontend.sequence import active_handle as _active_handle
 
 __all__ = ["install_hybrid_layers", "patch_family"]
 

@@ -95,24 +95,19 @@ def _workload(stats: FlexStats, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                     q.device.type, grad, ((FLEX, stats),))
 
 
-def _pinned(auto: AutoStrategy | None) -> str | None:
-    from ..frontend.options import explicit_rotation
-
-    return explicit_rotation(None) or (auto.rotate if auto is not None else None)
-
-
-def flex_use_ring(auto: AutoStrategy | None, args: tuple, kwargs: dict, group_name: str,
-                  world: int, rank: int, default: bool) -> bool:
+def flex_use_ring(auto: AutoStrategy | None, explicit: str | None, args: tuple, kwargs: dict,
+                  group_name: str, world: int, rank: int, default: bool) -> bool:
     """Whether the flex calls of this FLEX module call (its arguments read as
     flex_attention's) run on the flex ring: ``default`` (the rotate method's)
-    without a strategy; the explicit rotation where one is set; the
+    without a strategy; the explicit rotation where one is set (``explicit``:
+    the front end's, cplib/frontend/options.py, else the strategy's); the
     all-gather for a mask whose plan the ring cannot serve; else the agreed
     choice of the cost model for the call's plan. Arguments that do not read
     as flex_attention's, or a mask without cplib's plan, go where they went
     without a strategy (where their errors are raised, on every rank)."""
     if auto is None:
         return default
-    pinned = _pinned(auto)
+    pinned = explicit or auto.rotate
     if pinned is not None:
         return pinned != "allgather"
     if torch.compiler.is_dynamo_compiling():
