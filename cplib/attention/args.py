@@ -2,9 +2,10 @@
 Python before dispatch (ring, Ulysses, USP, decode, flex, tp_conv, the front
 end and the strategy): tensor arguments, cu_seqlens, positions, sinks, the
 scale, the window, the backend's name. They match the native checks
-(csrc/torch/ring/ring_args.cpp, ring_sinks.cpp) message for message, so
-traced code fails as the op does. The ring's own (its rotation, the layout
-of the global sequence) stay in cplib/ring/args.py."""
+(csrc/torch/ring/ring_args.cpp; the sinks' in csrc/torch/attention/sinks.cpp)
+message for message, so traced code fails as the op does. The ring's own
+(its rotation, the layout of the global sequence) stay in
+cplib/ring/args.py."""
 
 from __future__ import annotations
 
@@ -95,7 +96,7 @@ def check_positions(op: str, name: str, pos, rows: int, rows_of: str) -> None:
 
 
 def check_sinks(op: str, q, sinks) -> None:
-    """The checks of check_sinks in csrc/torch/ring/ring_sinks.cpp."""
+    """The checks of check_sinks in csrc/torch/attention/sinks.cpp."""
     if sinks is None:
         return
     if not isinstance(sinks, torch.Tensor) or sinks.dim() != 1 or sinks.shape[0] != q.shape[1]:

@@ -118,7 +118,7 @@ def _local_out_shape(x_shape: Sequence[int], w_shape: Sequence[int], stride: Seq
     return out
 
 
-def group_rank(group_name: str) -> int:
+def _group_rank(group_name: str) -> int:
     # Reads the rank only (no communication): the output width of the first
     # and last rank differs when the convolution is not "same".
     return dist.distributed_c10d._resolve_process_group(group_name).rank()
@@ -132,7 +132,7 @@ def _tp_convolution_fake(x, w, b, stride, padding, dilation, groups, shard_dim, 
     reject_real_in_fake("tp_conv", x, w, b)
     size = group_size(group_name)
     shape = _local_out_shape(x.shape, w.shape, stride, padding, dilation, groups, shard_dim,
-                             group_rank(group_name), size)
+                             _group_rank(group_name), size)
     return x.new_empty(shape)
 
 
@@ -142,7 +142,7 @@ def _tp_convolution_backward_fake(grad_out, x, w, stride, padding, dilation, gro
     reject_real_in_fake("tp_conv", grad_out, x, w)
     size = group_size(group_name)
     _local_out_shape(x.shape, w.shape, stride, padding, dilation, groups, shard_dim,
-                     group_rank(group_name), size)
+                     _group_rank(group_name), size)
     gi = x.new_empty(x.shape) if output_mask[0] else None
     gw = w.new_empty(w.shape) if output_mask[1] else None
     gb = w.new_empty((w.shape[0],)) if output_mask[2] else None
