@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention.args import window_arg
-from ..diffusers.plans import _plan_of
+from ..diffusers.plans import plan_of
 from .documents import context_documents
 from ..ring.load_balancer import (
     AnyLengthHeadTailLoadBalancer,
@@ -113,7 +113,7 @@ def plan_context(buffers: list[torch.Tensor], world_size: int, buffer_seq_dims, 
                          f"load_balance={load_balance!r} does not apply; leave it None or "
                          "False")
     for i, m in enumerate(modules):  # checked again on entry; here on every rank alike
-        _plan_of(m, i)
+        plan_of(m, i)
     balanced = _validate(buffers, seq_dims, no_restore, world_size,
                          True if per_document or placement
                          else (False if modules else load_balance),

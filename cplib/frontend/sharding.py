@@ -136,7 +136,7 @@ def shard_key_of(t: torch.Tensor) -> tuple | None:
 
 
 def _shard_block_mask(mesh: DeviceMesh, mask: Any, load_balancer: _LoadBalancer | None) -> Any:
-    from ..flex.block_mask import _shard_block_mask as shard_flex_mask  # needs flex attention
+    from ..flex.block_mask import shard_block_mask as shard_flex_mask  # needs flex attention
     return shard_flex_mask(mesh, mask, load_balancer)
 
 

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..attention.args import check_cu_seqlens, window_arg
-from ..flex.hook import _flex_input_hook, _register_flex_cp
+from ..flex.hook import flex_input_hook, register_flex_cp
 from ..comm.handshake import agreed, handshake, register_groups
 from .options import RingConfig, _cp_options, _RotateMethod, explicit_rotation, rotate_method_name
 from ..attention.names import layout_of
@@ -132,7 +132,7 @@ class _ContextParallel(ParallelStyle):
                 _sdpa_forward, module.forward, group.group_name, dist.get_world_size(group),
                 groups, self.window, auto)
             return module
-        return _register_flex_cp(module, mesh, functools.partial(
+        return register_flex_cp(module, mesh, functools.partial(
             _flex_ring_selected, auto, group.group_name, dist.get_world_size(group),
             dist.get_rank(group)), _flex_layout)
 
@@ -147,7 +147,7 @@ class _ContextParallel(ParallelStyle):
         """Replaces the key and value arguments (positional or keyword, as
         ``flex_attention(query, key, value, ...)``) by their all-gathered
         full sequences."""
-        return _flex_input_hook(module, args, kwargs, seq_dim=self.seq_dim,
+        return flex_input_hook(module, args, kwargs, seq_dim=self.seq_dim,
                                 group_name=check_mesh(mesh).group_name)
 
 

@@ -37,7 +37,7 @@ def _local_row(shard: Any, block_mask: Any, q: torch.Tensor) -> list[int]:
     of its partial and full mask blocks on each rank's keys (summed over
     batch and query heads), then the query rows of its call on each rank's
     keys."""
-    from ..flex.plan import _dense
+    from ..flex.plan import dense_block_map
 
     n, L = shard.world, shard.q_len
     recv, q_rows = [0] * n, [0] * n
@@ -57,7 +57,7 @@ def _local_row(shard: Any, block_mask: Any, q: torch.Tensor) -> list[int]:
     def cells(num, idx) -> list[int]:
         if num is None:
             return [0] * n
-        dense = _dense(num, idx, total).view(bm, hm, q_blocks, n, per_rank).cpu()
+        dense = dense_block_map(num, idx, total).view(bm, hm, q_blocks, n, per_rank).cpu()
         per_owner = (dense.sum(-1) * rows.view(1, 1, -1, 1)).sum((0, 1, 2))
         return [int(x) * kb * spread for x in per_owner.tolist()]
 
