@@ -35,7 +35,8 @@ TVENV     := .venv-$(subst ==,-,$(TORCH_PIN))
 # machines) must not veto the release the project pins.
 TPIP      := env PIP_CONFIG_FILE=/dev/null $(TVENV)/bin/python -m pip
 
-.PHONY: all build wheel develop demo test test-gpu-on-cpu test-torch torch-venv bench cuda-check cuda-build cuda-wheel clean
+.PHONY: all build wheel develop demo test test-gpu-on-cpu test-torch torch-venv bench cuda-check cuda-build cuda-wheel clean \
+        lint lint-python
 
 all: build
 
@@ -95,10 +96,23 @@ TESTS ?= tests
 test: build
 	$(VENV)/bin/pytest -q $(TESTS)
 
-# The GPU tests' bodies (marker cuda) on the CPU: CPLIB_GPU_TESTS_ON_CPU=1
-# swaps their device, so their logic is proven without a GPU (CI runs this).
+# The GPU tests' bodies on the CPU: CPLIB_GPU_TESTS_ON_CPU=1 swaps the device
+# of the tests marked cuda_on_cpu (tests/<feature>/test_gpu_*.py), so their
+# logic is proven without a GPU (CI runs this). The other cuda tests need a GPU.
 test-gpu-on-cpu: build
-	CPLIB_GPU_TESTS_ON_CPU=1 $(VENV)/bin/pytest -q -m cuda $(wildcard tests/gpu/test_gpu_*.py)
+	CPLIB_GPU_TESTS_ON_CPU=1 $(VENV)/bin/pytest -q -m cuda_on_cpu tests
+
+# `make lint`: every linter, clean or it fails (CI runs it first). Python:
+# the pinned ruff (requirements/lint.txt; rules in pyproject.toml's
+# [tool.ruff]), installed into .venv on its own (no torch needed to lint).
+LINT_DEPS := $(VENV)/.lint-installed
+$(LINT_DEPS): requirements/lint.txt | $(VPY)
+	@$(QUIET) $(LOGS)/install-lint.log "installing the pinned linters into $(VENV)" -- \
+	  $(VPY) -m pip install -r requirements/lint.txt
+	@touch $@
+lint-python: $(LINT_DEPS)
+	$(VENV)/bin/ruff check --no-cache .
+lint: lint-python
 
 # The venv and pinned dependencies alone (CI prepares them while other
 # stages run).

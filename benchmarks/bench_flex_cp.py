@@ -14,9 +14,10 @@ and ("module") an eager model whose attention module holds
 torch.compile(flex_attention) (as torchtitan's), which the ring's steps
 are compiled into. Both use flex's own dense implementation, with torch's
 "no flex backward on CPU" guard lifted (as the tests do); inductor's CPU
-flex kernel is forward-only and returns no lse, which the ring needs. Dense flex materialises each call's (queries x keys)
-scores, so memory grows with them: a variant whose estimate exceeds
---mem-gib (all ranks together) is skipped and says so. "torch" is torch's
+flex kernel is forward-only and returns no lse, which the ring needs. Dense
+flex materialises each call's (queries x keys) scores, so memory grows with
+them: a variant whose estimate exceeds --mem-gib (all ranks together) is
+skipped and says so. "torch" is torch's
 own flex CP (its all-gather) on causal; "ideal" the whole sequence in one
 process (one thread) divided by N, where it fits.
 

@@ -90,7 +90,7 @@ def _decode_rank(p_list, iters: int):
                               kv_positions=cache.positions)
         sec = timeit(step, warmup=2, iters=iters, sync=dist.barrier)
         out.append((p, sec, cache.memory_bytes()))
-        del cache, k_all, v_all
+        cache = k_all = v_all = None  # freed before the next P (step reads them)
     return out
 
 

@@ -22,8 +22,10 @@ import cplib  # noqa: E402
 def main() -> None:
     torch.set_num_threads(1)
     rows, payload = [], {"rows": []}
-    for b, h, l, d, blk_dtype in ((1, 8, 4096, 64, torch.float32), (1, 8, 4096, 128, torch.float32),
-                                  (1, 8, 4096, 64, torch.bfloat16), (1, 16, 8192, 128, torch.float32)):
+    for b, h, l, d, blk_dtype in ((1, 8, 4096, 64, torch.float32),
+                                  (1, 8, 4096, 128, torch.float32),
+                                  (1, 8, 4096, 64, torch.bfloat16),
+                                  (1, 16, 8192, 128, torch.float32)):
         out = torch.randn(b, h, l, d)
         lse = torch.randn(b, h, l)
         blk_out = torch.randn(b, h, l, d).to(blk_dtype)

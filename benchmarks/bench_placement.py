@@ -150,7 +150,8 @@ def main() -> None:
     for m in selected:
         def slowest(key, i):
             return max(r[m][key][i] for r in per_rank)
-        base, base_ag = (slowest(f"per-document head-tail {rot}", 0) for rot in ("p2p", "allgather"))
+        base, base_ag = (slowest(f"per-document head-tail {rot}", 0)
+                         for rot in ("p2p", "allgather"))
         base_cpu, base_ag_cpu = (slowest(f"per-document head-tail {rot}", 3)
                                  for rot in ("p2p", "allgather"))
         base_sent = slowest("per-document head-tail p2p", 1)

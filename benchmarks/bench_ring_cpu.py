@@ -341,7 +341,8 @@ def main() -> None:
                                         ideal=ideal, ratio=t / ideal, cpu_seconds=cpu,
                                         ideal_cpu=ideal_cpu, cpu_ratio=cpu / ideal_cpu))
     print_table(f"ring fwd+bwd per rank, B={B} H={H} S={S} D={D} fp32, 1 thread/rank "
-                f"(single-process full wall/cpu: causal {single[True][0]:.3f}/{single[True][1]:.3f}s, "
+                f"(single-process full wall/cpu: causal "
+                f"{single[True][0]:.3f}/{single[True][1]:.3f}s, "
                 f"non-causal {single[False][0]:.3f}/{single[False][1]:.3f}s)",
                 ["N", "mode", "rotate", "impl", "wall s/rank", "ideal wall", "ratio",
                  "cpu s/rank", "ideal cpu", "cpu ratio"], rows)

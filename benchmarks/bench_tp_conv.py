@@ -151,7 +151,8 @@ def main() -> None:
     series["tp_conv fwd only"] = (labels, [rows[r]["tp_conv_fwd"] for r in range(n)])
     series["local shard fwd only"] = (labels, [rows[r]["local_shard_fwd"] for r in range(n)])
     if all("torch_dtensor_fwd" in rows[r] for r in range(n)):
-        series["torch DTensor fwd only"] = (labels, [rows[r]["torch_dtensor_fwd"] for r in range(n)])
+        series["torch DTensor fwd only"] = (labels,
+                                            [rows[r]["torch_dtensor_fwd"] for r in range(n)])
     print(plot(NAME, f"3x3 conv fwd+bwd per rank, N={n}", "rank", "seconds", series, kind="bar"))
     print(machine())
 

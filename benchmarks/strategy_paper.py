@@ -59,8 +59,8 @@ def main() -> None:
                                     peak_gib=best.memory_bytes / 2 ** 30))
     print_table("strategy='auto' on paper: H100 defaults, one attention layer fwd+bwd, B=1, "
                 "bf16, causal", ["topology", "model", "S", "chosen", "ms", "runner-up (ms)",
-                                 "ring p2p ms", "ring allgather ms", "default / chosen", "exposed share",
-                                 "peak GiB/rank"], rows)
+                                 "ring p2p ms", "ring allgather ms", "default / chosen",
+                                 "exposed share", "peak GiB/rank"], rows)
     print(f"json: {write_json('strategy_paper', {'rows': payload})}")
 
 

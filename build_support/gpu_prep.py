@@ -96,7 +96,8 @@ def commit_line(folder: str | None) -> str:
         try:  # a checkout with its history (a GPU machine of one's own)
             head = _git("rev-parse", "HEAD").strip()
             dirty = _git("status", "--porcelain", "--untracked-files=no").strip()
-            return f"{head}{'-dirty' if dirty else ''} (no prepared wheel: built from this checkout)"
+            return (f"{head}{'-dirty' if dirty else ''} "
+                    "(no prepared wheel: built from this checkout)")
         except (OSError, subprocess.SubprocessError):
             return ("unknown (no prepared wheel carried: the extension was built from the tree "
                     "as it is, which travels without .git; `make gpu-prep` where .git is "

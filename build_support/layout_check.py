@@ -7,7 +7,11 @@
   "no Python counterpart" or "no page" on the same line;
 * every cplib/ feature folder has its page, docs/<name>.md, linked from README.md;
 * every relative link in README.md and docs/*.md names a file that exists and,
-  after a ``#``, a heading of that file (GitHub's anchors).
+  after a ``#``, a heading of that file (GitHub's anchors);
+* tests/ mirrors the package: no file over MAX_TEST_FILE_LINES lines, no
+  function over MAX_FUNCTION_LINES; every folder is a cplib/ package's name or
+  one of TEST_FOLDERS_OF_THEIR_OWN; a GPU test (``cuda``-marked) sits in its
+  feature's folder.
 
     python build_support/layout_check.py   # prints each problem; exit 1 if any
 """
@@ -22,6 +26,13 @@ import sys
 MAX_MODULE_LINES = 350
 MAX_FUNCTION_LINES = 80
 NO_COUNTERPART = ("no Python counterpart", "no page")
+MAX_TEST_FILE_LINES = 400
+# tests/ folders that are no cplib/ package, and what they hold.
+TEST_FOLDERS_OF_THEIR_OWN = {
+    "support": "what several test files share (on sys.path through tests/conftest.py)",
+    "package": "the package as a whole: build, layout, import and harness checks",
+    "gpu": "the GPU check's own run on the CPU (benchmarks/gpu/)",
+}
 
 
 def _docstring_lines(node: ast.AST) -> int:
@@ -60,15 +71,18 @@ def python_files(package_root: str) -> list[str]:
     return out
 
 
-def size_problems(repo: str, package: str = "cplib") -> list[str]:
+def size_problems(repo: str, package: str = "cplib",
+                  max_lines: int = MAX_MODULE_LINES) -> list[str]:
+    """Files of ``package`` (a folder of ``repo``) over ``max_lines`` lines,
+    functions over MAX_FUNCTION_LINES."""
     problems = []
     for path in python_files(os.path.join(repo, package)):
         rel = os.path.relpath(path, repo)
         with open(path, encoding="utf-8") as fh:
             source = fh.read()
         n = len(source.splitlines())
-        if n > MAX_MODULE_LINES:
-            problems.append(f"{rel}: {n} lines (at most {MAX_MODULE_LINES})")
+        if n > max_lines:
+            problems.append(f"{rel}: {n} lines (at most {max_lines})")
         for name, line, length in function_lengths(source, rel):
             if length > MAX_FUNCTION_LINES:
                 problems.append(f"{rel}:{line}: {name} is {length} lines without its docstring "
@@ -149,10 +163,41 @@ def link_problems(repo: str) -> list[str]:
     return problems
 
 
+def _marks_cuda(source: str) -> bool:
+    """A module marked as GPU tests (``pytestmark = GPU_MARKS``, or the cuda
+    mark on the module or a test)."""
+    return re.search(r"^pytestmark\s*=.*GPU_MARKS|\bpytest\.mark\.cuda\b", source, re.M) \
+        is not None
+
+
+def tests_problems(repo: str, package: str = "cplib") -> list[str]:
+    """The rules of tests/: file and function sizes, folders that mirror the
+    package, GPU tests beside their feature's other tests."""
+    tests = os.path.join(repo, "tests")
+    packages = {name for name in os.listdir(os.path.join(repo, package))
+                if os.path.isfile(os.path.join(repo, package, name, "__init__.py"))}
+    problems = size_problems(repo, "tests", MAX_TEST_FILE_LINES)
+    for name in sorted(os.listdir(tests)):
+        if os.path.isdir(os.path.join(tests, name)) and name != "__pycache__" \
+                and name not in packages and name not in TEST_FOLDERS_OF_THEIR_OWN:
+            problems.append(f"tests/{name}/ is no {package}/ package's name (tests mirror the "
+                            f"package) nor one of {sorted(TEST_FOLDERS_OF_THEIR_OWN)}")
+    for path in python_files(tests):
+        rel = os.path.relpath(path, repo)
+        with open(path, encoding="utf-8") as fh:
+            source = fh.read()
+        folder = rel.split(os.sep)[1] if rel.count(os.sep) >= 2 else ""
+        if os.path.basename(path).startswith("test_") and _marks_cuda(source) \
+                and folder not in packages:
+            problems.append(f"{rel}: a GPU test outside a feature's folder (put it in "
+                            f"tests/<feature>/ beside that feature's other tests)")
+    return problems
+
+
 def main(argv: list[str]) -> int:
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     problems = (size_problems(repo) + mirror_problems(repo) + docs_problems(repo)
-                + link_problems(repo))
+                + link_problems(repo) + tests_problems(repo))
     for p in problems:
         print(p)
     return 1 if problems else 0

@@ -65,15 +65,21 @@ from .merge.op import merge_partial_
 # clients: torch's context-parallel names replaced by cplib's where accelerate,
 # HF Trainer and torchtitan import them.
 from .clients.patch import patch_torch, unpatch_torch
-from . import loss  # cplib.loss.cross_entropy: a loss of your own under CP
+from . import loss  # noqa: F401  (cplib.loss.cross_entropy: a loss of your own under CP)
 
 # conv: halo-exchange convolution and its DTensor handlers.
 from .conv.dtensor import disable_dtensor_conv, enable_dtensor_conv
 from .conv.seq_halo import seq_halo
 from .conv.tp_conv import tp_conv
 
-# hybrid: recurrent and conv layers of hybrid models (cplib.hf reaches them).
+# hybrid: recurrent and conv layers of hybrid models. transformers' hybrid
+# layers are intercepted whenever context parallelism starts (with or without
+# cplib.hf or the switch): never a per-shard recurrence.
 from .hybrid import recurrence_exchange
+from .clients.hf_hybrid import install_if_transformers_loaded as _install_hybrid_layers
+from .frontend.start_hooks import on_context_parallel_start as _on_context_parallel_start
+
+_on_context_parallel_start(_install_hybrid_layers)
 
 # Public names for what torch keeps private (same objects).
 LoadBalancer = _LoadBalancer

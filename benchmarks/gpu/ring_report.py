@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DEFAULT = os.path.join(HERE, "results", "gpu.json")
@@ -147,8 +146,9 @@ def payload_rows(configs: list, results: dict) -> list[dict]:
 
 def problem_cells(payload: dict) -> dict[str, list[str]]:
     """The cells without a figure, by kind: "cplib" (cplib's errors, NaN,
-    time-outs; a merge cell with a figure that is not finite), "baseline" (full SDPA's and torch's), "skipped" (not started
-    in the time budget). Empty lists: every cell gave a figure."""
+    time-outs; a merge cell with a figure that is not finite), "baseline"
+    (full SDPA's and torch's), "skipped" (not started in the time budget).
+    Empty lists: every cell gave a figure."""
     out: dict[str, list[str]] = {"cplib": [], "baseline": [], "skipped": []}
     for r in payload.get("rows", []):
         tag = f"S={r['s']} N={r['n']} {'causal' if r['causal'] else 'non-causal'} " \
@@ -227,7 +227,8 @@ def verdict(path: str) -> list[str]:
     run completed and every cell gave a finite figure; "FAIL: ..." when a
     cplib cell errored, gave NaN or timed out; "INCOMPLETE: ..." when only
     baseline cells failed, cells were skipped, the run was cut short or left
-    no JSON. (The GPU check adds the benchmark's exit status: run.sh.) Then one line per cell without a figure."""
+    no JSON. (The GPU check adds the benchmark's exit status: run.sh.) Then
+    one line per cell without a figure."""
     import json
 
     try:

@@ -140,7 +140,7 @@ stage_memcheck() {
     -k "per_step and not cudnn"
   # 3. tp_convolution through the op on CUDA (its halo kernels in place).
   memcheck_run conv-op 15 "${cmd[@]}" "${pytest[@]}" \
-    "$ROOT/tests/gpu/test_gpu_conv_flex.py::test_tp_conv_on_gpu[2d-bf16-2]"
+    "$ROOT/tests/conv/test_gpu_conv.py::test_tp_conv_on_gpu[2d-bf16-2]"
   ((DRY)) && return
   local details
   details=$(printf '%s; ' "${MC_NOTES[@]}")

@@ -14,6 +14,7 @@ torchtitan). ``unpatch_torch()`` puts back exactly what was there.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 import types
 import warnings
@@ -65,9 +66,11 @@ def _modules() -> list[tuple[types.ModuleType, tuple[str, ...]]]:
 def patch_torch() -> None:
     """Makes every name in :data:`PATCHED_MODULES` (torch's context-parallel
     API where accelerate, Trainer and torchtitan import it) cplib's, and
-    installs cplib's causal-LM and router losses into transformers where it is
-    installed (cplib/clients/hf_loss.py; docs/clients.md). Idempotent; undone
-    by :func:`unpatch_torch`."""
+    installs into transformers, where it is installed, cplib's causal-LM and
+    router losses (cplib/clients/hf_loss.py) and its hybrid layers' exchange
+    (cplib/clients/hf_hybrid.py; docs/clients.md). Idempotent; undone by
+    :func:`unpatch_torch`, except the hybrid layers' wrappers, which call
+    straight through outside context parallelism."""
     import cplib
 
     if _saved:
@@ -81,9 +84,12 @@ def patch_torch() -> None:
         warnings.warn(f"cplib.patch_torch(): {', '.join(late[:6])} took torch's context-parallel "
                       "names before the switch and keep them; call cplib.patch_torch() before "
                       "importing them", stacklevel=2)
+    from .hf_hybrid import install_hybrid_layers
     from .hf_loss import install_hf_losses
 
     install_hf_losses("patch_torch")
+    if importlib.util.find_spec("transformers") is not None:
+        install_hybrid_layers()  # hybrid models' recurrent and conv layers carried or refused
 
 
 def _holders_of_torch_names() -> list[str]:

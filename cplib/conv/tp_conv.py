@@ -39,7 +39,7 @@ from ..comm.handshake import agreed
 from ..comm.native import (GroupLike, group_name_of, group_size, normalize_dim, ops,
                            reject_real_in_fake)
 
-__all__ = ["tp_conv", "enable_dtensor_conv", "disable_dtensor_conv"]
+__all__ = ["tp_conv"]
 
 IntOrSeq = int | Sequence[int]
 

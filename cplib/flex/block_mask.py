@@ -59,7 +59,8 @@ def _rearrange_indices(load_balancer: Any, B: int, seq_len: int,
     if idx.ndim != 2 or idx.size(0) not in (1, B) or idx.size(1) != seq_len:
         raise ValueError(
             f"cplib: load balancer indices have shape {tuple(idx.shape)}, expected "
-            f"(1, {seq_len}) or ({B}, {seq_len}) for a mask with B={B} and sequence length {seq_len}"
+            f"(1, {seq_len}) or ({B}, {seq_len}) for a mask with B={B} and sequence length "
+            f"{seq_len}"
         )
     return idx.to(device=device, dtype=torch.int64)
 

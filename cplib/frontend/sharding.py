@@ -28,6 +28,7 @@ from ..ring.load_balancer import _LoadBalancer, rearrange, shard_lengths
 from ..comm.handshake import agreed, handshake
 from ..comm.native import check_mesh
 from .options import _cp_options
+from .start_hooks import run_start_hooks
 
 __all__ = ["_context_parallel_shard", "shard"]
 
@@ -221,6 +222,7 @@ def _context_parallel_shard(mesh: DeviceMesh, buffers: Any, seq_dims: Any,
     read their inputs against: cplib/frontend/shard_layout.py)."""
     from .shard_layout import shard_layout_of
 
+    run_start_hooks()  # local: hybrid layers intercepted (start_hooks.py)
     result = shard(mesh, buffers, seq_dims, load_balancer)
     flat, _ = tree_flatten(buffers)
     lengths = tuple(sorted({b.shape[d] for b, d in zip(flat, tree_flatten(seq_dims)[0])}))

@@ -24,8 +24,9 @@ the single-process value.
 
 Hybrid models (Qwen3-Next, Qwen3.5, Kimi Linear, Falcon-H1, Granite 4,
 LFM2, ...): inside a context their recurrent and conv layers run exactly or
-raise NotImplementedError naming the layer (cplib/hf/hybrid.py, the list in
-hybrid_families.py); outside one they are transformers' own.
+raise NotImplementedError naming the layer (cplib/clients/hf_hybrid.py, the
+list in hybrid_families.py; installed here, by ``cplib.patch_torch()`` and
+whenever context parallelism starts); outside one they are transformers' own.
 
 Importing ``cplib`` alone does not import transformers; this module does.
 """
@@ -37,7 +38,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from ._attention import cplib_attention_forward, cplib_mask
 from ..clients.hf_loss import install_hf_losses
-from .hybrid import install_hybrid_layers
+from ..clients.hf_hybrid import install_hybrid_layers
 
 __all__ = ["cplib_attention_forward", "cplib_mask", "ATTN_IMPLEMENTATION"]
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.overrides import _get_current_function_mode_stack
 
+from ..clients.hybrid_families import FULL_MASK_LAYERS
 from ..frontend.options import RingConfig
 from ..strategy.ring_entry import ring_sdpa
 from ..frontend.sdpa_dispatch import CPDispatchMode, context_extras, sdpa_backend_hint
@@ -38,6 +39,7 @@ def cplib_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0
     Under context parallelism the ranks agree on it (one flag reduced over
     the group): the ops take the mask as one more q/k coordinate, so every
     rank must pass it as soon as one rank holds padding."""
+    _refuse_full_mask_layers(kwargs.get("config"))
     if attention_mask is None or attention_mask.dim() != 2:
         return None
     padded = torch.tensor([0 if bool(attention_mask.all()) else 1],
@@ -51,6 +53,24 @@ def cplib_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0
             if name is not None:
                 dist.all_reduce(padded, op=dist.ReduceOp.MAX, group=_resolve_process_group(name))
     return attention_mask.bool() if bool(padded.item()) else None
+
+
+def _refuse_full_mask_layers(config: Any) -> None:
+    """NotImplementedError for a model with layers that read the S x S mask
+    (cplib/clients/hybrid_families.py's FULL_MASK_LAYERS), which this
+    implementation does not build: raised from the config alone, when the
+    model makes its masks, so on every rank and before any layer's exchange."""
+    module = type(config).__module__.split(".")
+    family = module[2] if len(module) > 2 and module[:2] == ["transformers", "models"] else None
+    if family not in FULL_MASK_LAYERS:
+        return
+    layer_type, reader = FULL_MASK_LAYERS[family]
+    if layer_type in (getattr(config, "layer_types", None) or ()):
+        raise NotImplementedError(
+            f"cplib: attn_implementation=\"cplib\" cannot run {family}'s {layer_type!r} "
+            f"layers: {reader} selects tokens from transformers' S x S mask, which cplib does "
+            "not build (and under context parallelism it would see one shard's tokens); use "
+            "attn_implementation=\"sdpa\" or \"eager\" outside context parallelism")
 
 
 def _active_config() -> RingConfig | None:

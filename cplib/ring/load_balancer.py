@@ -96,7 +96,8 @@ def rearrange(tensor: Tensor, seq_dim: int, indices: Tensor) -> Tensor:
     """
     if indices.ndim != 2:
         raise ValueError(
-            f"cplib: load-balance indices must have shape (1, S) or (B, S), got {tuple(indices.shape)}"
+            f"cplib: load-balance indices must have shape (1, S) or (B, S), got "
+            f"{tuple(indices.shape)}"
         )
     if tensor.ndim == 0 or not -tensor.ndim <= seq_dim < tensor.ndim:
         raise ValueError(f"cplib: seq_dim={seq_dim} is out of range for a tensor of shape "
@@ -112,9 +113,9 @@ def rearrange(tensor: Tensor, seq_dim: int, indices: Tensor) -> Tensor:
         return torch.index_select(tensor, dim, indices[0])
     if dim == 0 or indices.shape[0] != tensor.shape[0]:
         raise ValueError(
-            f"cplib: per-batch load-balance indices of shape {tuple(indices.shape)} need dimension 0 "
-            f"of the tensor to be a batch of {indices.shape[0]} rows and seq_dim > 0; got shape "
-            f"{tuple(tensor.shape)} with seq_dim={seq_dim}"
+            f"cplib: per-batch load-balance indices of shape {tuple(indices.shape)} need "
+            f"dimension 0 of the tensor to be a batch of {indices.shape[0]} rows and seq_dim > 0; "
+            f"got shape {tuple(tensor.shape)} with seq_dim={seq_dim}"
         )
     view = [indices.shape[0]] + [1] * (tensor.ndim - 1)
     view[dim] = indices.shape[1]

@@ -15,7 +15,7 @@ import torch
 from ..attention.args import (acc_dtype, backend_arg, check_inputs, check_sinks, group_rank,
                               scale_arg)
 from ..attention.autograd import attention_autograd
-from ..comm.handshake import agreed, handshake
+from ..comm.handshake import agreed
 from ..comm.native import GroupLike, group_name_of, group_size, ops, reject_real_in_fake
 from .args import (_BSHD, _SEQ_MAJOR, _check_local, _check_qkv, _degree, _local_sinks,
                    _reshard_shape, _to_seq, check_heads, exchange_to_heads)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from client_cases import (accelerate_ranks, batch, check_against, cpu_parallelism_accepted,
-                          mean_grads, one_process, tiny_llama)
+                          one_process, tiny_llama)
 
 pytest.importorskip("accelerate", reason="requirements/clients.txt (make build installs it)")
 

@@ -81,7 +81,8 @@ def _module_path(own_loss: bool) -> dict:
     inputs = batch()
     model = tiny_llama()
     want = _own_loss_reference(model, inputs) if own_loss else one_process(model, inputs)
-    style = cplib._ContextParallel(seq_dim=2, attention_type=cplib._ContextParallel.AttentionType.SDPA)
+    style = cplib._ContextParallel(seq_dim=2,
+                                   attention_type=cplib._ContextParallel.AttentionType.SDPA)
     for layer in model.model.layers:
         parallelize_module(layer.self_attn, mesh, style)
     s = inputs["input_ids"].shape[1]

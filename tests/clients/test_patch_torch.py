@@ -83,7 +83,8 @@ def test_patch_torch_covers_every_name_the_clients_import():
     cplib.patch_torch()
     try:
         missed = [f"{m}.{n} (imported by {imported[(m, n)][:2]})" for m, n in imported
-                  if getattr(importlib.import_module(m), n, None) is not getattr(cplib, n, object())]
+                  if getattr(importlib.import_module(m), n, None)
+                  is not getattr(cplib, n, object())]
     finally:
         cplib.unpatch_torch()
     assert not missed, f"cplib.patch_torch() does not cover: {missed}"

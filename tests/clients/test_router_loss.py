@@ -10,7 +10,6 @@ cplib's router loss) the mean is off by about 1e-3."""
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 

@@ -16,24 +16,11 @@ import contextlib
 import unittest.mock
 
 import pytest
-import torch
 
-from client_cases import (accelerate_ranks, batch, check_against, cpu_parallelism_accepted,
-                          one_process, scratch_dir, tiny_llama)
+from client_cases import (accelerate_ranks, batch, check_against, one_process, tiny_llama,
+                          trainer_step)
 
 pytest.importorskip("accelerate", reason="requirements/clients.txt (make build installs it)")
-
-
-class _Rows(torch.utils.data.Dataset):
-    def __init__(self, inputs: dict[str, torch.Tensor]) -> None:
-        self.rows = [{"input_ids": i, "labels": l}
-                     for i, l in zip(inputs["input_ids"], inputs["labels"])]
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return self.rows[i]
 
 
 @contextlib.contextmanager
@@ -69,48 +56,24 @@ def _through_trainers_sdpa_check(model, prepare):
 
 def _trainer_step(attn: str, with_cplib_hf: bool) -> dict:
     import cplib
-    from accelerate.utils import ParallelismConfig
-    from transformers import Trainer, TrainerCallback, TrainingArguments
     from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 
     if with_cplib_hf:
         import cplib.hf  # noqa: F401
     cplib.patch_torch()
     owner = contextlib.nullcontext() if with_cplib_hf else _hf_losses_from("patch_torch")
-    grads: dict[str, torch.Tensor] = {}
-
-    class KeepGrads(TrainerCallback):  # after DDP's reduction, before the optimizer
-        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-            grads.update({n.removeprefix("module."): p.grad.clone()
-                          for n, p in model.named_parameters()})
-
     try:
         with accelerate_ranks(), owner:
             assert LOSS_MAPPING["ForCausalLM"] is ForCausalLMLoss
             inputs = batch()
             model = tiny_llama(attn)
             want = one_process(model, inputs)
-            args = TrainingArguments(
-                output_dir=scratch_dir(), per_device_train_batch_size=2, max_steps=1,
-                learning_rate=0.0, max_grad_norm=0.0, use_cpu=True, report_to=[],
-                save_strategy="no", logging_strategy="no", disable_tqdm=True,
-                parallelism_config=ParallelismConfig(cp_size=2))
-            with cpu_parallelism_accepted():
-                trainer = Trainer(model=model, args=args, train_dataset=_Rows(inputs),
-                                  callbacks=[KeepGrads()])
-            assert trainer._loss_shifts_labels, "Trainer no longer sees ForCausalLMLoss"
-            losses = []
-            step = trainer.training_step
-            trainer.training_step = lambda *a, **kw: losses.append(step(*a, **kw)) or losses[-1]
-            patched = contextlib.nullcontext()
-            if attn != "sdpa":
-                patched = unittest.mock.patch.object(
+            loss, grads = trainer_step(
+                model, inputs, None if attn == "sdpa" else
+                lambda trainer: unittest.mock.patch.object(
                     trainer, "_prepare_context_parallel_inputs",
-                    _through_trainers_sdpa_check(model, trainer._prepare_context_parallel_inputs))
-            with patched:
-                trainer.train()
+                    _through_trainers_sdpa_check(model, trainer._prepare_context_parallel_inputs)))
             assert model.config._attn_implementation == attn
-            (loss,) = losses
             return check_against(f"Trainer {attn} cplib.hf={with_cplib_hf}", loss, grads, want)
     finally:
         cplib.unpatch_torch()

@@ -1,7 +1,7 @@
 """The handshake (on by default; CPLIB_CHECK_CONSISTENCY=0 turns it off):
 when ranks make different calls, or one rank's input is invalid, every rank
 raises the same ValueError before the first collective, so nothing hangs.
-tests/comm/test_bad_input.py has the full matrix of bad inputs."""
+tests/support/bad_input.py has the full matrix of bad inputs."""
 
 from __future__ import annotations
 

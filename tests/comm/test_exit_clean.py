@@ -2,7 +2,7 @@
 
 Two gloo processes run tests/support/exit_scenario.py: 20 rounds of
 init_process_group, calls that end in a clear error on both ranks, a valid
-ring call, an all-reduce, destroy_process_group; then test_bad_input's
+ring call, an all-reduce, destroy_process_group; then the bad-input matrix's
 two-rank matrix on fresh groups; then the interpreter exits. Both must print every round's
 errors and exit 0 without "terminate called" (issue 40's SIGABRT at exit).
 

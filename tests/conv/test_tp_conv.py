@@ -174,7 +174,6 @@ def test_backward_output_mask(ranks, world_size):
 
 
 def _check_opcheck() -> None:
-    rank, n = dist.get_rank(), dist.get_world_size()
     g = _group()
     for x_shape, w_shape, stride, padding, dilation, groups, dim, bias in [
         ((2, 3, 4, 5), (4, 3, 3, 3), [1], [1], [1], 1, -1, True),

@@ -83,7 +83,7 @@ def test_allgather_matches_cat_and_reference_grad(ranks, world_size):
 
 
 def _check_opcheck(requires_grad: bool) -> None:
-    rank, n = dist.get_rank(), dist.get_world_size()
+    n = dist.get_world_size()
     k = torch.randn(2, 4, 3, 8, requires_grad=requires_grad)
     v = torch.randn(2, 2, 3, 8, requires_grad=requires_grad)
     torch.library.opcheck(torch.ops.cplib_c.flex_cp_allgather.default, (k, v, 2, _group()))

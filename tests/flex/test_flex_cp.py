@@ -100,7 +100,8 @@ def _randn(shape, seed: int) -> torch.Tensor:
 # ------------------------------------------------------------------ checks
 
 
-def _blocks_to_dense(num_blocks: torch.Tensor, indices: torch.Tensor, num_cols: int) -> torch.Tensor:
+def _blocks_to_dense(num_blocks: torch.Tensor, indices: torch.Tensor,
+                     num_cols: int) -> torch.Tensor:
     """A BlockMask's (num_blocks, indices) lists as a dense (..., rows, num_cols)
     bool map: each row's first num_blocks indices are its blocks. Written here
     because torch's private helper for it changed signature between releases."""
@@ -332,7 +333,8 @@ def _check_hook_arguments() -> int:
     k_full, v_full = _randn((1, 2, 8 * n, 4), 2), _randn((1, 2, 8 * n, 6), 3)
     k, v = k_full.chunk(n, 2)[rank], v_full.chunk(n, 2)[rank]
     mask = create_block_mask(causal, 1, 1, 8 * n, 8 * n, device="cpu", BLOCK_SIZE=8)
-    score_mod, scale, opts, aux = (lambda s, b, h, qi, ki: s), 0.5, {"BACKEND": "AUTO"}, AuxRequest(lse=True)
+    score_mod, scale = (lambda s, b, h, qi, ki: s), 0.5
+    opts, aux = {"BACKEND": "AUTO"}, AuxRequest(lse=True)
     rest = (score_mod, mask, scale, True, False, opts)
     calls = [
         ((q, k, v, *rest), {"return_aux": aux}),

@@ -8,8 +8,8 @@ compiled ``flex_attention`` it holds as a class variable. Parallelized with
 taken over by the ring (cplib moves nothing but the call), and out and the
 gradients of q, k and v equal one process's within torch's flex CP
 tolerance. Inputs and masks are sharded by torchtitan's own ``cp_shard``
-(head-tail) on cplib's names (``cplib.patch_torch()``). On CPU the module's compiled flex is compiled
-with aot_eager (inductor's CPU flex kernel returns no lse, which the ring
+(head-tail) on cplib's names (``cplib.patch_torch()``). On CPU the module's
+compiled flex is compiled with aot_eager (inductor's CPU flex kernel returns no lse, which the ring
 merges with) and torch's CPU flex backward guard is lifted, as in the flex
 tests.
 

@@ -43,7 +43,7 @@ def test_hf_llama_prime_length_and_documents(ranks):
 
 def _check_window_and_uneven(n_unused: int = 0) -> int:
     mesh = _mesh()
-    rank, n = dist.get_rank(), dist.get_world_size()
+    n = dist.get_world_size()
     s = 13 * n + 3
     g = torch.Generator().manual_seed(7)
     q, k, v, cot = (torch.randn(1, 2, s, 8, generator=g, dtype=torch.float64) for _ in range(4))

@@ -242,7 +242,8 @@ def test_module_reads_the_shards_layout_or_raises_on_every_rank(ranks):
     results = ranks(2).run(_check_module_reads_the_shards_layout)
     assert results[0] == results[1], results
     missing, per_document, other_docs, head_tail, one_rank, sequential, usp, own = results[0]
-    assert missing.startswith("ValueError") and "DocumentPlacementLoadBalancer (placement" in missing
+    assert missing.startswith("ValueError")
+    assert "DocumentPlacementLoadBalancer (placement" in missing
     assert "attention_documents(cu_seqlens, placement=True)" in missing
     assert "DocumentPlacementLoadBalancer (placement layout)" in per_document
     assert "cu_seqlens [0, 6, " in other_docs and "[0, 5, 9, " in other_docs

@@ -182,7 +182,8 @@ def test_bench_cells_time_out_alone_and_the_json_grows_row_by_row(tmp_path):
     assert str(cplib.pop((True, "flash/alltoall"))).startswith("error: timed out")
     assert all(isinstance(v, float) for v in cplib.values()), cplib
     assert payload["problems"]["cplib"] == [
-        f"S=128 N=2 causal 2/2 cplib flash/alltoall: {payload['rows'][0]['cplib_ms']['flash/alltoall']}"]
+        "S=128 N=2 causal 2/2 cplib flash/alltoall: "
+        f"{payload['rows'][0]['cplib_ms']['flash/alltoall']}"]
     sys.path.insert(0, os.path.join(REPO, "benchmarks", "gpu"))
     try:
         import reap

@@ -2,7 +2,8 @@
 each tiny model either gives one process's logits (its recurrent and conv
 layers carried across ranks) or raises NotImplementedError on every rank,
 naming the layer class that cplib cannot carry; never a silent per-shard
-result; outside a context, what transformers computes. And the list of families (cplib/hf/hybrid_families.py) is complete:
+result; outside a context, what transformers computes. And the list of
+families (cplib/clients/hybrid_families.py) is complete:
 transformers' source is scanned for sequence mixers, and each one found is
 either listed or named below as not a mixer of the text sequence."""
 
@@ -14,7 +15,6 @@ import importlib
 import os
 import re
 
-import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -40,7 +40,8 @@ NOT_TEXT_MIXERS = {
 }
 _KERNELS = re.compile(r"causal_conv1d_fn|selective_scan|chunk_scan|delta_rule|delta_attention|"
                       r"mamba_inner_fn|split_conv1d_scan|chunk_kda|lightning|wkv|mlstm")
-_NAMES = re.compile(r"(Mixer|GatedDeltaNet|DeltaAttention|ShortConv\w*|L(inear|ightning)Attention|Rglru|"
+_NAMES = re.compile(r"(Mixer|GatedDeltaNet|DeltaAttention|ShortConv\w*|"
+                    r"L(inear|ightning)Attention|Rglru|"
                     r"RecurrentBlock|CCAProjection|xLSTMLayer|FeedForward)$")
 
 
@@ -100,7 +101,7 @@ def _scan() -> dict[str, set[str]]:
 
 
 def test_every_sequence_mixer_of_transformers_is_listed():
-    from cplib.hf.hybrid_families import FAMILIES
+    from cplib.clients.hybrid_families import FAMILIES
 
     listed = {(f, m.name) for f, mixers in FAMILIES.items() for m in mixers}
     found = {(family, name) for family, names in _scan().items() for name in names}
@@ -120,7 +121,7 @@ ATTENTION_REFUSED = {"inkling": "position_bias", "inkling2": "position_bias"}
 def _family_under_cp(family: str) -> str:
     """"exact", or "refused <what the error names>"; asserts either way."""
     import cplib
-    from cplib.hf.hybrid_families import FAMILIES
+    from cplib.clients.hybrid_families import FAMILIES
 
     n = dist.get_world_size()
     model = tiny_model(family)
@@ -150,7 +151,7 @@ def _family_under_cp(family: str) -> str:
 
 
 def _all_families() -> dict[str, str]:
-    from cplib.hf.hybrid_families import FAMILIES
+    from cplib.clients.hybrid_families import FAMILIES
 
     return {family: _family_under_cp(family) for family in FAMILIES}
 

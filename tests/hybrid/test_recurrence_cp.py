@@ -181,7 +181,8 @@ def _low_precision_errors(layout, run, full, low, cot) -> dict[str, tuple[float,
     errors = {}
     for i, (t, s, c) in enumerate(zip(truth, single, cp)):
         if t.dim() > 1:  # the output and the per-token inputs' gradients
-            errors[f"#{i}"] = (_rel(c, _local(layout, t)), _rel(_local(layout, s), _local(layout, t)))
+            errors[f"#{i}"] = (_rel(c, _local(layout, t)),
+                               _rel(_local(layout, s), _local(layout, t)))
     return errors
 
 

@@ -88,7 +88,8 @@ def test_merge_extreme_lse_gaps(blk_dtype):
                          1e4, torch.inf])
     a = torch.cat([torch.zeros_like(gaps), -gaps, torch.full_like(gaps, 3.0)])
     c = torch.cat([-gaps, torch.zeros_like(gaps), 3.0 - gaps])
-    a, c = torch.cat([a, c, torch.tensor([-torch.inf])]), torch.cat([c, a, torch.tensor([-torch.inf])])
+    end = torch.tensor([-torch.inf])
+    a, c = torch.cat([a, c, end]), torch.cat([c, a, end])
     R, D = a.numel(), 19
     g = torch.Generator().manual_seed(5)
     out = torch.randn(1, 1, R, D, generator=g)

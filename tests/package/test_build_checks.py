@@ -29,7 +29,9 @@ _check = _load_build_check()
 carries_private_libstdcxx = _check.carries_private_libstdcxx
 refuse_private_libstdcxx = _check.refuse_private_libstdcxx
 
-SOURCE = '#include <sstream>\nextern "C" int f(long x) { std::ostringstream s; s << x; return (int)s.str().size(); }\n'
+SOURCE = ('#include <sstream>\n'
+          'extern "C" int f(long x) {\n'
+          '  std::ostringstream s; s << x; return (int)s.str().size(); }\n')
 
 
 def _build(tmp_path, name: str, *flags: str) -> str:

@@ -2,7 +2,7 @@
 every import runs down README.md's layer list, and the layout rules of
 build_support/layout_check.py hold (module and function sizes, one cplib/
 folder or a word in README.md for each csrc/torch/ folder, one docs/ page for
-each cplib/ folder)."""
+each cplib/ folder, tests/ mirroring the package)."""
 
 from __future__ import annotations
 
@@ -94,6 +94,27 @@ def test_layout_rules_hold():
     assert lc.mirror_problems(ROOT) == []
     assert lc.docs_problems(ROOT) == []
     assert lc.link_problems(ROOT) == []
+    assert lc.tests_problems(ROOT) == []
+
+
+def test_test_rules_find_each_problem(tmp_path):
+    """A test file over 400 lines, a folder that is no package's, a GPU test
+    outside its feature's folder: each named; a feature's GPU test is not."""
+    lc = _build_support_module("layout_check")
+    for folder in ("cplib/ring", "tests/ring", "tests/gpu", "tests/misc"):
+        (tmp_path / folder).mkdir(parents=True)
+    (tmp_path / "cplib/ring/__init__.py").write_text("")
+    (tmp_path / "tests/ring/test_long.py").write_text("x = 1\n" * 401)
+    gpu = "from gpu_cases import GPU_MARKS\npytestmark = GPU_MARKS\n"
+    (tmp_path / "tests/ring/test_gpu_ring.py").write_text(gpu)
+    (tmp_path / "tests/gpu/test_gpu_ring.py").write_text(gpu)
+    assert lc.tests_problems(str(tmp_path)) == [
+        "tests/ring/test_long.py: 401 lines (at most 400)",
+        "tests/misc/ is no cplib/ package's name (tests mirror the package) nor one of "
+        "['gpu', 'package', 'support']",
+        "tests/gpu/test_gpu_ring.py: a GPU test outside a feature's folder (put it in "
+        "tests/<feature>/ beside that feature's other tests)",
+    ]
 
 
 def test_anchors_are_githubs():
@@ -106,5 +127,6 @@ def test_anchors_are_githubs():
 def test_function_lengths_leave_out_the_docstring():
     lc = _build_support_module("layout_check")
     body = "\n".join(f"    x{i} = {i}" for i in range(3))
-    source = f'def f():\n    """one\n    two"""\n{body}\n\nclass C:\n    def g(self):\n        pass\n'
+    source = (f'def f():\n    """one\n    two"""\n{body}\n\n'
+              'class C:\n    def g(self):\n        pass\n')
     assert lc.function_lengths(source) == [("f", 1, 4), ("C.g", 9, 2)]

@@ -86,7 +86,8 @@ def test_ptrr_scheduling_hand_worked():
     groups = _PTRRLoadBalancer.ptrr_scheduling(t, 4)
     assert groups.tolist() == [[3, 12, 13, 14], [2, 4, 7, 9], [1, 8, 11, 15], [0, 5, 6, 10]]
     assert [int(t[g].sum()) for g in groups] == [45, 45, 43, 47]
-    with pytest.raises(NotImplementedError, match=r"num_tasks 16 must be divisible by group_size 3"):
+    with pytest.raises(NotImplementedError,
+                       match=r"num_tasks 16 must be divisible by group_size 3"):
         _PTRRLoadBalancer.ptrr_scheduling(t, 3)
 
 

@@ -65,7 +65,7 @@ def test_ring_any_length_matches_reference(ranks, world_size):
 
 
 def _check_opcheck_new_args() -> int:
-    rank, n = dist.get_rank(), dist.get_world_size()
+    n = dist.get_world_size()
     s = 6 * n + 1
     q, k, v = (local(global_tensor((2, h, s, 8), torch.float64, i), s, True).requires_grad_(True)
                for i, h in enumerate((4, 2, 2)))
@@ -119,7 +119,7 @@ def test_ring_documents_window_compile_fullgraph(ranks, world_size):
 
 
 def _check_bad_lengths() -> int:
-    rank, n = dist.get_rank(), dist.get_world_size()
+    n = dist.get_world_size()
     g = dist.group.WORLD
     q = torch.randn(1, 2, 1, 4)
     with pytest.raises(ValueError, match=f"seq_len={n - 1} is shorter than the world size {n}"):

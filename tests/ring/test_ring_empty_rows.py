@@ -2,7 +2,7 @@
 document has no cached key of its own document) through ring_sdpa forward
 AND backward on the CPU, fp64, world sizes 1 and 2: out 0, lse -inf, dq 0,
 and dk/dv free of NaN (the block backward is fed lse +inf for those rows:
-exp(score - (-inf)) was NaN). tests/gpu/test_gpu_ring_masks.py runs the same on
+exp(score - (-inf)) was NaN). tests/ring/test_gpu_ring_masks.py runs the same on
 a GPU in bf16 and fp16."""
 
 from __future__ import annotations

@@ -61,7 +61,6 @@ def _peak_bytes(fn) -> int:
 
 def _ring_peaks() -> dict[str, float]:
     """Peak bytes of one fwd+bwd per rotation, in units of this rank's k block."""
-    rank, n = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(B, H, L, D, generator=g).requires_grad_(True) for _ in range(3))
     block = k.numel() * k.element_size()

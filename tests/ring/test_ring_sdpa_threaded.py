@@ -30,7 +30,8 @@ HALF_DTYPES = [torch.bfloat16, torch.float16]
 
 
 def needs_cuda(test):
-    """A GPU test: marker `cuda` (the GPU check, benchmarks/gpu/run.sh, runs exactly those), skipped without a GPU."""
+    """A GPU test: marker `cuda` (the GPU check, benchmarks/gpu/run.sh, runs
+    exactly those), skipped without a GPU."""
     return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(),
                                                reason="needs a CUDA GPU (none visible)")(test))
 

@@ -66,7 +66,7 @@ def _first_calls_in_each_mode() -> list[str]:
     """Per mode, a fresh calibration state: the first CP call made under the
     mode (it measures the calibration), then an autograd call that reuses
     the calibration measured there."""
-    mesh, rank = _mesh(), dist.get_rank()
+    mesh = _mesh()
     inputs = _inputs(mesh.size(), 70)
     names = []
     try:

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor.parallel import parallelize_module
-from torch.nn.attention.flex_attention import AuxRequest, create_block_mask
+from torch.nn.attention.flex_attention import create_block_mask
 
 import cplib
 from cplib import _context_parallel_shard
@@ -67,7 +67,8 @@ def _case(kind: str, S: int, block: int, lb_kind: str, heads=(2, 2)):
 
 
 def _style(strategy) -> cplib._ContextParallel:
-    return cplib._ContextParallel(seq_dim=2, attention_type=cplib._ContextParallel.AttentionType.FLEX,
+    return cplib._ContextParallel(seq_dim=2,
+                                  attention_type=cplib._ContextParallel.AttentionType.FLEX,
                                   strategy=strategy)
 
 

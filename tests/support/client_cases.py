@@ -125,5 +125,81 @@ def cpu_parallelism_accepted():
         yield
 
 
+@contextlib.contextmanager
+def hybrid_layer_types_accepted():
+    """accelerate 1.15 refuses context parallelism (in ``prepare()``, with a
+    ValueError) for a model whose config lists layer types other than
+    ``"full_attention"``: its hooks drop the attention mask, which would
+    train sliding-window layers as full ones. Every hybrid family but RWKV and
+    xLSTM lists such types (``"linear_attention"``, ``"conv"``, ...): the
+    client's limit, which docs/clients.md states. Lifted while accelerate
+    attaches its hooks, to show what cplib does where a client lets such a
+    model through."""
+    import accelerate.accelerator as accelerator
+
+    attach = accelerator._attach_context_parallel_hooks
+
+    def without_the_layer_type_check(model):
+        config = model.config.get_text_config()
+        layer_types, config.layer_types = config.layer_types, None
+        try:
+            return attach(model)
+        finally:
+            config.layer_types = layer_types
+
+    with unittest.mock.patch.object(accelerator, "_attach_context_parallel_hooks",
+                                    without_the_layer_type_check):
+        yield
+
+
+class Rows(torch.utils.data.Dataset):
+    """A batch's rows (input_ids, labels) as Trainer's dataset."""
+
+    def __init__(self, inputs: dict[str, torch.Tensor]) -> None:
+        self.rows = [{"input_ids": i, "labels": l}
+                     for i, l in zip(inputs["input_ids"], inputs["labels"])]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.rows[i]
+
+
+def trainer_step(model, inputs: dict[str, torch.Tensor], patch_trainer=None,
+                 cp_size: int = 2) -> tuple[torch.Tensor, dict]:
+    """One HF Trainer step of ``model`` on ``inputs`` with context parallelism
+    (``parallelism_config=ParallelismConfig(cp_size=...)``, learning rate 0):
+    the loss Trainer backpropagates and the gradients after its reduction
+    (before the optimizer). ``patch_trainer(trainer)``, a context manager,
+    wraps the step."""
+    from accelerate.utils import ParallelismConfig
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    grads: dict[str, torch.Tensor] = {}
+
+    class KeepGrads(TrainerCallback):  # after DDP's reduction, before the optimizer
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            grads.update({n.removeprefix("module."): p.grad.clone()
+                          for n, p in model.named_parameters()})
+
+    args = TrainingArguments(
+        output_dir=scratch_dir(), per_device_train_batch_size=inputs["input_ids"].shape[0],
+        max_steps=1, learning_rate=0.0, max_grad_norm=0.0, use_cpu=True, report_to=[],
+        save_strategy="no", logging_strategy="no", disable_tqdm=True,
+        parallelism_config=ParallelismConfig(cp_size=cp_size))
+    with cpu_parallelism_accepted():
+        trainer = Trainer(model=model, args=args, train_dataset=Rows(inputs),
+                          callbacks=[KeepGrads()])
+    assert trainer._loss_shifts_labels, "Trainer no longer sees ForCausalLMLoss"
+    losses = []
+    step = trainer.training_step
+    trainer.training_step = lambda *a, **kw: losses.append(step(*a, **kw)) or losses[-1]
+    with (patch_trainer(trainer) if patch_trainer is not None else contextlib.nullcontext()):
+        trainer.train()
+    (loss,) = losses
+    return loss, grads
+
+
 def scratch_dir() -> str:
     return tempfile.mkdtemp(prefix="cplib-clients-")

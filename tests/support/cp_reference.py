@@ -75,7 +75,7 @@ def use_ring(impl: str) -> None:
     if impl == "reference":
         # The native module's argument helpers stay (other modules import
         # them from it); only the ring op is replaced.
-        import cplib.ring.op as native  # noqa: F401
+        import cplib.ring.op  # noqa: F401  (loaded: sys.modules now has it)
         native = _saved_native[0] if _saved_native else sys.modules["cplib.ring.op"]
         mod = types.ModuleType("cplib.ring.op")
         mod.__dict__.update({k: v for k, v in vars(native).items() if not k.startswith("__")})

@@ -7,7 +7,7 @@ end in a clear error on both ranks (one rank's bad argument, shard lengths
 that are not the load balancer's layout), a valid ring call, a last failing
 call, an all-reduce of the program's own, destroy_process_group. With
 ``bad_input``, one more init then runs every two-rank case of
-tests/comm/test_bad_input.py's matrix, each on a fresh group, before its
+the bad-input matrix (tests/support/bad_input.py), each on a fresh group, before its
 all-reduce and destroy_process_group. Rank 1 exits right after; rank 0 a
 second later.
 
@@ -140,12 +140,12 @@ def _round(i: int, rank: int) -> list:
 
 
 def _bad_input_cases(rank: int) -> list:
-    """Every two-rank case of test_bad_input's matrix, each on a fresh group."""
-    import test_bad_input
+    """Every two-rank case of the bad-input matrix, each on a fresh group."""
+    import bad_input
     import torch.distributed as dist
 
     groups = []
-    for name, world, case, exc_type, _ in test_bad_input.CASES:
+    for name, world, case, exc_type, _ in bad_input.CASES:
         if world != 2:
             continue
         g = dist.new_group([0, 1])
@@ -168,7 +168,7 @@ def main(rank: int, port: int, rounds: int, bad_input: bool, collector: bool) ->
     # imports torch._dynamo, and with it torch.distributed.nn, whose
     # functions keep the default group of that moment as a default argument.
     import cplib  # noqa: F401
-    import test_bad_input  # noqa: F401  (imports cplib's features as its cases use them)
+    import bad_input as matrix  # noqa: F401  (imports cplib's features as its cases use them)
 
     if not collector:
         gc.disable()  # what references keep, not when the collector runs

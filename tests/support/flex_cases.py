@@ -1,5 +1,5 @@
 """Shared pieces of the flex CP tests (flex/test_flex_cp.py,
-flex/test_flex_ring*.py, gpu/test_gpu_flex_ring.py): the masks on global
+flex/test_flex_ring*.py, flex/test_gpu_flex_ring.py): the masks on global
 positions, document lengths, balancers, the module that ``_ContextParallel``
 wraps (and one per process, eager or compiled), and the per-rank switches
 (CPU backward guard, rotate method) restored on exit."""

@@ -1,5 +1,5 @@
-"""Shared pieces of the GPU tests (tests/gpu/test_gpu_*.py): the device, the
-``cuda`` mark, fp64 truth with any mask, the single-device run and the
+"""Shared pieces of the GPU tests (tests/<feature>/test_gpu_*.py): the device,
+the ``cuda`` and ``cuda_on_cpu`` marks, fp64 truth with any mask, the single-device run and the
 judgement "at most 1.5x the single-device error".
 
 Every GPU test carries the ``cuda`` marker (``benchmarks/gpu/run.sh`` selects them
@@ -41,8 +41,10 @@ def gpu_test_device() -> torch.device | None:
 
 
 DEVICE = gpu_test_device()
-# Module-level `pytestmark = GPU_MARKS` in every GPU test file.
-GPU_MARKS = [pytest.mark.cuda,
+# Module-level `pytestmark = GPU_MARKS` in every GPU test file. `cuda_on_cpu`
+# tells them from the other `cuda` tests, which need a real GPU: `make
+# test-gpu-on-cpu` selects them by it.
+GPU_MARKS = [pytest.mark.cuda, pytest.mark.cuda_on_cpu,
              pytest.mark.skipif(DEVICE is None, reason=f"needs a CUDA GPU (none visible; "
                                                        f"{ON_CPU_ENV}=1 runs the bodies on CPU)")]
 HALF_DTYPES = [torch.bfloat16, torch.float16]

@@ -1,5 +1,5 @@
-"""The ring's GPU tests' runner (tests/gpu/test_gpu_ring_*.py and the backend
-choice): ``cplib.ring_sdpa`` on N threaded ranks sharing DEVICE, each rank's
+"""The ring's GPU tests' runner (tests/ring/test_gpu_ring_*.py and
+test_gpu_backend_choice.py): ``cplib.ring_sdpa`` on N threaded ranks sharing DEVICE, each rank's
 rows given by a layout, the results placed back into global tensors and
 judged against the case's truth (tests/support/gpu_cases.py)."""
 

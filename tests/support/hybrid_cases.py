@@ -1,5 +1,5 @@
 """Tiny instances of every hybrid family transformers ships
-(cplib/hf/hybrid_families.py): a config per family, small enough to run a
+(cplib/clients/hybrid_families.py): a config per family, small enough to run a
 forward under context parallelism in a fraction of a second, with at least
 one of the family's sequence mixers (and its attention layers, where it has
 them)."""
@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 VOCAB = 64
 
@@ -110,3 +112,37 @@ def tiny_model(family: str, seed: int = 0, attn_implementation: str = "cplib",
         else tf.AutoModel
     model = auto.from_config(config, attn_implementation=attn_implementation)
     return model.float().eval()
+
+
+class _CausalAttention(nn.Module):
+    """A leaf that calls causal SDPA (what ``_ContextParallel`` parallelizes)."""
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class HybridBlock(nn.Module):
+    """A model of the user's own around one of transformers' sequence mixers:
+    ``h = x + mixer(x)``, then ``h + causal attention over h`` (``.attn``)."""
+
+    def __init__(self, mixer: nn.Module, hidden: int = 32, heads: int = 4):
+        super().__init__()
+        self.mixer, self.heads = mixer, heads
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.attn = _CausalAttention()
+
+    def forward(self, x):
+        h = x + self.mixer(x)
+        b, s, d = h.shape
+        q, k, v = self.qkv(h).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        return h + self.attn(q, k, v).transpose(1, 2).reshape(b, s, d)
+
+
+def hybrid_block(family: str, mixer_class: str) -> HybridBlock:
+    """A HybridBlock (hidden 32) holding ``family``'s ``mixer_class`` of its
+    tiny config, built without ``cplib.hf``."""
+    config = tiny_config(family)
+    config._attn_implementation = "sdpa"
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    torch.manual_seed(0)
+    return HybridBlock(getattr(module, mixer_class)(config, layer_idx=0)).float()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import cplib
 from harness import assert_close

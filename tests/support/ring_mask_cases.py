@@ -96,8 +96,8 @@ def check_ring(s: int, *, causal: bool, lb: bool, rotate: str, cu_seqlens=None, 
                                seq_len=s if seq_len_arg else None, per_document=per_document,
                                placement=placement)
     out.backward(local(cot, s, lb, docs, placed))
-    what = (f"S={s} n={dist.get_world_size()} causal={causal} lb={lb} {rotate} "
-            f"docs={cu_seqlens if cu_seqlens is None or len(cu_seqlens) < 12 else len(cu_seqlens) - 1} "
+    docs_said = cu_seqlens if cu_seqlens is None or len(cu_seqlens) < 12 else len(cu_seqlens) - 1
+    what = (f"S={s} n={dist.get_world_size()} causal={causal} lb={lb} {rotate} docs={docs_said} "
             f"window={window} per_document={per_document} placement={placement} {what}")
     assert out.shape == ql.shape and out.is_contiguous()
     for name, got, want in (("out", out, ref[0]), ("lse", lse, ref[1]), ("dq", ql.grad, ref[2]),

@@ -1,6 +1,6 @@
 """The sequence-mixing layers that are not attention in transformers' models,
 and what each does under ``cplib.context_parallel``: runs exactly (its
-kernel functions get the exchange, cplib/hf/hybrid.py) or raises, naming the
+kernel functions get the exchange, cplib/clients/hf_hybrid.py) or raises, naming the
 layer. Enumerated from transformers 5.23's source: every ``modeling_*.py``
 with a causal conv, a linear-attention / delta-rule / SSM scan or another
 recurrence over the sequence (``tests/hybrid/test_hybrid_families.py`` reads
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Mixer", "FAMILIES", "KERNEL_ROLES", "mixer_of"]
+__all__ = ["Mixer", "FAMILIES", "SELECTORS", "FULL_MASK_LAYERS", "KERNEL_ROLES", "mixer_of"]
 
 DELTA = "delta rule: conv by halo, then head re-sharding or state passing"
 SSD = "Mamba2 SSD: conv by halo, then state passing"
@@ -85,8 +85,25 @@ FAMILIES: dict[str, tuple[Mixer, ...]] = {
                       "computed inline"),),
 }
 
+# Token selectors of a family's attention layers that read the whole sequence
+# (Qwen4-Exp's QSA indexer: top-k key blocks among every earlier token, from
+# the S x S mask): refused under context parallelism, like the mixers above.
+SELECTORS: dict[str, tuple[Mixer, ...]] = {
+    "qwen4_exp": (_refused("Qwen4ExpTextQSAIndexer",
+                           "its indexer selects key blocks among every earlier token of the "
+                           "sequence (sparse attention), which a shard does not hold"),),
+}
+
+# Layer types that need transformers' S x S mask, which
+# attn_implementation="cplib" does not build: family -> (layer type in
+# config.layer_types, the class that reads the mask). cplib/hf/_attention.py
+# refuses them when the mask is made, before any layer runs.
+FULL_MASK_LAYERS: dict[str, tuple[str, str]] = {
+    "qwen4_exp": ("indexed_attention", "Qwen4ExpTextQSAIndexer"),
+}
+
 # The kernel functions a family's layers call by their module-level name, and
-# the role each plays under CP (cplib/hf/hybrid.py gives each its exchange).
+# the role each plays under CP (cplib/clients/hf_hybrid.py gives each its exchange).
 KERNEL_ROLES: dict[str, str] = {
     "causal_conv1d_fn": "conv",
     "torch_chunk_gated_delta_rule": "delta",

@@ -1,20 +1,30 @@
-"""Hybrid models under ``cplib.context_parallel``: the sequence-mixing layers
-that are not attention (cplib/hf/hybrid_families.py) either run exactly or
-raise, on every rank, naming the layer.
+"""Hybrid models under context parallelism: the sequence-mixing layers of
+transformers' models that are not attention (cplib/clients/hybrid_families.py)
+either run exactly or raise, on every rank, naming the layer.
 
 How it reaches the model: transformers' layers call their kernels by a
 module-level name (``causal_conv1d_fn``, ``torch_chunk_gated_delta_rule``,
 ``mamba2_chunk_scan``, ...), bound through its kernel registry to fla,
-causal_conv1d or mamba_ssm where installed and to torch code otherwise. For
-each family, ``import cplib.hf`` (and every model built after it, through
-``PreTrainedModel.post_init``) replaces those names in the family's module
-with a wrapper, and the mixer classes' ``forward`` with one. Outside a
-``cplib.context_parallel`` region both call straight through: a model
-outside CP computes exactly what it did. Inside one, the layer's wrapper
-finds the context's layout, and the kernel wrappers put the exchange around
-the user's kernel (cplib/hybrid/): the conv by halo, the delta rule by head
-re-sharding or state passing, Mamba2's scan by state passing. Layers that
-cplib cannot carry raise NotImplementedError before any collective.
+causal_conv1d or mamba_ssm where installed and to torch code otherwise.
+:func:`install_hybrid_layers` replaces those names in each family's module
+with a wrapper, and the mixer classes' ``forward`` with one, in every family
+module imported by then and in every model built afterwards (through
+``PreTrainedModel.post_init``). Whatever the attention implementation, it
+runs at ``import cplib.hf``, at ``cplib.patch_torch()`` and whenever cplib's
+context parallelism starts (``cplib.context_parallel``, torch's names after
+the switch, ``_context_parallel_shard``, ``_ContextParallel``) while
+transformers is imported (:func:`install_if_transformers_loaded`): so this
+module lives beside the losses, outside ``cplib.hf``, whose import is the
+``attn_implementation="cplib"`` switch.
+
+Outside context parallelism both wrappers call straight through: a model
+outside CP computes exactly what it did. Under it (a ``cplib.context_parallel``
+region, or, on the module path, a layer input of this rank's shard length of
+the layout ``_context_parallel_shard`` recorded) the layer's wrapper finds the
+layout, and the kernel wrappers put the exchange around the user's kernel
+(cplib/hybrid/): the conv by halo, the delta rule by head re-sharding or state
+passing, Mamba2's scan by state passing. Layers that cplib cannot carry raise
+NotImplementedError before their first collective.
 
 A cache (``use_cache=True``, transformers' default) is not filled by these
 layers under CP: its states would be one rank's; a cache that already holds
@@ -30,12 +40,14 @@ import sys
 import threading
 from typing import Any, Callable
 
-from ..hybrid.layout import SequenceLayout
-from .hybrid_families import FAMILIES, KERNEL_ROLES, Mixer
-from .hybrid_kernels import HANDLERS
+from ..frontend.options import _cp_options
 from ..frontend.sequence import active_handle as _active_handle
+from ..hybrid.layout import SequenceLayout
+from .hybrid_families import FAMILIES, KERNEL_ROLES, SELECTORS, Mixer
+from .hybrid_kernels import HANDLERS
+from .hybrid_layout import layout_in_effect
 
-__all__ = ["install_hybrid_layers", "patch_family"]
+__all__ = ["install_hybrid_layers", "install_if_transformers_loaded", "patch_family"]
 
 # The layout and name of the mixer layer running now under CP (its kernel
 # calls read it); per thread, like the dispatch mode that marks the context.
@@ -57,15 +69,15 @@ def _kernel_wrapper(original: Callable, role: str, name: str) -> Callable:
 
     @functools.wraps(original)
     def kernel(*args: Any, **kwargs: Any) -> Any:
+        scope = _scope.get()
+        if scope is not None:  # inside a layer that runs under context parallelism
+            return handler(original, name, scope[0], scope[1], args, kwargs)
         if _active_handle() is None:
             return original(*args, **kwargs)
-        scope = _scope.get()
-        if scope is None:
-            raise NotImplementedError(
-                f"cplib: {name} was called under cplib.context_parallel outside a layer cplib "
-                "knows (cplib/hf/hybrid_families.py): it would run on this rank's shard alone; "
-                "call the model's own layers, or run outside the context")
-        return handler(original, name, scope[0], scope[1], args, kwargs)
+        raise NotImplementedError(
+            f"cplib: {name} was called under cplib.context_parallel outside a layer cplib "
+            "knows (cplib/clients/hybrid_families.py): it would run on this rank's shard alone; "
+            "call the model's own layers, or run outside the context")
 
     kernel.__cplib_original__ = original  # type: ignore[attr-defined]
     return kernel
@@ -73,10 +85,9 @@ def _kernel_wrapper(original: Callable, role: str, name: str) -> Callable:
 
 def _refuse(what: str, reason: str) -> NotImplementedError:
     return NotImplementedError(
-        f"cplib: {what} under cplib.context_parallel: {reason}. Run on a shard, it would "
-        "start from a zero state at every shard border (a wrong result), so it raises on "
-        "every rank; run this model outside cplib.context_parallel (or without context "
-        "parallelism)")
+        f"cplib: {what} under context parallelism: {reason}. Run on this rank's shard "
+        "alone, it would not see the sequence before the shard (a wrong result), so it "
+        "raises on every rank; run this model without context parallelism")
 
 
 def _check_cache(cache: Any, layer: Any, what: str) -> None:
@@ -104,17 +115,20 @@ def _layer_wrapper(original: Callable, mixer: Mixer, family: str) -> Callable:
 
     @functools.wraps(original)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        handle = _active_handle()
-        if handle is None:
-            return original(self, *args, **kwargs)
+        if _active_handle() is None and _cp_options.shard_layout is None:
+            return original(self, *args, **kwargs)  # no context parallelism anywhere
         what = f"{type(self).__name__} ({family})"
+        bound = signature.bind(self, *args, **kwargs)
+        if _active_handle() is not None and mixer.refusal is not None:
+            raise _refuse(what, mixer.refusal)
+        layout = layout_in_effect(bound.arguments[first].shape[1], what)
+        if layout is None:  # the module path, this input not a shard
+            return original(self, *args, **kwargs)
         if mixer.refusal is not None:
             raise _refuse(what, mixer.refusal)
-        bound = signature.bind(self, *args, **kwargs)
         if cache_arg is not None and bound.arguments.get(cache_arg) is not None:
             _check_cache(bound.arguments[cache_arg], self, what)
             bound.arguments[cache_arg] = None
-        layout = SequenceLayout.of_context(handle, bound.arguments[first].shape[1], what)
         token = _scope.set((layout, what))
         try:
             return original(*bound.args, **bound.kwargs)
@@ -134,7 +148,7 @@ def patch_family(module: Any, family: str) -> None:
             fn = getattr(module, name, None)
             if callable(fn):
                 setattr(module, name, _kernel_wrapper(fn, role, name))
-        for mixer in FAMILIES[family]:
+        for mixer in FAMILIES[family] + SELECTORS.get(family, ()):
             cls = getattr(module, mixer.name, None)
             if isinstance(cls, type):
                 cls.forward = _layer_wrapper(cls.forward, mixer, family)
@@ -149,11 +163,19 @@ def _patch_model(model: Any) -> None:
             patch_family(sys.modules[name], family)
 
 
+def install_if_transformers_loaded() -> None:
+    """:func:`install_hybrid_layers` once transformers is imported (before,
+    none of its models exists): what cplib's context parallelism runs as it
+    starts (cplib/frontend/start_hooks.py)."""
+    if "transformers.modeling_utils" in sys.modules:
+        install_hybrid_layers()
+
+
 def install_hybrid_layers() -> None:
     """Patches the families already imported, and every model built from now
     on (``PreTrainedModel.post_init``). Idempotent."""
     for name, module in list(sys.modules.items()):
-        family = _family(name)
+        family = _family(name) if name.startswith("transformers.models.") else None
         if family is not None and name.rpartition(".")[2].startswith("modeling_"):
             patch_family(module, family)
     from transformers import PreTrainedModel

@@ -1,0 +1,14 @@
+"""Bad input to flex_cp_allgather and to flex under the _ContextParallel
+style: their cases of the bad-input matrix (tests/support/bad_input.py:
+every rank raises alike, quickly, naming what is wrong)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bad_input import check, names
+
+
+@pytest.mark.parametrize("name", names("flex"))
+def test_every_rank_raises_alike(name):
+    check(name)
