@@ -72,7 +72,7 @@ def positions(layout: str, cu: list[int], rank: int) -> torch.Tensor:
         import cplib
         pieces = cplib.DocumentPlacementLoadBalancer(cu, N, "cpu").pieces()[rank]
         return torch.cat([torch.arange(a, a + m) for a, m in pieces])
-    from cplib.ring.layout import shard_positions
+    from cplib.attention.layout import shard_positions
     return shard_positions(S, N, rank, True, documents=cu)
 
 

@@ -151,7 +151,7 @@ def _masked_step(q, k, v, causal, lb, rotate, cu_seqlens, window, per_document):
 def _time_masked(causal, lb, rotate, cu_seqlens, window, per_document=False):
     """(wall s, bytes sent fwd+bwd) of one rank."""
     from cplib.comm.native import ops
-    from cplib.ring.layout import shard_positions
+    from cplib.attention.layout import shard_positions
     rank, n = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(0)
     pos = shard_positions(MASKED_S, n, rank, lb,

@@ -1,8 +1,16 @@
 """Import cycles among a package's modules, from their source (no import
-runs). Every ``import``/``from ... import`` counts, module-level or inside a
-function: a lazy import only hides a cycle until someone moves it. Also the
-direction of the arrows between folders: no feature folder (one that mirrors
-a csrc/torch/ folder: ring, ulysses, ...) imports the front end.
+runs), and the direction of every import between the package's folders.
+Every ``import``/``from ... import`` counts, module-level or inside a
+function: a lazy import only hides a cycle, or an arrow that runs up, until
+someone moves it.
+
+The folders' order is README.md's layer list (the lines under "arrows run
+down this list, never up"): a module imports its own folder and the folders
+of the lines below its own, never a line above it nor another folder of its
+own line. A folder or top-level module missing from the list is a problem
+too (a new one is placed when it is added). The package's ``__init__`` sits
+above every line (it loads them all), and importing the package itself (how
+a submodule gets loaded) is no arrow.
 
     python build_support/import_cycles.py cplib   # prints each problem; exit 1 if any
 """
@@ -11,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import sys
 
 
@@ -83,25 +92,63 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-FRONT_END = "frontend"
+LIST_MARK = "arrows run down this list, never up"
 
 
-def feature_folders(repo: str) -> list[str]:
-    """The csrc/torch/ folders (one per feature of the native side)."""
-    native = os.path.join(repo, "csrc", "torch")
-    return sorted(d for d in os.listdir(native) if os.path.isdir(os.path.join(native, d)))
+def layer_order(readme: str) -> list[list[str]]:
+    """README.md's layer list, top first: each line's folders (``ring``) or
+    top-level modules (``loss`` for ``loss.py``). The list is the indented
+    block under the line that carries ``LIST_MARK``; a line of the list is
+    indented by two spaces and names its entries before a run of spaces, a
+    continuation is indented further."""
+    with open(readme, encoding="utf-8") as fh:
+        lines = fh.read().splitlines()
+    start = next((i for i, line in enumerate(lines) if LIST_MARK in line), None)
+    if start is None:
+        raise ValueError(f"{readme}: no line says {LIST_MARK!r}")
+    layers = []
+    for line in lines[start + 1:]:
+        if not line.startswith(" "):
+            break
+        m = re.match(r"^  (\S.*?)(\s{2,}|$)", line)
+        if m:
+            names = [n.strip() for n in m.group(1).split(",")]
+            layers.append([n[:-1] if n.endswith("/") else n[:-3] if n.endswith(".py") else n
+                           for n in names])
+    if not layers:
+        raise ValueError(f"{readme}: the layer list under {LIST_MARK!r} is empty")
+    return layers
 
 
-def front_end_imports(graph: dict[str, set[str]], package: str,
-                      features: list[str]) -> list[tuple[str, str]]:
-    """(module, front-end module) for each import of the front end from a
-    feature folder: features sit below the front end, never above it."""
-    front = f"{package}.{FRONT_END}"
+def _unit(package: str, module: str) -> str | None:
+    """The folder (or top-level module) of ``module``; None for the package's ``__init__``."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == package and len(parts) > 1 else None
+
+
+def layer_problems(graph: dict[str, set[str]], package: str,
+                   layers: list[list[str]]) -> list[str]:
+    """Each import that runs up the list or across one line, and each folder
+    or top-level module the list does not place."""
+    level = {name: i for i, line in enumerate(layers) for name in line}
     out = []
+    for unit in sorted({_unit(package, m) for m in graph} - {None} - set(level)):
+        out.append(f"{package}/{unit} is not in README.md's layer list: place it")
     for name, targets in sorted(graph.items()):
-        folder = name[len(package) + 1:].split(".")[0] if name.startswith(package + ".") else ""
-        if folder in features:
-            out += [(name, t) for t in sorted(targets) if t == front or t.startswith(front + ".")]
+        mine = _unit(package, name)
+        if mine is None or mine not in level:
+            continue
+        by_unit: dict[str, list[str]] = {}  # one report per folder a module reaches
+        for t in sorted(targets):
+            by_unit.setdefault(_unit(package, t), []).append(t)
+        for theirs, reached in sorted(by_unit.items(), key=lambda kv: kv[1]):
+            if theirs is None or theirs == mine or theirs not in level:
+                continue
+            if level[theirs] < level[mine]:
+                out.append(f"import runs up the layer list: {name} -> {', '.join(reached)}")
+            elif level[theirs] == level[mine]:
+                out.append(f"import across one line of the layer list: {name} -> "
+                           f"{', '.join(reached)}")
     return out
 
 
@@ -112,10 +159,10 @@ def main(argv: list[str]) -> int:
     found = cycles(graph)
     for c in found:
         print("import cycle: " + " <-> ".join(c))
-    upward = front_end_imports(graph, package, feature_folders(repo))
-    for mod, target in upward:
-        print(f"feature imports the front end: {mod} -> {target}")
-    return 1 if found or upward else 0
+    problems = layer_problems(graph, package, layer_order(os.path.join(repo, "README.md")))
+    for problem in problems:
+        print(problem)
+    return 1 if found or problems else 0
 
 
 if __name__ == "__main__":

@@ -36,8 +36,10 @@ from .ring.load_balancer import (
     _PerDocumentHeadTailLoadBalancer,
     _PTRRLoadBalancer,
 )
-from .ring.op import ring_pass_auto, ring_sdpa
+from .ring.op import ring_pass_auto
 from .ring.placement import DocumentPlacementLoadBalancer
+# ring_sdpa's entry sits in the strategy, which resolves rotate="auto" above the ring.
+from .strategy.ring_entry import ring_sdpa
 
 # ulysses: Ulysses and USP (Ulysses x ring).
 from .ulysses.op import ulysses_reshard, ulysses_sdpa

@@ -7,7 +7,7 @@ token with whatever follows it in the shard, and a mean over the rank's own
 valid tokens is not the mean over the sequence. This loss shifts the labels
 over the whole sequence and normalises by the global count of valid tokens,
 in the layout in effect (the ``cplib.context_parallel`` region's, or the last
-``_context_parallel_shard``'s: cplib/clients/sequence.py).
+``_context_parallel_shard``'s: cplib/frontend/sequence.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .clients.sequence import SequenceShards, labels_in_layout
+from .frontend.sequence import SequenceShards, labels_in_layout
 
 __all__ = ["cross_entropy", "shifted", "token_loss_sum"]
 

@@ -41,11 +41,11 @@ import threading
 from typing import Any, Callable
 
 from ..frontend.options import _cp_options
+from ..frontend.sequence import active_handle as _active_handle
 from ..hybrid.layout import SequenceLayout
 from .hybrid_families import FAMILIES, KERNEL_ROLES, SELECTORS, Mixer
 from .hybrid_kernels import HANDLERS
 from .hybrid_layout import layout_in_effect
-from .sequence import active_handle as _active_handle
 
 __all__ = ["install_hybrid_layers", "install_if_transformers_loaded", "patch_family"]
 

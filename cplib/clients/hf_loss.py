@@ -5,7 +5,7 @@ MoE router loss, installed by ``import cplib.hf`` and by
 HF's ``ForCausalLMLoss`` shifts ``labels`` inside the tensor it gets and
 averages over the valid tokens it sees: on a shard, both are wrong. Under
 context parallelism (a ``cplib.context_parallel`` region, or inputs sharded
-by ``_context_parallel_shard``: cplib/clients/sequence.py) the installed loss
+by ``_context_parallel_shard``: cplib/frontend/sequence.py) the installed loss
 shifts the labels over the whole sequence (``shift_labels``, already
 shifted, are taken as given) and returns
 
@@ -33,9 +33,9 @@ from typing import Any, Callable
 
 import torch
 
+from ..frontend.sequence import labels_in_layout, sequence_shards
 from ..loss import shifted, token_loss_sum
 from .router_loss import caller_scales, context_parallel_router_loss
-from .sequence import labels_in_layout, sequence_shards
 
 __all__ = ["install_hf_losses", "uninstall_hf_losses", "context_parallel_causal_lm_loss"]
 

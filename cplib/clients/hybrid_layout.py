@@ -2,7 +2,7 @@
 a ``cplib.context_parallel`` region's, or on the module path
 (``parallelize_module(..., _ContextParallel(...))``, torchtitan) the one the
 last ``_context_parallel_shard`` recorded, as cplib's losses read it
-(cplib/clients/sequence.py).
+(cplib/frontend/sequence.py).
 
 On the module path there is no region to say that a layer runs under context
 parallelism, so its input's length does: a layer whose input holds this
@@ -17,7 +17,7 @@ from ..comm.native import check_mesh
 from ..frontend.options import _cp_options
 from ..frontend.shard_layout import HEAD_TAIL, SEQUENTIAL
 from ..hybrid.layout import SequenceLayout
-from .sequence import SequenceShards, active_handle
+from ..frontend.sequence import SequenceShards, active_handle
 
 __all__ = ["layout_in_effect"]
 

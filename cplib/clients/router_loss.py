@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ..comm.handshake import agreed
 from ..comm.native import check_mesh
 from ..frontend.options import _cp_options
-from .sequence import active_handle
+from ..frontend.sequence import active_handle
 
 __all__ = ["context_parallel_router_loss", "caller_scales"]
 

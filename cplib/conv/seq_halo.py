@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from ..attention.args import check_inputs
 from ..comm.handshake import agreed
 from ..comm.native import GroupLike, group_name_of, normalize_dim, ops, reject_real_in_fake
 
@@ -73,8 +74,6 @@ def seq_halo(x: torch.Tensor, halo: int, group: GroupLike, *, dim: int = -1,
     name = group_name_of(group)
 
     def check() -> int:
-        from ..ring.args import check_inputs
-
         check_inputs("seq_halo", x=x)
         for what, value in (("halo", halo), ("dim", dim), ("first_len", first_len)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):

@@ -34,6 +34,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from ..attention.args import check_inputs
 from ..comm.handshake import agreed
 from ..comm.native import (GroupLike, group_name_of, group_size, normalize_dim, ops,
                            reject_real_in_fake)
@@ -205,8 +206,6 @@ def tp_conv(
     this rank's partial sums and must be all-reduced (SUM) over ``group`` to
     equal the full convolution's gradients.
     """
-    from ..ring.args import check_inputs
-
     name = group_name_of(group if group is not None else dist.group.WORLD)
 
     def check():

@@ -8,17 +8,17 @@ import math
 
 import torch
 
+from ..attention.args import (DTYPES, acc_dtype, check_inputs, check_positions, scale_arg,
+                              window_arg)
 from ..comm.handshake import agreed
 from ..comm.native import GroupLike, group_name_of, group_size, ops, reject_real_in_fake
-from ..ring.args import _DTYPES, _acc_dtype, check_inputs, scale_arg, window_arg
-from ..ring.args import _check_positions as ring_positions
 
 __all__ = ["decode_sdpa"]
 
 
-def _check_positions(name: str, pos, rows: int, rows_of: str) -> None:
+def _check_given_positions(name: str, pos, rows: int, rows_of: str) -> None:
     if pos is not None:  # the pairing of the two is checked by the caller
-        ring_positions("decode_sdpa", name, pos, rows, rows_of)
+        check_positions("decode_sdpa", name, pos, rows, rows_of)
 
 
 def _check(q, k, v, group_name, q_positions, kv_positions, window, scale) -> None:
@@ -31,7 +31,7 @@ def _check(q, k, v, group_name, q_positions, kv_positions, window, scale) -> Non
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"cplib.decode_sdpa: q, k, v must have one dtype, got {q.dtype}, "
                          f"{k.dtype}, {v.dtype}")
-    if q.dtype not in _DTYPES:
+    if q.dtype not in DTYPES:
         raise ValueError(f"cplib.decode_sdpa: unsupported dtype {q.dtype}")
     if q.shape[2] < 1:
         raise ValueError(f"cplib.decode_sdpa: q needs at least one token, got T = {q.shape[2]}")
@@ -51,8 +51,8 @@ def _check(q, k, v, group_name, q_positions, kv_positions, window, scale) -> Non
         missing = "q_positions" if q_positions is None else "kv_positions"
         raise ValueError(f"cplib.decode_sdpa: {missing} is missing: give q_positions and "
                          "kv_positions together, or neither")
-    _check_positions("q_positions", q_positions, q.shape[2], "q")
-    _check_positions("kv_positions", kv_positions, k.shape[2], "k/v")
+    _check_given_positions("q_positions", q_positions, q.shape[2], "q")
+    _check_given_positions("kv_positions", kv_positions, k.shape[2], "k/v")
     if window is not None and q_positions is None:
         raise ValueError("cplib.decode_sdpa: window needs q_positions and kv_positions")
     if scale is not None and not (math.isfinite(scale) and scale > 0):
@@ -68,7 +68,7 @@ def _decode_sdpa_fake(q, k, v, group_name, q_positions=None, kv_positions=None, 
     _check(q, k, v, group_name, q_positions, kv_positions, window, scale)
     b, h, t, _ = q.shape
     out = q.new_empty((b, h, t, v.shape[3]))
-    lse = q.new_empty((b, h, t), dtype=_acc_dtype(q.dtype))
+    lse = q.new_empty((b, h, t), dtype=acc_dtype(q.dtype))
     return out, lse
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["applied_cp_plans"]
+__all__ = ["applied_cp_plans", "plan_of"]
 
 _MISSING = object()
 _TOUCHED = ("forward", "_diffusers_hook")  # what diffusers' hook registry sets on a module
@@ -40,7 +40,7 @@ class _HookConfig:
         return self._mesh
 
 
-def _plan_of(module: torch.nn.Module, i: int) -> dict:
+def plan_of(module: torch.nn.Module, i: int) -> dict:
     if not isinstance(module, torch.nn.Module):
         raise ValueError(f"cplib.context_parallel: modules[{i}] is a {type(module).__name__}, "
                          "not a torch.nn.Module")
@@ -56,7 +56,7 @@ def _plan_of(module: torch.nn.Module, i: int) -> dict:
 def applied_cp_plans(mesh: DeviceMesh, modules: Sequence[torch.nn.Module]
                      ) -> Generator[None, None, None]:
     """Applies every module's ``_cp_plan`` over ``mesh`` while the block runs."""
-    plans = [_plan_of(m, i) for i, m in enumerate(modules)]
+    plans = [plan_of(m, i) for i, m in enumerate(modules)]
     if not plans:
         yield
         return

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..attention.args import check_inputs
 from ..comm.handshake import agreed
 from ..comm.native import (GroupLike, group_name_of, group_size, normalize_dim, ops,
                            reject_real_in_fake)
@@ -101,8 +102,6 @@ def flex_cp_allgather(
     a sum reduce-scatter, so each rank receives the gradient of its own shard.
     ``k`` and ``v`` may differ in head and feature dimensions (GQA).
     """
-    from ..ring.args import check_inputs
-
     name = group_name_of(pg_name)
 
     def check():

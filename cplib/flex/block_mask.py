@@ -23,7 +23,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from ..comm.native import check_mesh
 
-__all__ = ["_create_cp_block_mask", "_shard_block_mask", "DEFAULT_BLOCK_SIZE"]
+__all__ = ["_create_cp_block_mask", "shard_block_mask", "DEFAULT_BLOCK_SIZE"]
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -169,7 +169,7 @@ def _attach_plan(mask: BlockMask, mask_mod: MaskMod, mesh: DeviceMesh,
     stand_in_for(mask)  # made now: a compiled module's forward finds it
 
 
-def _shard_block_mask(device_mesh: DeviceMesh, block_mask: BlockMask,
+def shard_block_mask(device_mesh: DeviceMesh, block_mask: BlockMask,
                       load_balancer: Any = None) -> BlockMask:
     """This rank's shard of a full-sequence BlockMask (what
     ``_context_parallel_shard`` returns for a BlockMask buffer). It keeps the

@@ -18,7 +18,7 @@ The front end passes the choice in (``use_ring``, given the module's
 arguments) and the layout of the last ``_context_parallel_shard``
 (``layout``): a feature folder does not read the front end's options.
 
-``_flex_input_hook`` is torch's pre-hook (``_ContextParallel.flex_input_fn``):
+``flex_input_hook`` is torch's pre-hook (``_ContextParallel.flex_input_fn``):
 key and value arguments all-gathered, score_mod on global positions.
 """
 
@@ -42,12 +42,12 @@ from .cp_mode import FlexCPMode
 from .plan import SHARD_ATTR
 from .stand_in import stand_in_for
 
-__all__ = ["_flex_input_hook", "_register_flex_cp"]
+__all__ = ["flex_input_hook", "register_flex_cp"]
 
 _QKV_NAMES = ("query", "key", "value")
 
 
-def _flex_input_hook(
+def flex_input_hook(
     module: nn.Module | None,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
@@ -170,7 +170,7 @@ def _in_a_flex_call(exc: BaseException) -> bool:
 _DYNAMO_ENTRY = "_dynamo/eval_frame.py"
 
 
-def _register_flex_cp(module: nn.Module, mesh: DeviceMesh,
+def register_flex_cp(module: nn.Module, mesh: DeviceMesh,
                       use_ring: Callable[[tuple, dict], bool] = lambda a, k: True,
                       layout: Callable[[], torch.Tensor | None] = lambda: None) -> nn.Module:
     """Makes ``module``'s flex_attention calls context parallel over the 1-D

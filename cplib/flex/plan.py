@@ -35,7 +35,8 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from ..comm.native import ops
 
-__all__ = ["RingStep", "FlexShard", "plan_shard", "dense_shard", "positions_mod", "SHARD_ATTR"]
+__all__ = ["RingStep", "FlexShard", "plan_shard", "dense_shard", "dense_block_map", "positions_mod",
+           "SHARD_ATTR"]
 
 # The attribute of a sharded BlockMask that holds its FlexShard.
 SHARD_ATTR = "_cplib_flex_shard"
@@ -92,7 +93,7 @@ class FlexShard:
         return sum(s.recv_rows for s in self.steps)
 
 
-def _dense(num_blocks: torch.Tensor, indices: torch.Tensor, cols: int) -> torch.Tensor:
+def dense_block_map(num_blocks: torch.Tensor, indices: torch.Tensor, cols: int) -> torch.Tensor:
     """Block lists (first ``num_blocks`` of each row of ``indices``) as a
     dense ``(..., rows, cols)`` bool map."""
     valid = torch.arange(indices.shape[-1], device=indices.device) < num_blocks.unsqueeze(-1)
@@ -173,8 +174,8 @@ def plan_shard(block_mask: BlockMask, mask_mod, group_name: str, world: int, ran
         return FlexShard(group_name, world, rank, q_len, kv_len, (qb, kb), q_pos, positions, (),
                          0, unsupported)
     per_rank, total = q_len // kb, kv_len // kb
-    partial = _dense(block_mask.kv_num_blocks, block_mask.kv_indices, total)
-    full = (_dense(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, total)
+    partial = dense_block_map(block_mask.kv_num_blocks, block_mask.kv_indices, total)
+    full = (dense_block_map(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, total)
             if block_mask.full_kv_num_blocks is not None else torch.zeros_like(partial))
     need = _gather_needs((partial | full).flatten(0, 2).any(0), group_name, world)
     by_rank = need.view(world, world, per_rank)  # [receiver, owner, block of the owner]

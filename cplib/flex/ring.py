@@ -28,6 +28,7 @@ import torch.nn.attention.flex_attention as fa
 from torch._dynamo.decorators import DynamoConfigPatchProxy
 from torch.nn.attention.flex_attention import AuxRequest
 
+from ..attention.args import acc_dtype
 from ..merge.op import merge_partial_
 from .plan import FlexShard, RingStep, positions_mod
 from .ring_ops import pack, ring_begin, ring_end, ring_shift
@@ -55,10 +56,6 @@ class RingCall:
             None if score_mod is None else
             positions_mod(score_mod, s.q_positions, s.kv_positions, score=True)
             for s in shard.steps)
-
-
-def _acc_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def _message(k: torch.Tensor, v: torch.Tensor, step: RingStep,
@@ -122,7 +119,7 @@ def _attend(q, kb, vb, step: RingStep, score_mod, call: RingCall):
 
 
 def _forward(q, k, v, token, call: RingCall, group_name: str):
-    acc = _acc_dtype(q)
+    acc = acc_dtype(q.dtype)
     b, h, rows = q.shape[:3]
     out = q.new_zeros((b, h, rows, v.shape[3]), dtype=acc)
     lse = q.new_full((b, h, rows), -math.inf, dtype=acc)
@@ -186,7 +183,7 @@ def _absorb(dk, dv, recv, k, v, step: RingStep) -> None:
 
 def _backward(q, k, v, out, lse, d_out, d_lse, call: RingCall, group_name: str,
               need_q: bool, need_kv: bool):
-    acc = _acc_dtype(q)
+    acc = acc_dtype(q.dtype)
     d_out = d_out.to(acc)
     delta = (d_out * out.to(acc)).sum(-1) - d_lse.to(acc)
     # Rows no key sees (lse -inf) get weight 0 from every block.

@@ -7,14 +7,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..diffusers.plans import _plan_of
+from ..attention.args import window_arg
+from ..diffusers.plans import plan_of
 from .documents import context_documents
 from ..ring.load_balancer import (
     AnyLengthHeadTailLoadBalancer,
     AnyLengthPerDocumentLoadBalancer,
     _LoadBalancer,
 )
-from ..ring.names import Layout, layout_of
+from ..attention.names import Layout, layout_of
 from ..ring.placement import DocumentPlacementLoadBalancer
 from .options import _cp_options, _RotateMethod, parse_rotate_method
 from .sharding import check_shardable
@@ -112,7 +113,7 @@ def plan_context(buffers: list[torch.Tensor], world_size: int, buffer_seq_dims, 
                          f"load_balance={load_balance!r} does not apply; leave it None or "
                          "False")
     for i, m in enumerate(modules):  # checked again on entry; here on every rank alike
-        _plan_of(m, i)
+        plan_of(m, i)
     balanced = _validate(buffers, seq_dims, no_restore, world_size,
                          True if per_document or placement
                          else (False if modules else load_balance),
@@ -131,7 +132,6 @@ def plan_context(buffers: list[torch.Tensor], world_size: int, buffer_seq_dims, 
                                   "layout; use ulysses_degree=1 or load_balance='per_document'")
     sides = None
     if window is not None:
-        from ..ring.args import window_arg
         sides = window_arg(window)  # ValueError naming a bad window, before any sharding
     balancer = None
     if not one_length:

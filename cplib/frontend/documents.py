@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from ..attention.args import check_cu_seqlens, window_arg
+
 __all__ = ["cu_seqlens_from_position_ids", "context_documents", "attention_window",
            "current_window"]
 
@@ -57,7 +59,6 @@ def context_documents(cu_seqlens: torch.Tensor | None, position_ids: torch.Tenso
                              f"{position_ids.shape[-1]} tokens but the buffers {seq_len}; pass "
                              "the full (unsharded) position_ids")
         cu_seqlens = cu_seqlens_from_position_ids(position_ids)
-    from ..ring.args import check_cu_seqlens
     check_cu_seqlens("context_parallel", cu_seqlens, seq_len)
     return cu_seqlens.to("cpu", torch.long)
 
@@ -77,8 +78,6 @@ def attention_window(window: int | tuple[int | None, int | None] | None
     ``i - left <= j <= i + right`` in global positions; causal makes right 0;
     ``None`` on a side: no limit). ``attention_window(None)`` turns a
     context's default window off for these calls."""
-    from ..ring.args import window_arg
-
     window_arg(window)  # ValueError on a bad window, before anything runs
     _windows.append(window)
     try:

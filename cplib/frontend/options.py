@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from enum import Enum, auto
 from typing import Any
 
-from ..ring.names import ROTATIONS, Layout
+from ..attention.names import ROTATIONS, Layout
 
 __all__ = [
     "_CausalBehavior",
@@ -39,7 +39,7 @@ class _RotateMethod(Enum):
     P2P = auto()  # cplib's addition: the double-buffered neighbour (send/recv) ring
 
 
-# torch's members by the ring's rotation names (cplib/ring/names.py): ALL_TO_ALL
+# torch's members by the ring's rotation names (cplib/attention/names.py): ALL_TO_ALL
 # is "alltoall", and so on.
 _NAMES = {name: next(m for m in _RotateMethod if m.name.replace("_", "").lower() == name)
           for name in ROTATIONS}
@@ -116,7 +116,7 @@ def _is_causal_behavior(rank: int, world_size: int, i: int, is_causal: bool) -> 
 @dataclass(frozen=True)
 class RingConfig:
     """What every SDPA call of one context-parallel region needs: the group,
-    the layout of its shards (cplib.ring.names.Layout: sequential, head-tail,
+    the layout of its shards (cplib.attention.names.Layout: sequential, head-tail,
     per-document head-tail or the document placement) and the rotation;
     cplib's additions: the global length when shards are uneven, the batch's
     documents, and the default sliding window."""

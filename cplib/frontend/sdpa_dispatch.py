@@ -19,12 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from ..attention.args import backend_arg, check_inputs, scale_arg, window_arg
 from .documents import current_window
 from .dtensor_sdpa import disable_dtensor_sdpa, enable_dtensor_sdpa
 from ..comm.handshake import agreed, forward_error
 from ..comm.native import group_name_of
 from .options import RingConfig
-from ..ring.args import backend_arg, check_inputs, scale_arg, window_arg
 from ..ring.call import RingCall
 
 __all__ = [
@@ -111,7 +111,7 @@ def _check_sdpa_args(q, k, v, attn_mask, dropout_p, enable_gqa) -> None:
             f"cplib: query heads ({hq}) must be a multiple of key/value heads ({hkv})"
         )
     if attn_mask is not None:  # key-padding masks only (NotImplementedError naming others)
-        from ..ring.key_padding import check_key_padding
+        from ..attention.key_padding import check_key_padding
         check_key_padding("scaled_dot_product_attention", attn_mask, k)
 
 
@@ -234,7 +234,7 @@ class CPDispatchMode(TorchFunctionMode):
         super().__init__()
         self.config = config
         # The ContextParallelHandle of a cplib.context_parallel region (its
-        # mesh and layout: cplib/clients/sequence.py reads it), None for a module's.
+        # mesh and layout: cplib/frontend/sequence.py reads it), None for a module's.
         self.handle = handle
 
     def __torch_function__(self, func: Callable, types_: tuple, args: tuple = (),

@@ -25,7 +25,7 @@ class ShardLayout(NamedTuple):
     cu_seqlens: tuple[int, ...] | None  # the documents it was made for, where known
     ulysses_degree: int  # the USP degree it lays out for (1: the ring's layouts)
     # What _context_parallel_shard cut, for losses that read labels in the
-    # same layout (cplib/clients/sequence.py): its mesh, load balancer and the
+    # same layout (cplib/frontend/sequence.py): its mesh, load balancer and the
     # sequence lengths of its buffers.
     mesh: object = None
     load_balancer: object = None

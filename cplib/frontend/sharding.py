@@ -8,7 +8,7 @@ full buffer (same data, e.g. the same batch), as with torch's
 
 Any length S >= N shards without padding when there is no load balancer or
 it is an ``AnyLengthHeadTailLoadBalancer``: shard lengths then differ by at
-most one token per chunk (``cplib.ring.layout``); for lengths that divide,
+most one token per chunk (``cplib.attention.layout``); for lengths that divide,
 the cut is ``torch.chunk``'s.
 """
 
@@ -137,7 +137,7 @@ def shard_key_of(t: torch.Tensor) -> tuple | None:
 
 
 def _shard_block_mask(mesh: DeviceMesh, mask: Any, load_balancer: _LoadBalancer | None) -> Any:
-    from ..flex.block_mask import _shard_block_mask as shard_flex_mask  # needs flex attention
+    from ..flex.block_mask import shard_block_mask as shard_flex_mask  # needs flex attention
     return shard_flex_mask(mesh, mask, load_balancer)
 
 

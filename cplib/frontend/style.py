@@ -16,10 +16,11 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from ..flex.hook import _flex_input_hook, _register_flex_cp
+from ..attention.args import check_cu_seqlens, window_arg
+from ..flex.hook import flex_input_hook, register_flex_cp
 from ..comm.handshake import agreed, handshake, register_groups
 from .options import RingConfig, _cp_options, _RotateMethod, explicit_rotation, rotate_method_name
-from ..ring.names import layout_of
+from ..attention.names import layout_of
 from .shard_layout import check_layout_read
 from .start_hooks import run_start_hooks
 from .sdpa_dispatch import CPDispatchMode, agreed_before_attention, dispatcher_enabled
@@ -73,7 +74,6 @@ class _ContextParallel(ParallelStyle):
             self.strategy = None
         self._applied: list[AutoStrategy] = []  # the strategies of its modules (explain)
         if window is not None:
-            from ..ring.args import window_arg
             window_arg(window)  # ValueError naming a bad window, at construction
         self.window = window
         self.seq_dim = seq_dim
@@ -83,8 +83,6 @@ class _ContextParallel(ParallelStyle):
         self.ulysses_degree = ulysses_degree
 
     def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
-        from ..ring.args import window_arg
-
         group = check_mesh(mesh, register=False)
         run_start_hooks()  # local: hybrid layers intercepted (start_hooks.py)
         register_groups(group)  # its CPU side group on NCCL, before the first handshake
@@ -136,7 +134,7 @@ class _ContextParallel(ParallelStyle):
                 _sdpa_forward, module.forward, group.group_name, dist.get_world_size(group),
                 groups, self.window, auto)
             return module
-        return _register_flex_cp(module, mesh, functools.partial(
+        return register_flex_cp(module, mesh, functools.partial(
             _flex_ring_selected, auto, group.group_name, dist.get_world_size(group),
             dist.get_rank(group)), _flex_layout)
 
@@ -151,7 +149,7 @@ class _ContextParallel(ParallelStyle):
         """Replaces the key and value arguments (positional or keyword, as
         ``flex_attention(query, key, value, ...)``) by their all-gathered
         full sequences."""
-        return _flex_input_hook(module, args, kwargs, seq_dim=self.seq_dim,
+        return flex_input_hook(module, args, kwargs, seq_dim=self.seq_dim,
                                 group_name=check_mesh(mesh).group_name)
 
 
@@ -166,7 +164,8 @@ def _flex_ring_selected(auto: AutoStrategy | None, group_name: str, world: int, 
         return default
     from ..strategy.flex_route import flex_use_ring
 
-    return flex_use_ring(auto, args, kwargs, group_name, world, rank, default)
+    return flex_use_ring(auto, explicit_rotation(None), args, kwargs, group_name, world,
+                         rank, default)
 
 
 def _flex_layout() -> torch.Tensor | None:
@@ -199,7 +198,6 @@ def attention_documents(cu_seqlens: torch.Tensor | None = None, *,
     ``placement=True``: they were sharded with
     ``DocumentPlacementLoadBalancer`` (ring only: ``ulysses_degree`` 1)."""
     from .documents import cu_seqlens_from_position_ids
-    from ..ring.args import check_cu_seqlens
 
     if (cu_seqlens is None) == (position_ids is None):
         raise ValueError("cplib.attention_documents: pass cu_seqlens or position_ids (one)")

@@ -20,7 +20,7 @@ from torch.overrides import _get_current_function_mode_stack
 
 from ..clients.hybrid_families import FULL_MASK_LAYERS
 from ..frontend.options import RingConfig
-from ..ring.op import ring_sdpa
+from ..strategy.ring_entry import ring_sdpa
 from ..frontend.sdpa_dispatch import CPDispatchMode, context_extras, sdpa_backend_hint
 from ..ulysses.op import ulysses_sdpa
 from ..ulysses.usp import usp_sdpa

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..ring.layout import shard_ranges
+from ..attention.layout import shard_ranges
 
 __all__ = ["SequenceLayout"]
 

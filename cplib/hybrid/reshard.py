@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ring.layout import layout_indices
+from ..attention.layout import layout_indices
 from ..ulysses.op import ulysses_reshard
 from .layout import SequenceLayout
 

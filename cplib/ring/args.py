@@ -1,78 +1,20 @@
-"""The ring's argument checks and parsers, in Python before dispatch (the
-same checks, in the same order, as csrc/torch/ring/ring_args.cpp): tensor
-arguments, cu_seqlens, positions, sinks, and the names the ops' rotate and
-backend arguments take (cplib/ring/names.py). Ulysses, USP, decode, flex,
-tp_conv and the front end parse their arguments with these too."""
+"""The ring's own argument checks, in Python before dispatch (the same
+checks, in the same order, as csrc/torch/ring/ring_args.cpp): the rotation's
+name and the layout of the global sequence (its length, the documents, each
+rank's rows). The checks every attention feature shares are in
+cplib/attention/args.py."""
 
 from __future__ import annotations
 
-import math
-import numbers
+from ..attention.args import check_cu_seqlens, group_rank, is_fake
+from ..attention.layout import local_length
+from ..attention.names import ROTATIONS, Layout
+from ..comm.native import group_size
 
-import torch
-
-from ..comm.native import group_size, reject_mixed_meta
-from .layout import local_length
-from .names import BACKENDS, ROTATIONS, Layout
-
-__all__ = ["check_cu_seqlens", "check_sinks", "check_inputs", "rotate_arg", "backend_arg",
-           "scale_arg", "int_arg", "window_arg"]
-
-_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+__all__ = ["check_extras", "rotate_arg"]
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
-    return t.device.type == "meta" or is_fake(t)
-
-
-def _fmt(values: list[int]) -> str:
-    if len(values) > 12:
-        return "[" + ", ".join(map(str, values[:8])) + ", ..., " + ", ".join(
-            map(str, values[-3:])) + "]"
-    return str(values)
-
-
-def check_cu_seqlens(op: str, cu_seqlens, seq_len: int) -> None:
-    """The checks of csrc/torch/ring/ring_args.cpp on cu_seqlens; the values
-    only where they can be read (not while tracing with fake tensors)."""
-    if not isinstance(cu_seqlens, torch.Tensor):
-        raise ValueError(f"cplib.{op}: cu_seqlens must be an integer tensor, got "
-                         f"{type(cu_seqlens).__name__}")
-    if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or \
-            cu_seqlens.dtype == torch.bool:
-        raise ValueError(f"cplib.{op}: cu_seqlens must be an integer tensor, got dtype "
-                         f"{cu_seqlens.dtype}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(f"cplib.{op}: cu_seqlens must be 1-D with at least 2 entries "
-                         f"[0, ..., S], got shape {list(cu_seqlens.shape)}")
-    if _is_fake(cu_seqlens):
-        return
-    b = cu_seqlens.tolist()
-    if b[0] != 0:
-        raise ValueError(f"cplib.{op}: cu_seqlens must start at 0, got {b[0]} in {_fmt(b)}")
-    if b[-1] != seq_len:
-        raise ValueError(f"cplib.{op}: cu_seqlens must end at the sequence length {seq_len}, "
-                         f"got {b[-1]} in {_fmt(b)}")
-    for i in range(1, len(b)):
-        if b[i] <= b[i - 1]:
-            raise ValueError(f"cplib.{op}: cu_seqlens must be strictly increasing, got "
-                             f"{b[i - 1]} then {b[i]} at index {i} in {_fmt(b)}")
-
-
-def _group_rank(group_name: str) -> int | None:
-    """This process's rank in the group (reads no data, sends nothing)."""
-    try:
-        return torch.distributed.distributed_c10d._resolve_process_group(group_name).rank()
-    except Exception:  # private helper: if it moves, C++ still checks
-        return None
-
-
-def _check_extras(op: str, q, k, call) -> None:
+def check_extras(op: str, q, k, call) -> None:
     # In the order of check_extras in csrc/torch/ring/ring_args.cpp.
     group_name, cu_seqlens, seq_len, layout = (call.group_name, call.cu_seqlens, call.seq_len,
                                                call.layout)
@@ -95,11 +37,11 @@ def _check_extras(op: str, q, k, call) -> None:
         raise ValueError(f"cplib.{op}: {what} needs cu_seqlens and seq_len")
     if cu_seqlens is not None:
         check_cu_seqlens(op, cu_seqlens, sq)
-    rank = _group_rank(group_name)
+    rank = group_rank(group_name)
     if seq_len is not None and rank is not None:
         docs = None
         if layout == Layout.PER_DOCUMENT:
-            docs = None if _is_fake(cu_seqlens) else cu_seqlens.tolist()
+            docs = None if is_fake(cu_seqlens) else cu_seqlens.tolist()
         if layout != Layout.PER_DOCUMENT or docs is not None:
             # The placement gives every rank its sequential share of tokens.
             want = local_length(seq_len, n, rank, layout == Layout.HEAD_TAIL, docs)
@@ -119,121 +61,7 @@ def _check_extras(op: str, q, k, call) -> None:
             raise ValueError(f"cplib.{op}: window={w} must be non-negative (None for no limit)")
 
 
-def _check_positions(op: str, name: str, pos, rows: int, rows_of: str) -> None:
-    if pos is None:
-        raise ValueError(f"cplib.{op}: {name} is missing: give q_positions and kv_positions "
-                         "together, or neither")
-    if not isinstance(pos, torch.Tensor) or pos.dtype.is_floating_point or \
-            pos.dtype.is_complex or pos.dtype == torch.bool:
-        what = pos.dtype if isinstance(pos, torch.Tensor) else type(pos).__name__
-        raise ValueError(f"cplib.{op}: {name} must be an integer tensor, got dtype {what}")
-    if pos.dim() != 1:
-        raise ValueError(f"cplib.{op}: {name} must be 1-D (one global position per row), got "
-                         f"shape {list(pos.shape)}")
-    if pos.shape[0] != rows:
-        raise ValueError(f"cplib.{op}: {name} has {pos.shape[0]} positions but {rows_of} has "
-                         f"{rows} rows")
-    if rows and not _is_fake(pos) and int(pos.min()) < 0:
-        raise ValueError(f"cplib.{op}: {name} must be non-negative, got {int(pos.min())}")
-
-
-def check_sinks(op: str, q, sinks) -> None:
-    """The checks of check_sinks in csrc/torch/ring/ring_sinks.cpp."""
-    if sinks is None:
-        return
-    if not isinstance(sinks, torch.Tensor) or sinks.dim() != 1 or sinks.shape[0] != q.shape[1]:
-        shape = list(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
-        raise ValueError(f"cplib.{op}: sinks must have shape ({q.shape[1]},) (one logit per q "
-                         f"head), got {shape}")
-    if sinks.device != q.device:
-        raise ValueError(f"cplib.{op}: sinks must be on {q.device}, got {sinks.device}")
-    if sinks.dtype not in (q.dtype, torch.float32, torch.float64):
-        raise ValueError(f"cplib.{op}: sinks must have q's dtype ({q.dtype}) or "
-                         f"float32/float64, got {sinks.dtype}")
-
-_OPTIONAL_TENSORS = ("cu_seqlens", "sinks", "q_positions", "kv_positions")
-
-
-def check_inputs(op: str, **tensors) -> None:
-    """The entry points' checks of their tensor arguments, before dispatch:
-    tensors where tensors belong (None for the optional ones, cu_seqlens),
-    and no meta device mixed with real ones."""
-    for key, t in tensors.items():
-        if t is None and key in _OPTIONAL_TENSORS:
-            continue
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"cplib.{op}: {key} must be a torch.Tensor, got {type(t).__name__}")
-    reject_mixed_meta(op, **tensors)
-
-
 def rotate_arg(op: str, rotate) -> str:
     if not isinstance(rotate, str) or rotate not in ROTATIONS:
         raise ValueError(f"cplib.{op}: rotate={rotate!r} is not one of {list(ROTATIONS)}")
     return rotate
-
-
-def backend_arg(op: str, backend) -> str:
-    """``backend`` as the ops take it: a name of ``BACKENDS`` (None is "auto")."""
-    if backend is None:
-        return "auto"
-    if not isinstance(backend, str) or backend not in BACKENDS:
-        raise ValueError(f"cplib.{op}: backend={backend!r} is not one of None, "
-                         f"{', '.join(map(repr, BACKENDS))}")
-    return backend
-
-
-def scale_arg(op: str, scale) -> float | None:
-    """``scale`` as the op's ``float?``: a real number or None."""
-    if scale is None:
-        return None
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise ValueError(f"cplib.{op}: scale must be a number or None, got "
-                         f"{type(scale).__name__}" + (" (pass float(scale))"
-                                                      if isinstance(scale, torch.Tensor) else ""))
-    scale = float(scale)
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"cplib.{op}: scale={scale} must be a finite positive number or None")
-    return scale
-
-
-def int_arg(op: str, what: str, value) -> int | None:
-    """An optional integer argument (None stays None)."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"cplib.{op}: {what} must be an int or None, got {value!r} "
-                         f"({type(value).__name__})")
-    if not -2 ** 63 <= int(value) < 2 ** 63:
-        raise ValueError(f"cplib.{op}: {what}={value} does not fit in 64 bits")
-    return int(value)
-
-# A window side without limit: the op clamps every side to S.
-_NO_LIMIT = 2 ** 62
-
-
-def window_arg(window) -> list[int] | None:
-    """``window`` as the op's ``int[]?``: ``w`` -> ``[w, w]``; ``None`` sides
-    (and sides of 2**62 or more, beyond any sequence) -> no limit; anything
-    but a non-negative int or None raises ValueError naming the value."""
-    if window is None:
-        return None
-    if isinstance(window, numbers.Integral) and not isinstance(window, bool):
-        pair = (window, window)
-    elif isinstance(window, (tuple, list)):
-        pair = tuple(window)
-    else:
-        raise ValueError(f"cplib.ring_sdpa: window={window!r} must be an int, (left, right) or "
-                         f"None, got {type(window).__name__}")
-    if len(pair) != 2:
-        raise ValueError(f"cplib.ring_sdpa: window={window!r} must be an int or (left, right)")
-    out = []
-    for side in pair:
-        if side is None:
-            out.append(_NO_LIMIT)
-        elif isinstance(side, bool) or not isinstance(side, numbers.Integral) or side < 0:
-            raise ValueError(f"cplib.ring_sdpa: window={window!r} must be non-negative ints "
-                             f"(or None for no limit); got a side {side!r} "
-                             f"({type(side).__name__})")
-        else:
-            out.append(min(int(side), _NO_LIMIT))
-    return out

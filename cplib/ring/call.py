@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..attention.names import Layout
 from ..comm.native import ops
-from .names import Layout
 
 __all__ = ["RingCall"]
 
@@ -21,7 +21,7 @@ __all__ = ["RingCall"]
 @dataclass(frozen=True, slots=True, eq=False)
 class RingCall:
     """``layout``, ``backend``, ``rotate`` and ``ring_pass`` are names
-    (cplib/ring/names.py); ``window`` is ``[left, right]`` (the op's
+    (cplib/attention/names.py); ``window`` is ``[left, right]`` (the op's
     ``int[]?``, see ``args.window_arg``); ``group_name`` is None only for the
     local checks of a world of one (Ulysses' attention)."""
 

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import math
 
+from ..attention.args import DTYPES, check_positions
+from ..attention.names import BACKENDS, LAYOUTS, RING_PASSES, ROTATIONS, Layout
 from ..comm.native import group_size
-from .args import _DTYPES, _check_extras, _check_positions
+from .args import check_extras
 from .call import RingCall
-from .names import BACKENDS, LAYOUTS, RING_PASSES, ROTATIONS, Layout
 
-__all__ = ["_check"]
+__all__ = ["check_call"]
 
 
-def _check(op: str, q, k, v, call: RingCall) -> None:
+def check_call(op: str, q, k, v, call: RingCall) -> None:
     # Mirrors check_args in csrc/torch/ring/ring_args.cpp so traced code fails the same way.
     for what, value, names in (("layout", call.layout, LAYOUTS),
                                ("backend", call.backend, BACKENDS),
@@ -33,7 +34,7 @@ def _check(op: str, q, k, v, call: RingCall) -> None:
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"cplib.{op}: q, k, v must have one dtype, got {q.dtype}, {k.dtype}, "
                          f"{v.dtype}")
-    if q.dtype not in _DTYPES:
+    if q.dtype not in DTYPES:
         raise ValueError(f"cplib.{op}: unsupported dtype {q.dtype} "
                          "(expected float32, float64, bfloat16 or float16)")
     if not (q.shape[0] == k.shape[0] == v.shape[0]):
@@ -65,8 +66,8 @@ def _check(op: str, q, k, v, call: RingCall) -> None:
         raise ValueError(f"cplib.{op}: scale={scale} must be a finite positive number or None")
     window = call.window
     if positions:
-        _check_positions(op, "q_positions", call.q_positions, q.shape[2], "q")
-        _check_positions(op, "kv_positions", call.kv_positions, k.shape[2], "k/v")
+        check_positions(op, "q_positions", call.q_positions, q.shape[2], "q")
+        check_positions(op, "kv_positions", call.kv_positions, k.shape[2], "k/v")
         if call.layout != Layout.SEQUENTIAL or call.seq_len is not None:
             raise ValueError(f"cplib.{op}: q_positions/kv_positions describe the layout "
                              f"themselves: they exclude seq_len and layout={call.layout!r} "
@@ -89,5 +90,5 @@ def _check(op: str, q, k, v, call: RingCall) -> None:
     if group_name is None:  # a world-of-one check (cplib/ulysses/args.py)
         return
     group_size(group_name)  # ValueError for an unknown group
-    _check_extras(op, q, k, call)
+    check_extras(op, q, k, call)
 

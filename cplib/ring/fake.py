@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import torch
 
+from ..attention.args import acc_dtype, check_sinks
 from ..comm.handshake import agreed, can_handshake, tracing
 from ..comm.native import ops, reject_real_in_fake
-from .args import _acc_dtype, check_sinks
 from .call import ARGS, RingCall
-from .check import _check
+from .check import check_call
 
 
 def _meta_call(group_name, tensors) -> bool:
@@ -52,14 +52,14 @@ def _ring_sdpa_fake(q, k, v, *args):
                         call.kv_positions)
 
     def checks():
-        _check("ring_sdpa", q, k, v, call)
+        check_call("ring_sdpa", q, k, v, call)
         check_sinks("ring_sdpa", q, sinks)
 
     _fake_checks("ring_sdpa", call.group_name, (q, k, v), _describe("ring_sdpa", [q, k, v], call),
                  checks)
     b, h, s, _ = q.shape
     out = q.new_empty((b, h, s, v.shape[3]))
-    lse = q.new_empty((b, h, s), dtype=_acc_dtype(q.dtype))
+    lse = q.new_empty((b, h, s), dtype=acc_dtype(q.dtype))
     return out, lse
 
 
@@ -69,7 +69,7 @@ def _backward_fake(grad_out, q, k, v, out, lse, call: RingCall, describe: bool):
     call = call.replace(ring_pass="kv")  # the backward runs the pass-KV ring
 
     def checks():
-        _check("ring_sdpa_backward", q, k, v, call)
+        check_call("ring_sdpa_backward", q, k, v, call)
 
     if describe:
         _fake_checks("ring_sdpa_backward", call.group_name, (q, k, v), _describe(

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ..attention.layout import layout_indices, local_length
+
 __all__ = [
     "_LoadBalancer",
     "_HeadTailLoadBalancer",
@@ -24,6 +26,7 @@ __all__ = [
     "AnyLengthHeadTailLoadBalancer",
     "AnyLengthPerDocumentLoadBalancer",
     "head_tail_indices",
+    "inverse_permutation",
     "rearrange",
 ]
 
@@ -55,7 +58,7 @@ def document_bounds(cu_seqlens: Sequence[int] | Tensor) -> list[int]:
     return [int(x) for x in cu_seqlens]
 
 
-def _inverse(perm: Tensor) -> Tensor:
+def inverse_permutation(perm: Tensor) -> Tensor:
     """Inverse of a permutation along the last dimension."""
     return torch.argsort(perm, dim=-1)
 
@@ -141,24 +144,22 @@ class _HeadTailLoadBalancer(_LoadBalancer):
 
     def _generate_indices(self, restore: bool = False) -> Tensor:
         perm = head_tail_indices(self.seq_length, self.world_size, self.device)
-        return (_inverse(perm) if restore else perm).unsqueeze(0)
+        return (inverse_permutation(perm) if restore else perm).unsqueeze(0)
 
 
 class AnyLengthHeadTailLoadBalancer(_HeadTailLoadBalancer):
     """Head-tail balancing for any sequence length >= world size: the 2N
-    chunks differ by at most one token (``cplib.ring.layout``), so shards
+    chunks differ by at most one token (``cplib.attention.layout``), so shards
     differ by at most one token per chunk; for lengths divisible by 2N it is
     exactly :class:`_HeadTailLoadBalancer`. Shards are cut with
     :func:`shard_lengths`, not in equal parts."""
 
     def _generate_indices(self, restore: bool = False) -> Tensor:
-        from .layout import layout_indices
-
         if self.seq_length < self.world_size:
             raise ValueError(f"cplib: sequence length {self.seq_length} is shorter than the "
                              f"world size {self.world_size}")
         perm = layout_indices(self.seq_length, self.world_size, True, self.device)
-        return (_inverse(perm) if restore else perm).unsqueeze(0)
+        return (inverse_permutation(perm) if restore else perm).unsqueeze(0)
 
 
 class AnyLengthPerDocumentLoadBalancer(_LoadBalancer):
@@ -177,15 +178,11 @@ class AnyLengthPerDocumentLoadBalancer(_LoadBalancer):
         self.device = device
 
     def _generate_indices(self, restore: bool = False) -> Tensor:
-        from .layout import layout_indices
-
         perm = layout_indices(self.seq_length, self.world_size, True, self.device,
                               self.cu_seqlens)
-        return (_inverse(perm) if restore else perm).unsqueeze(0)
+        return (inverse_permutation(perm) if restore else perm).unsqueeze(0)
 
     def lengths(self) -> list[int]:
-        from .layout import local_length
-
         return [local_length(self.seq_length, self.world_size, r, True, self.cu_seqlens)
                 for r in range(self.world_size)]
 
@@ -195,8 +192,6 @@ def shard_lengths(seq_length: int, world_size: int,
     """Every rank's shard length for a sequence of ``seq_length`` cut after
     ``load_balancer``'s rearrangement, or None for equal parts (lengths that
     divide; other balancers need them)."""
-    from .layout import local_length
-
     if callable(getattr(load_balancer, "lengths", None)):  # a layout that knows its shards
         lengths = load_balancer.lengths()
         return None if len(set(lengths)) == 1 else lengths
@@ -256,7 +251,7 @@ class _PerDocumentHeadTailLoadBalancer(_LoadBalancer):
                 f"sequence length; got {[row.numel() for row in rows]}"
             )
         perm = torch.stack(rows)
-        return _inverse(perm) if restore else perm
+        return inverse_permutation(perm) if restore else perm
 
 
 class _PTRRLoadBalancer(_LoadBalancer):
@@ -317,7 +312,7 @@ class _PTRRLoadBalancer(_LoadBalancer):
             offsets = torch.arange(q_block, device=blocks.device)
             rows.append((blocks.unsqueeze(-1) * q_block + offsets).reshape(-1))
         perm = torch.stack(rows)
-        return _inverse(perm) if restore else perm
+        return inverse_permutation(perm) if restore else perm
 
 
 def _create_default_load_balancer(seq_length: int, world_size: int,

@@ -19,8 +19,8 @@ import torch
 from torch import Tensor
 
 from ..comm.native import ops
-from .layout import chunk_range
-from .load_balancer import _check_count, _inverse, _LoadBalancer, document_bounds
+from ..attention.layout import chunk_range
+from .load_balancer import _check_count, _LoadBalancer, document_bounds, inverse_permutation
 
 __all__ = ["DocumentPlacementLoadBalancer", "document_placement"]
 
@@ -91,7 +91,7 @@ class DocumentPlacementLoadBalancer(_LoadBalancer):
     def _generate_indices(self, restore: bool = False) -> Tensor:
         perm = torch.cat([torch.arange(s, s + n, device=self.device)
                           for rank in self.pieces() for s, n in rank])
-        return (_inverse(perm) if restore else perm).unsqueeze(0)
+        return (inverse_permutation(perm) if restore else perm).unsqueeze(0)
 
     def handshake_fields(self) -> dict[str, int]:
         """What ranks must agree on beyond the kind and length: the placement."""

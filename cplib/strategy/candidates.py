@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from ..ring.names import ROTATIONS
+from ..attention.names import ROTATIONS
 from .plan import layout_allows_ulysses
 from .workload import Workload
 

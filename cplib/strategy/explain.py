@@ -7,6 +7,7 @@ from typing import Any, Mapping
 
 import torch
 
+from ..attention.args import check_cu_seqlens, window_arg
 from .calibration import Calibration
 from .candidates import Constraints
 from .choice import Choice, calibration_for, choose, format_choice
@@ -24,7 +25,6 @@ DEFAULT_MARGIN = 0.05
 def _sides(window: Any, causal: bool) -> tuple[int, int] | None:
     if window is None:
         return None
-    from ..ring.args import window_arg
 
     left, right = window_arg(window)
     return (min(left, NO_LIMIT), 0 if causal else min(right, NO_LIMIT))
@@ -50,7 +50,6 @@ def workload_of(*, seq_len: int, q_heads: int, head_dim: int, world_size: int,
                          f"{world_size}")
     docs = None
     if cu_seqlens is not None:
-        from ..ring.args import check_cu_seqlens
 
         cu = cu_seqlens if isinstance(cu_seqlens, torch.Tensor) else torch.tensor(cu_seqlens)
         check_cu_seqlens("explain", cu, seq_len)

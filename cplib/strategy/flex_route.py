@@ -37,7 +37,7 @@ def _local_row(shard: Any, block_mask: Any, q: torch.Tensor) -> list[int]:
     of its partial and full mask blocks on each rank's keys (summed over
     batch and query heads), then the query rows of its call on each rank's
     keys."""
-    from ..flex.plan import _dense
+    from ..flex.plan import dense_block_map
 
     n, L = shard.world, shard.q_len
     recv, q_rows = [0] * n, [0] * n
@@ -57,7 +57,7 @@ def _local_row(shard: Any, block_mask: Any, q: torch.Tensor) -> list[int]:
     def cells(num, idx) -> list[int]:
         if num is None:
             return [0] * n
-        dense = _dense(num, idx, total).view(bm, hm, q_blocks, n, per_rank).cpu()
+        dense = dense_block_map(num, idx, total).view(bm, hm, q_blocks, n, per_rank).cpu()
         per_owner = (dense.sum(-1) * rows.view(1, 1, -1, 1)).sum((0, 1, 2))
         return [int(x) * kb * spread for x in per_owner.tolist()]
 
@@ -95,24 +95,19 @@ def _workload(stats: FlexStats, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                     q.device.type, grad, ((FLEX, stats),))
 
 
-def _pinned(auto: AutoStrategy | None) -> str | None:
-    from ..frontend.options import explicit_rotation
-
-    return explicit_rotation(None) or (auto.rotate if auto is not None else None)
-
-
-def flex_use_ring(auto: AutoStrategy | None, args: tuple, kwargs: dict, group_name: str,
-                  world: int, rank: int, default: bool) -> bool:
+def flex_use_ring(auto: AutoStrategy | None, explicit: str | None, args: tuple, kwargs: dict,
+                  group_name: str, world: int, rank: int, default: bool) -> bool:
     """Whether the flex calls of this FLEX module call (its arguments read as
     flex_attention's) run on the flex ring: ``default`` (the rotate method's)
-    without a strategy; the explicit rotation where one is set; the
+    without a strategy; the explicit rotation where one is set (``explicit``:
+    the front end's, cplib/frontend/options.py, else the strategy's); the
     all-gather for a mask whose plan the ring cannot serve; else the agreed
     choice of the cost model for the call's plan. Arguments that do not read
     as flex_attention's, or a mask without cplib's plan, go where they went
     without a strategy (where their errors are raised, on every rank)."""
     if auto is None:
         return default
-    pinned = _pinned(auto)
+    pinned = explicit or auto.rotate
     if pinned is not None:
         return pinned != "allgather"
     if torch.compiler.is_dynamo_compiling():

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from ..ring.names import Layout
+from ..attention.names import Layout
 from .candidates import ROTATIONS, Candidate, register_candidates
 from .plan import register_layout
 from .workload import Workload

@@ -8,7 +8,7 @@ exactly what the op computes and sends (windows, documents, the document
 placement, blocks nobody needs, rows nobody reads).
 
 Layouts are named: "head_tail", "sequential" and "per_document" are the
-ring's own (cplib.ring.names.LAYOUTS); :func:`register_layout` adds one the
+ring's own (cplib.attention.names.LAYOUTS); :func:`register_layout` adds one the
 ring runs (the document placement: cplib/strategy/placement.py)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-from ..ring.names import LAYOUTS, Layout
+from ..attention.names import LAYOUTS, Layout
 
 __all__ = ["register_layout", "layout_load_balance", "ring_layout", "layout_allows_ulysses",
            "StepWork", "RingSchedule", "ring_schedule", "FULL", "CAUSAL", "PARTIAL"]
@@ -32,7 +32,7 @@ _ring_only: set[str] = set()
 def register_layout(name: str, ring: str, load_balance: object = None,
                     ulysses: bool = True) -> None:
     """Adds a sequence layout the model can cost: ``ring`` is the ring's
-    layout that runs it (one of cplib.ring.names.LAYOUTS, as ``ring_sdpa``
+    layout that runs it (one of cplib.attention.names.LAYOUTS, as ``ring_sdpa``
     runs it). A candidate naming it in ``Candidate.layout`` is costed on the
     ring's plan for it. ``load_balance``: the value of
     ``context_parallel(load_balance=...)`` that shards the buffers in this

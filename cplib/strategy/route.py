@@ -12,12 +12,13 @@ from typing import Any, Callable
 
 import torch
 
+from ..attention.args import window_arg
 from .auto import AutoStrategy, choose_for_call, parse_strategy, workload_from_call
 from .candidates import Candidate, data_layout
 from .choice import agreed_choice, calibration_for
 from .explain import constraints_of, workload_of
 from .plan import layout_load_balance
-from ..ring.names import Layout
+from ..attention.names import Layout
 
 __all__ = ["AutoStrategy", "parse_strategy", "strategy_entry", "context_strategy",
            "entry_choice", "routed_config"]
@@ -96,7 +97,6 @@ def routed_config(config: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     n, u = config.world_size, config.ulysses_degree
     if u == n or torch.compiler.is_compiling():  # traced: the context's rotation
         return config
-    from ..ring.args import window_arg
 
     layout = str(config.layout)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))

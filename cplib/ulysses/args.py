@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import torch
 
+from ..attention.args import check_inputs, check_sinks, group_rank
 from ..comm.handshake import can_handshake, handshake
 from ..comm.native import group_size, ops
-from ..ring.args import _group_rank, check_inputs, check_sinks
 from ..ring.call import RingCall
-from ..ring.check import _check
+from ..ring.check import check_call
 
 __all__ = ["check_heads", "kv_head_repeat", "exchange_to_heads"]
 
@@ -147,13 +147,13 @@ def _degree(group_name: str) -> int:
 
 def _check_local(op: str, q, k, v, is_causal, scale, backend) -> None:
     # ring_sdpa's checks minus the ring's (rotation, load balance, group).
-    _check(op, q, k, v, RingCall(None, bool(is_causal), scale=scale, backend=backend))
+    check_call(op, q, k, v, RingCall(None, bool(is_causal), scale=scale, backend=backend))
 
 
 @torch.compiler.assume_constant_result
 def _rank_in(group_name: str) -> int:
     # This process's rank in the group, a constant of any compiled region.
-    return _group_rank(group_name)
+    return group_rank(group_name)
 
 
 def _local_sinks(op: str, q, sinks, group_name: str, degree: int):

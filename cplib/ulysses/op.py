@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import torch
 
+from ..attention.args import (acc_dtype, backend_arg, check_inputs, check_sinks, group_rank,
+                              scale_arg)
+from ..attention.autograd import attention_autograd
 from ..comm.handshake import agreed
 from ..comm.native import GroupLike, group_name_of, group_size, ops, reject_real_in_fake
-from ..ring.args import _acc_dtype, _group_rank, backend_arg, check_inputs, check_sinks, scale_arg
-from ..ring.op import attention_autograd
 from .args import (_BSHD, _SEQ_MAJOR, _check_local, _check_qkv, _degree, _local_sinks,
                    _reshard_shape, _to_seq, check_heads, exchange_to_heads)
 from .usp import usp_attention
@@ -44,7 +45,7 @@ def _strides(sizes: tuple[int, ...], order: tuple[int, ...]) -> tuple[int, ...]:
 def _reshard_fake(x, group_name, to_heads, head_repeat, lengths=None):
     reject_real_in_fake("ulysses_reshard", x)
     sizes, order = _reshard_shape("ulysses_reshard", x, group_size(group_name), to_heads,
-                                  head_repeat, lengths, _group_rank(group_name))
+                                  head_repeat, lengths, group_rank(group_name))
     return x.new_empty_strided(sizes, _strides(sizes, order))
 
 
@@ -74,7 +75,7 @@ for _op in ("cplib_c::ulysses_reshard", "cplib_c::ulysses_reshard_covered"):
 
 @torch.library.register_fake("cplib_c::ulysses_reshard_qkv")
 def _reshard_qkv_fake(q, k, v, group_name, to_heads, kv_head_repeat, lengths=None):
-    n, rank = group_size(group_name), _group_rank(group_name)
+    n, rank = group_size(group_name), group_rank(group_name)
     out = []
     for x, repeat in ((q, 1), (k, kv_head_repeat), (v, kv_head_repeat)):
         sizes, order = _reshard_shape("ulysses_reshard_qkv", x, n, to_heads, repeat, lengths,
@@ -142,7 +143,7 @@ def _local_fake(q, k, v, is_causal, scale, backend, sinks=None):
     b, h, s, _ = q.shape
     sizes = (b, h, s, v.shape[3])
     out = q.new_empty_strided(sizes, _strides(sizes, _SEQ_MAJOR))
-    lse = q.new_empty((b, h, s), dtype=_acc_dtype(q.dtype))
+    lse = q.new_empty((b, h, s), dtype=acc_dtype(q.dtype))
     return out, lse
 
 
@@ -229,7 +230,7 @@ def ulysses_attention(q, k, v, group: GroupLike, is_causal: bool, scale: float |
     op = "ulysses_sdpa"
     name = group_name_of(group)
     if attn_mask is not None:
-        from ..ring.key_padding import key_padding_inputs
+        from ..attention.key_padding import key_padding_inputs
 
         # A mask rejected on one rank is rejected on every rank (the handshake).
         q, k, v, scale, _ = agreed(op, name, (q, k, v, attn_mask),

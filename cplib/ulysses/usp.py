@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import torch
 
+from ..attention.args import backend_arg, check_cu_seqlens, scale_arg, window_arg
 from ..comm.handshake import agreed, forward_error
 from ..comm.native import GroupLike, group_name_of
-from ..ring.args import backend_arg, rotate_arg, scale_arg
+from ..ring.args import rotate_arg
 from ..ring.op import ring_sdpa
 from .args import (_check_local, _check_qkv, _degree, _local_sinks, _rank_in, _to_seq,
                    check_heads, exchange_to_heads)
@@ -91,7 +92,7 @@ def usp_attention(q, k, v, ulysses_group: GroupLike, ring_group: GroupLike, is_c
     op = "usp_sdpa"
     uname, rname = group_name_of(ulysses_group), group_name_of(ring_group)
     if attn_mask is not None:
-        from ..ring.key_padding import key_padding_inputs
+        from ..attention.key_padding import key_padding_inputs
 
         # A rejected mask travels as the errors of to_heads() below do.
         try:
@@ -170,7 +171,6 @@ def _piece_lengths(op: str, q, k, uname: str, rname: str, degree: int, ring_degr
     """The rows of the U pieces of this rank's ring shard (cplib.ulysses.usp_layout's
     layout), checked against q and k/v (from shapes and arguments alone, so
     every rank fails alike before any exchange)."""
-    from ..ring.args import check_cu_seqlens, window_arg
     from .usp_layout import usp_piece_lengths
 
     n = degree * ring_degree

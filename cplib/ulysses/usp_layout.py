@@ -17,7 +17,7 @@ on different heads. For lengths divisible by 2N it is exactly
 ``shard``/``unshard`` take it as ``usp_load_balancer``, and with U = 1 it
 is the ring's layout.
 
-Any length, documents. In general the ring layout is ``cplib.ring.layout``'s
+Any length, documents. In general the ring layout is ``cplib.attention.layout``'s
 over R positions (sequential, head-tail, or head-tail inside every document,
 for any S >= R) and ring shard i (L_i rows) is cut into U pieces of
 ``chunk_range(L_i, U, j)`` rows, piece j on rank i*U + j. When S divides
@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 
 from ..comm.native import group_token
-from ..ring.load_balancer import _inverse, _LoadBalancer
-from ..ring.layout import chunk_range, shard_ranges
+from ..ring.load_balancer import _LoadBalancer, inverse_permutation
+from ..attention.layout import chunk_range, shard_ranges
 
 __all__ = ["UspGroups", "UspLoadBalancer", "check_degrees", "usp_groups", "usp_load_balancer",
            "usp_piece_lengths", "usp_shard_ranges", "active_ulysses_degree", "ulysses_layout"]
@@ -109,7 +109,7 @@ class UspLoadBalancer(_LoadBalancer):
     def _generate_indices(self, restore: bool = False) -> torch.Tensor:
         perm = torch.cat([torch.arange(s, s + n, device=self.device)
                           for r in range(self.world_size) for s, n in self.ranges(r)])
-        return (_inverse(perm) if restore else perm).unsqueeze(0)
+        return (inverse_permutation(perm) if restore else perm).unsqueeze(0)
 
 
 def usp_load_balancer(seq_length: int, world_size: int, ulysses_degree: int,

@@ -172,7 +172,7 @@ def _check_bad_inputs() -> list[str]:
         assert not cp.config.load_balanced
         assert ids[0].tolist() == list(range(rank * s // n, (rank + 1) * s // n))
     # Asked for, head-tail balancing takes any length (chunks within one token).
-    from cplib.ring.layout import shard_positions
+    from cplib.attention.layout import shard_positions
     with context_parallel(mesh, buffers=[ids], buffer_seq_dims=[1], load_balance=True) as cp:
         assert cp.config.load_balanced
         assert ids[0].tolist() == shard_positions(s, n, rank, True).tolist()

@@ -1,5 +1,5 @@
-"""Package structure: no module of cplib imports one that imports it back, no
-feature folder imports the front end, and the layout rules of
+"""Package structure: no module of cplib imports one that imports it back,
+every import runs down README.md's layer list, and the layout rules of
 build_support/layout_check.py hold (module and function sizes, one cplib/
 folder or a word in README.md for each csrc/torch/ folder, one docs/ page for
 each cplib/ folder, tests/ mirroring the package)."""
@@ -30,15 +30,53 @@ def test_cycle_finder_finds_a_cycle():
     assert ic.cycles(graph) == [["p.a", "p.b", "p.c"]]
 
 
-def test_no_feature_folder_imports_the_front_end():
+def test_imports_run_down_the_layer_list():
     ic = _import_cycles_module()
     graph = ic.import_graph(os.path.join(ROOT, "cplib"), "cplib")
-    features = ic.feature_folders(ROOT)
-    assert "ring" in features and "ulysses" in features
-    assert ic.front_end_imports(graph, "cplib", features) == []
-    # The finder sees one when there is one.
-    bad = {"p.ring.op": {"p.frontend.options"}, "p.frontend.style": {"p.ring.op"}}
-    assert ic.front_end_imports(bad, "p", ["ring"]) == [("p.ring.op", "p.frontend.options")]
+    layers = ic.layer_order(os.path.join(ROOT, "README.md"))
+    line = {name: i for i, names in enumerate(layers) for name in names}
+    # The shared layer sits under every attention feature, the front end above them.
+    for feature in ("ring", "ulysses", "flex", "conv", "decode", "strategy"):
+        assert line["frontend"] < line[feature] < line["attention"] < line["comm"], feature
+    assert ic.layer_problems(graph, "cplib", layers) == []
+
+
+def _write(path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_layer_checker_catches_upward_imports(tmp_path):
+    """A synthetic package whose low folder imports its top folder in every
+    form (function-local too), plus an import across one line and a folder
+    the list does not place: each is reported, the downward import is not."""
+    ic = _import_cycles_module()
+    _write(tmp_path / "README.md", "p/   the layers (arrows run down this list, never up):\n"
+           "  top/           the top\n"
+           "  mid/, side/    two folders on one line\n"
+           "                 (a continuation line)\n"
+           "  low/           the bottom\n"
+           "docs/            not a layer\n")
+    pkg = tmp_path / "p"
+    for folder in ("top", "mid", "side", "low", "stray"):
+        _write(pkg / folder / "__init__.py", "")
+    _write(pkg / "__init__.py", "from .top import a\n")
+    _write(pkg / "top" / "a.py", "from ..low import b\n")            # down: fine
+    _write(pkg / "low" / "b.py", "def f():\n    from ..top.a import g\n    return g\n")
+    _write(pkg / "low" / "c.py", "def f():\n    from ..mid import m\n    return m\n")
+    _write(pkg / "low" / "d.py", "def f():\n    import p.top.a\n    return p.top.a\n")
+    _write(pkg / "mid" / "m.py", "from ..side import s\nfrom ..low import b\n")
+    _write(pkg / "side" / "s.py", "")
+    graph = ic.import_graph(str(pkg), "p")
+    layers = ic.layer_order(str(tmp_path / "README.md"))
+    assert layers == [["top"], ["mid", "side"], ["low"]]
+    assert ic.layer_problems(graph, "p", layers) == [
+        "p/stray is not in README.md's layer list: place it",
+        "import runs up the layer list: p.low.b -> p.top.a",
+        "import runs up the layer list: p.low.c -> p.mid, p.mid.m",
+        "import runs up the layer list: p.low.d -> p.top.a",
+        "import across one line of the layer list: p.mid.m -> p.side, p.side.s",
+    ]
 
 
 def test_layout_rules_hold():

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 import cplib
-from cplib.ring.layout import shard_positions
+from cplib.attention.layout import shard_positions
 from cplib.ulysses.usp_layout import usp_groups
 from harness import assert_close
 from ring_cases import global_tensor

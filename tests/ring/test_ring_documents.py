@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import cplib
 from cplib.comm.native import ops
-from cplib.ring.layout import shard_positions
+from cplib.attention.layout import shard_positions
 from ring_mask_cases import check_ring, random_documents, visible
 
 ROTATIONS = ["p2p", "alltoall", "allgather"]
@@ -151,7 +151,7 @@ def test_ring_documents_bad_input(ranks, world_size):
 def _check_documents_differ_between_ranks() -> list[str]:
     rank, n = dist.get_rank(), dist.get_world_size()
     s = 8 * n + 1  # uneven shards: in check mode they must not count as a mismatch
-    from cplib.ring.layout import local_length
+    from cplib.attention.layout import local_length
     q = torch.randn(1, 2, local_length(s, n, rank, True), 4)
     g = dist.group.WORLD
     same = torch.tensor([0, 3, s])

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import cplib
 from cplib.comm.native import ops
-from cplib.ring.layout import chunk_range
+from cplib.attention.layout import chunk_range
 from cplib.ring.placement import document_placement
 from ring_cases import global_tensor
 from ring_mask_cases import check_ring, masked_reference, placement_positions, \

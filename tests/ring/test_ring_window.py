@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import cplib
 from cplib.comm.native import ops
-from cplib.ring.layout import shard_positions
+from cplib.attention.layout import shard_positions
 from ring_mask_cases import check_ring, visible
 
 ROTATIONS = ["p2p", "alltoall", "allgather"]

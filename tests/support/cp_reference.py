@@ -52,13 +52,13 @@ def reference_ring_sdpa(q, k, v, group, *, is_causal=False, load_balanced=False,
     return out.to(q.dtype), lse
 
 
-def reference_ring_attention(q, k, v, call, *, sinks=None, attn_mask=None, auto_rotate=False):
+def reference_ring_attention(q, k, v, call, *, sinks=None, attn_mask=None):
     """``ring_attention`` of a call the stand-in computes (no documents,
     windows, uneven lengths, masks or sinks), recorded as ``ring_sdpa``'s
     keywords."""
     unsupported = dict(cu_seqlens=call.cu_seqlens, window=call.window, seq_len=call.seq_len,
                        sinks=sinks, attn_mask=attn_mask)
-    assert all(x is None for x in unsupported.values()) and not auto_rotate, unsupported
+    assert all(x is None for x in unsupported.values()), unsupported
     assert call.layout in ("sequential", "head_tail"), call.layout
     return reference_ring_sdpa(q, k, v, call.group_name, is_causal=call.is_causal,
                                load_balanced=call.layout == "head_tail", scale=call.scale,

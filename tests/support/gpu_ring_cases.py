@@ -56,7 +56,7 @@ def run_ring(case: Case, n: int, layout, *, positions=None, grads: bool = True,
 
 def head_tail(s: int, lb: bool, documents=None):
     """The layout of cplib's shards (any length; head-tail; per document)."""
-    from cplib.ring.layout import shard_positions
+    from cplib.attention.layout import shard_positions
 
     def layout(rank, n):
         pos = shard_positions(s, n, rank, lb, documents=documents)

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import cplib
-from cplib.ring.layout import shard_positions
+from cplib.attention.layout import shard_positions
 from harness import assert_close
 from ring_cases import global_tensor
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import cplib
-from cplib.ring.layout import shard_positions
+from cplib.attention.layout import shard_positions
 from cplib.ulysses.usp_layout import usp_shard_ranges
 from gpu_cases import (GPU_MARKS, HALF_DTYPES, Case, assert_ok, judge, local_rows, make_case,
                        place, ranks, square, sync)

@@ -23,11 +23,11 @@ from torch.overrides import _get_current_function_mode_stack
 
 from ..comm.handshake import agreed
 from ..comm.native import check_mesh
-from ..frontend.options import _cp_options
-from ..frontend.sdpa_dispatch import CPDispatchMode, dispatcher_enabled
-from ..frontend.sharding import shard_key, shard_key_of, shard_tensor
-from ..frontend.unshard import unshard
 from ..ring.load_balancer import shard_lengths
+from .options import _cp_options
+from .sdpa_dispatch import CPDispatchMode, dispatcher_enabled
+from .sharding import shard_key, shard_key_of, shard_tensor
+from .unshard import unshard
 
 __all__ = ["SequenceShards", "active_handle", "sequence_shards", "labels_in_layout"]
 

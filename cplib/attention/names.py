@@ -1,4 +1,4 @@
-"""The names of the ring's choices, as the native layer defines them
+"""The names of the attention ops' choices, as the native layer defines them
 (csrc/torch/ring/ring_call.h, read once through ``cplib_c::ring_choices``):
 the rotations, the sequence layouts, the CUDA block backends and the ring
 passes. Everything in cplib that names one of them takes it from here."""

@@ -1,0 +1,1 @@
+"""cplib.attention: the layer every attention feature shares; see docs/attention.md."""
