@@ -14,15 +14,18 @@
 #            place with a compiler that links libstdc++ dynamically
 #            (build_support/libstdcxx.py), and the commit recorded as unknown, with
 #            the reason (git's HEAD where the tree has its .git);
-#   tests    the CUDA tests, selected by their marker (pytest -m cuda), results
-#            written as they arrive (budget_plugin.py), on GPU_CHECK_TEST_WORKERS
-#            pytest-xdist workers;
+#   tests    the CUDA tests, selected by their marker (pytest -m "cuda and not
+#            cuda_compile"), results written as they arrive (budget_plugin.py), on
+#            GPU_CHECK_TEST_WORKERS pytest-xdist workers;
 #   bench    benchmarks/bench_ring_gpu.py: every cell in a worker process with its
 #            own limit (30 s), its JSON rewritten after every cell;
 #   memcheck compute-sanitizer over cplib's CUDA kernels (merge, halo) against
 #            their C twins, the ring's per-step block backward, and tp_convolution
 #            through the op on CUDA; a run that selects nothing fails;
-#   demo     examples/demo.py --device cuda (torchrun, NCCL, one rank).
+#   demo     examples/demo.py --device cuda (torchrun, NCCL, one rank);
+#   compile  the CUDA tests that compile Triton kernels for several rank threads
+#            (pytest -m cuda_compile), alone, 2 workers, with inductor's parallel
+#            compile (TORCHINDUCTOR_COMPILE_THREADS=8; 1 elsewhere).
 # Every stage runs even after another failed. A stage is PASS only when all of
 # it ran and passed: its commands exited 0 within their limits and what they
 # wrote says so. A command that exits non-zero, a failed test, a cplib benchmark
@@ -37,7 +40,8 @@
 # skip) and the others are skipped: the verdict is INCOMPLETE, exit status 2.
 #
 # Output: $OUT when set, else benchmarks/out/gpu-check/; at most 8 files, flat:
-# summary.txt, tests_summary.txt, bench_ring_gpu.log, bench_ring_gpu.json and
+# summary.txt, tests_summary.txt, compile_summary.txt, bench_ring_gpu.log,
+# bench_ring_gpu.json and
 # gpu-check-files.tar.gz (gpu.json, the PNGs, every log). Exit status: 0 PASS,
 # 1 FAIL, 2 INCOMPLETE.
 #
@@ -47,13 +51,13 @@
 #
 # Environment: PYTHON (python3), GPU_CHECK_PREP (the prepared folder, .gpu-prep),
 # GPU_CHECK_BUDGET (530), GPU_CHECK_PROBE_LIMIT (90), GPU_CHECK_CAP_<STAGE> (a
-# stage's limit: INSTALL 120, TESTS 160, BENCH 150, DEMO 40 s; memcheck's three
+# stage's limit: INSTALL 120, TESTS 160, BENCH 150, DEMO 40, COMPILE 150 s; memcheck's three
 # runs have 20, 25 and 15 s), GPU_CHECK_TEST_WORKERS (8; 0 = one process), MAX_JOBS (16), CC / CXX (for the in-place build),
 # GPU_CHECK_BENCH_ARGS (more bench_ring_gpu.py arguments), GPU_CHECK_ASSUME_GPU=1
 # (run the GPU stages without a GPU: tests this script's failure paths),
 # GPU_CHECK_SKIP_BUILD=1 (no prepared wheel: use the cplib python already finds
 # instead of building), GPU_CHECK_FAKE_<STEP> for STEP in PROBE, INSTALL, TESTS,
-# BENCH, MEMCHECK, DEMO (a shell command run in place of each of that step's
+# BENCH, MEMCHECK, DEMO, COMPILE (a shell command run in place of each of that step's
 # commands, with their `env` settings, under the same limits and verdict:
 # tests/gpu/test_gpu_check.py fakes failures with them).
 set -u -o pipefail
@@ -67,10 +71,10 @@ BUDGET=${GPU_CHECK_BUDGET:-530}
 PROBE_LIMIT=${GPU_CHECK_PROBE_LIMIT:-90}
 WORKERS=${GPU_CHECK_TEST_WORKERS:-8}
 export MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=1
-declare -A CAP=([install]=120 [tests]=160 [bench]=150 [demo]=40)  # memcheck: its runs' own
+declare -A CAP=([install]=120 [tests]=160 [bench]=150 [demo]=40 [compile]=150)  # memcheck: its runs' own
 for s in "${!CAP[@]}"; do v=GPU_CHECK_CAP_${s^^}; CAP[$s]=${!v:-${CAP[$s]}}; done
-ALL_STAGES="install tests bench memcheck demo"
-FLAT="summary.txt tests_summary.txt bench_ring_gpu.log bench_ring_gpu.json gpu-check-files.tar.gz"
+ALL_STAGES="install tests bench memcheck demo compile"
+FLAT="summary.txt tests_summary.txt compile_summary.txt bench_ring_gpu.log bench_ring_gpu.json gpu-check-files.tar.gz"
 STAGES=$ALL_STAGES
 DRY=0
 
@@ -258,7 +262,7 @@ if ((DRY)); then
   echo "commit: $COMMIT"
 else
   note "device: $DEVICE; commit: $COMMIT; output: $OUT_DIR; budget ${BUDGET}s"
-  ((GPU)) || note "no CUDA GPU visible: the tests stage's tests skip, bench, memcheck and demo are skipped"
+  ((GPU)) || note "no CUDA GPU visible: the tests stage's tests skip, bench, memcheck, demo and compile are skipped"
 fi
 
 left=" $STAGES "

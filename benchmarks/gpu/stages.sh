@@ -55,33 +55,52 @@ stage_install() {
   fi
 }
 
-# tests: the CUDA tests, selected by their marker.
-stage_tests() {
-  local log=$LOGS/tests.log progress=$LOGS/tests-progress.jsonl how="1 process"
-  local args=(-q -rfEs -p no:cacheprovider -p budget_plugin -m cuda --junitxml="$LOGS/junit.xml")
-  "$PY" -c 'import pytest_timeout' 2>/dev/null && args+=(--timeout 120)
-  if ((WORKERS > 0)) && "$PY" -c 'import xdist' 2>/dev/null; then
-    args+=(-n "$WORKERS" --dist load); how="$WORKERS workers"
+# pytest_stage STAGE MARKS WORKERS TIMEOUT [VAR=VALUE...]: the CUDA tests
+# MARKS selects, on WORKERS pytest-xdist workers (0: one process), each test
+# under TIMEOUT seconds, the environment's VAR=VALUE added; results written
+# as they arrive (budget_plugin.py) and summed up in $LOGS/STAGE_summary.txt.
+pytest_stage() {
+  local stage=$1 marks=$2 workers=$3 timeout=$4; shift 4
+  local log=$LOGS/$stage.log progress=$LOGS/$stage-progress.jsonl how="1 process"
+  local args=(-q -rfEs -p no:cacheprovider -p budget_plugin -m "$marks" --junitxml="$LOGS/$stage-junit.xml")
+  "$PY" -c 'import pytest_timeout' 2>/dev/null && args+=(--timeout "$timeout")
+  if ((workers > 0)) && "$PY" -c 'import xdist' 2>/dev/null; then
+    args+=(-n "$workers" --dist load); how="$workers workers"
   fi
-  local cap=${CAP[tests]} left=$((DEADLINE - $(date +%s)))
+  local cap=${CAP[$stage]} left=$((DEADLINE - $(date +%s)))
   ((left < cap)) && cap=$left
   rm -f "$progress" "$progress.collected"
   # -P: the tree's cplib/ never shadows the installed one; budget_plugin from its folder.
-  run_limited tests "$cap" "$log" env PYTHONPATH="$ROOT/benchmarks/gpu${PYTHONPATH:+:$PYTHONPATH}" \
-    CPLIB_TEST_RUN_TIMEOUT=100 CPLIB_TEST_RANK_TIMEOUT=60 CPLIB_TEST_PROGRESS="$progress" \
-    CPLIB_TEST_START_DEADLINE=$(($(date +%s) + cap - 20)) \
+  run_limited "$stage" "$cap" "$log" env PYTHONPATH="$ROOT/benchmarks/gpu${PYTHONPATH:+:$PYTHONPATH}" \
+    CPLIB_TEST_RUN_TIMEOUT=$((timeout - 20)) CPLIB_TEST_RANK_TIMEOUT=60 CPLIB_TEST_PROGRESS="$progress" \
+    CPLIB_TEST_START_DEADLINE=$(($(date +%s) + cap - 20)) "$@" \
     "$PY" -P -m pytest "${args[@]}" "$ROOT/tests"
   ((DRY)) && return
   {
-    echo "CUDA tests (pytest -m cuda, $how); commit: $COMMIT"
+    echo "CUDA tests (pytest -m '$marks', $how); commit: $COMMIT"
     "$PY" benchmarks/gpu/budget_plugin.py "$progress"
-  } >"$LOGS/tests_summary.txt" 2>&1
+  } >"$LOGS/${stage}_summary.txt" 2>&1
   local counts verdict why_not=""
-  counts=$(sed -n 2p "$LOGS/tests_summary.txt")
+  counts=$(sed -n 2p "$LOGS/${stage}_summary.txt")
   verdict=$(settle "$("$PY" benchmarks/gpu/budget_plugin.py --verdict "$progress")")
   [[ $OUTCOME == ok ]] || why_not="pytest: $(why "$log"); "
-  record tests "$verdict" "$SECS" "$why_not$counts"
-  [[ $verdict == PASS ]] || detail tests "$why_not$(tail -n +3 "$LOGS/tests_summary.txt" | cut -c1-300 | head -n 12 | sed '2,$s/^/    /')"
+  record "$stage" "$verdict" "$SECS" "$why_not$counts"
+  [[ $verdict == PASS ]] || detail "$stage" "$why_not$(tail -n +3 "$LOGS/${stage}_summary.txt" | cut -c1-300 | head -n 12 | sed '2,$s/^/    /')"
+}
+
+# tests: the CUDA tests, selected by their marker, but those that compile
+# Triton kernels for several rank threads (the compile stage's).
+stage_tests() {
+  pytest_stage tests "cuda and not cuda_compile" "$WORKERS" 120
+}
+
+# compile: the CUDA tests that compile Triton kernels for several rank
+# threads (marker cuda_compile), one worker each, alone on the machine, with
+# inductor's parallel compile: in the tests stage (one compile thread, 8
+# workers sharing the cores) they ran out of their 120 s.
+stage_compile() {
+  ((DRY)) || gpu_only compile || return
+  pytest_stage compile cuda_compile 2 "${CAP[compile]}" TORCHINDUCTOR_COMPILE_THREADS=8
 }
 
 gpu_only() {  # gpu_only STAGE: records SKIP and returns 1 without a GPU
@@ -209,9 +228,10 @@ stage_demo() {
 
 # The flat files, then one archive with everything else (gpu.json, PNGs, logs).
 bundle() {
-  [[ -f $LOGS/tests_summary.txt ]] && cp "$LOGS/tests_summary.txt" "$OUT_DIR/"
+  local f
+  for f in tests_summary.txt compile_summary.txt; do [[ -f $LOGS/$f ]] && cp "$LOGS/$f" "$OUT_DIR/"; done
   [[ -f $LOGS/bench_ring_gpu.log ]] && cp "$LOGS/bench_ring_gpu.log" "$OUT_DIR/"
   [[ -f $LOGS/bench/bench_ring_gpu.json ]] && cp "$LOGS/bench/bench_ring_gpu.json" "$OUT_DIR/"
-  tar -czf "$OUT_DIR/gpu-check-files.tar.gz" -C "$LOGS" --exclude=./site --exclude=tests_summary.txt \
+  tar -czf "$OUT_DIR/gpu-check-files.tar.gz" -C "$LOGS" --exclude=./site --exclude=tests_summary.txt --exclude=compile_summary.txt \
     --exclude=bench_ring_gpu.log --exclude=bench_ring_gpu.json . 2>/dev/null
 }

@@ -7,7 +7,8 @@ step (GPU_CHECK_FAKE_<STEP>) never read PASS.
 
 Checked: at most 8 files come back, flat; the commit is recorded (the
 prepared wheel's, or "unknown" with the reason); the stages run in order;
-the tests stage runs exactly the tests `pytest -m cuda` selects; the verdict
+the tests stage runs exactly the tests `pytest -m "cuda and not
+cuda_compile"` selects (the compile stage the rest of `-m cuda`); the verdict
 is not PASS and the exit status not 0 when the GPU stages could not run; a
 stale wheel (sources changed after `make gpu-prep`) fails the install; a
 benchmark that exits 1 after its JSON is complete, a NaN merge cell, a
@@ -29,7 +30,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RUN_SH = os.path.join("benchmarks", "gpu", "run.sh")
-STAGES = ["probe", "install", "tests", "bench", "memcheck", "demo"]
+STAGES = ["probe", "install", "tests", "bench", "memcheck", "demo", "compile"]
 
 
 def _git(*args: str) -> str:
@@ -77,9 +78,11 @@ def collected(tmp_path_factory) -> dict[str, list[str]]:
         "    return any('GPU' in r for r in reasons)\n"
         "def pytest_collection_finish(session):\n"
         "    marked = [it.nodeid for it in session.items if it.get_closest_marker('cuda')]\n"
+        "    compile = [it.nodeid for it in session.items\n"
+        "               if it.get_closest_marker('cuda_compile')]\n"
         "    bad = [it.nodeid for it in session.items\n"
         "           if it.get_closest_marker('cuda') is None and _needs_gpu(it)]\n"
-        f"    json.dump(dict(cuda=marked, unmarked=bad), open({str(tmp / 'found.json')!r}, 'w'))\n")
+        f"    json.dump(dict(cuda=marked, compile=compile, unmarked=bad), open({str(tmp / 'found.json')!r}, 'w'))\n")
     env = dict(os.environ, PYTHONPATH=str(tmp))
     subprocess.run([sys.executable, "-P", "-m", "pytest", "--collect-only", "-q", "-p",
                     "audit_plugin", "-p", "no:cacheprovider", os.path.join(REPO, "tests")],
@@ -119,19 +122,21 @@ def test_gpu_check_end_to_end_without_a_gpu(tmp_path, collected):
     assert f"files in the output folder: {len(files)}" in summary, summary
     assert _summary_stages(summary) == [
         ("install", "PASS"), ("tests", "INCOMPLETE"), ("bench", "SKIP"), ("memcheck", "SKIP"),
-        ("demo", "SKIP")], summary
+        ("demo", "SKIP"), ("compile", "SKIP")], summary
     assert summary.index("install") < summary.index("\ntests") < summary.index("\nbench")
-    # the tests stage ran exactly the tests the marker selects (all skipped here)
+    # the tests stage ran exactly the tests the markers select (all skipped
+    # here); the compile stage's are cuda tests too, so -m cuda is both stages'
     tests = (out / "tests_summary.txt").read_text().splitlines()
-    assert head in tests[0] and "pytest -m cuda" in tests[0], tests[0]
-    selected = len(collected["cuda"])
+    assert head in tests[0] and "pytest -m 'cuda and not cuda_compile'" in tests[0], tests[0]
+    assert collected["compile"] and set(collected["compile"]) <= set(collected["cuda"])
+    selected = len(collected["cuda"]) - len(collected["compile"])
     assert selected > 0
     assert tests[1] == (f"0 passed, 0 failed, 0 errors, {selected} skipped, 0 left out, 0 not "
                         f"finished, of {selected} selected"), tests[1]
     assert "not PASS because:" in summary and "no CUDA GPU visible" in summary
     with tarfile.open(out / "gpu-check-files.tar.gz") as tar:
         names = {os.path.basename(n) for n in tar.getnames()}
-    assert {"env.txt", "install.log", "tests.log", "junit.xml"} <= names, names
+    assert {"env.txt", "install.log", "tests.log", "tests-junit.xml"} <= names, names
     install = tarfile.open(out / "gpu-check-files.tar.gz").extractfile("./install.log").read()
     assert b"the wheel's extension, sha256" in install, install
     assert b"the sources here are the wheel's" in install, install
