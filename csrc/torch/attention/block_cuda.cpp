@@ -20,6 +20,23 @@ int64_t pick_backend(const BlockConfig& cfg) {
   return cfg.backend;
 }
 
+// cuDNN's frontend refuses the backward of a block with one query row and one
+// key: "cuDNN Frontend error: s_q = s_kv = 1 is not supported." (its SDPA
+// backward node's validation, reached from build_graph_backward in ATen's
+// cudnn/MHA.cpp). Ragged ("any length") sequences give such blocks. Its
+// forward serves them, and blocks with only one of the two lengths 1 run both
+// ways (an H200 with torch 2.11.0+cu130, cuDNN 9.19). So only the backward of
+// a 1x1 block leaves cuDNN, for the memory-efficient kernel: the backward is
+// given the merged out and lse, so it needs nothing from the kernel that ran
+// the forward.
+bool cudnn_refuses_backward(int64_t q_len, int64_t kv_len) { return q_len == 1 && kv_len == 1; }
+
+int64_t pick_backward_backend(const BlockConfig& cfg, int64_t q_len, int64_t kv_len) {
+  const int64_t backend = pick_backend(cfg);
+  if (backend == kBackendCudnn && cudnn_refuses_backward(q_len, kv_len)) return kBackendEfficient;
+  return backend;
+}
+
 }  // namespace
 
 BlockResult block_forward_cuda(const BlockConfig& cfg, const Tensor& q, const Tensor& k,
@@ -49,7 +66,7 @@ std::tuple<Tensor, Tensor, Tensor> block_backward_cuda(const BlockConfig& cfg,
                                                        bool causal) {
   const int64_t Lq = q.size(2), Lk = k.size(2);
   const Tensor seed = philox_placeholder(q), offset = philox_placeholder(q);
-  switch (pick_backend(cfg)) {
+  switch (pick_backward_backend(cfg, Lq, Lk)) {
     case kBackendFlash:
       // Strided lse rows give wrong gradients in these kernels (upstream's note).
       return flash_cuda_backward(aten::contiguous(grad_out), q, k, v, aten::contiguous(out),

@@ -1,0 +1,74 @@
+"""Which ATen kernel each CUDA block runs, on machines without a GPU.
+
+cuDNN's frontend refuses the backward of a block with one query row and one
+key ("cuDNN Frontend error: s_q = s_kv = 1 is not supported.", seen on an H200
+with torch 2.11.0+cu130 in the ring's windows/documents test with ragged
+lengths); its forward serves that block, and blocks with only one of the two
+lengths 1 run both ways. cplib runs that backward, and only it, on the
+memory-efficient kernel (csrc/torch/attention/block_cuda.cpp:
+cudnn_refuses_backward). ``cplib_c::_cuda_glue_probe`` runs one block along the
+ring's route on META tensors; torch.profiler records the ATen kernels it calls.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cplib  # noqa: F401  (registers the ops)
+from cplib.comm.native import ops
+
+FORWARD = {"aten::_scaled_dot_product_cudnn_attention": "cudnn",
+           "aten::_scaled_dot_product_efficient_attention": "efficient",
+           "aten::_flash_attention_forward": "flash"}
+BACKWARD = {"aten::_scaled_dot_product_cudnn_attention_backward": "cudnn",
+            "aten::_scaled_dot_product_efficient_attention_backward": "efficient",
+            "aten::_scaled_dot_product_flash_attention_backward": "flash"}
+
+
+def _kernels(backend: str, lq: int, lk: int, causal: bool, v_dim: int = 64):
+    """(forward kernels, backward kernels, results) of one probed block."""
+    q = torch.empty(2, 4, lq, 64, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(2, 2, lk, 64, device="meta", dtype=torch.bfloat16)
+    v = torch.empty(2, 2, lk, v_dim, device="meta", dtype=torch.bfloat16)
+    with torch.profiler.profile() as prof:
+        results = ops._cuda_glue_probe(q, k, v, backend, causal, False, True, 0.125)
+    names = [e.name for e in prof.events()]
+    return ([FORWARD[n] for n in names if n in FORWARD],
+            [BACKWARD[n] for n in names if n in BACKWARD], (q, k, v), results)
+
+
+# (q rows, k/v rows, causal): the probe runs a non-causal backward in two row
+# halves (as load-balanced ring steps do), so 2 rows against 1 key gives two
+# 1x1 backward blocks.
+ONE_BY_ONE = [(1, 1, False), (1, 1, True), (2, 1, False)]
+
+
+@pytest.mark.parametrize("v_dim", [64, 32], ids=["mha", "mla"])
+@pytest.mark.parametrize("lq,lk,causal", ONE_BY_ONE,
+                         ids=[f"q{a}k{b}" + ("-causal" if c else "") for a, b, c in ONE_BY_ONE])
+def test_cudnn_hands_one_by_one_backward_blocks_to_efficient(lq, lk, causal, v_dim):
+    forward, backward, (q, k, v), (out, lse, dq, dk, dv) = _kernels("cudnn", lq, lk, causal, v_dim)
+    assert forward == ["cudnn"], forward
+    assert backward == ["efficient"] * (1 if causal else lq), backward
+    assert out.shape == (2, 4, lq, v_dim) and lse.shape == (2, 4, lq)
+    for grad, like in ((dq, q), (dk, k), (dv, v)):
+        assert (grad.shape, grad.dtype) == (like.shape, like.dtype)
+
+
+# Blocks cuDNN serves both ways, including those with one length 1.
+SERVED = [(1, 64, False), (64, 1, True), (2, 2, True), (96, 160, False)]
+
+
+@pytest.mark.parametrize("lq,lk,causal", SERVED,
+                         ids=[f"q{a}k{b}" + ("-causal" if c else "") for a, b, c in SERVED])
+def test_cudnn_keeps_every_other_block(lq, lk, causal):
+    forward, backward, _, _ = _kernels("cudnn", lq, lk, causal)
+    halves = 1 if causal or lq < 2 else 2
+    assert (forward, backward) == (["cudnn"], ["cudnn"] * halves), (forward, backward)
+
+
+@pytest.mark.parametrize("backend", ["flash", "efficient"])
+def test_other_backends_keep_their_kernel_for_one_by_one_blocks(backend):
+    forward, backward, _, _ = _kernels(backend, 1, 1, False)
+    assert (forward, backward) == ([backend], [backend]), (forward, backward)
