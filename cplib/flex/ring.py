@@ -5,17 +5,23 @@ kernel (``cplib_c::merge_partial_``).
 
 flex_attention is a Python higher-order op, so the loop is Python; the
 exchanges are cplib ops (``ring_ops.py``). The backward holds one visiting
-block at a time: it fetches each block again, recomputes that block's
+block at a time: it fetches each block again and computes its gradients
+for the global loss, then sends the block's dK|dV back to its owner.
+
+Without a score_mod it calls flex's backward op on the block with the
+merged output O and lse of its query rows (the block's softmax is
+exp(s - lse), a slice of the global one): no block's forward runs again.
+With a score_mod (see RingCall.direct_backward) it recomputes the block's
 (o_b, lse_b) once with autograd and backpropagates
 
     grad o_b   = w_b * dO,                                   w_b = exp(lse_b - LSE)
     grad lse_b = rowsum(grad o_b * o_b) - w_b * (rowsum(dO * O) - dLSE)
 
 (exact: O = sum_b w_b o_b and LSE = logsumexp_b lse_b; the first term of
-grad lse_b cancels the one flex's own backward subtracts), then sends the
-block's dK|dV back to its owner. Under torch.compile the recomputation's
-``torch.autograd.grad`` is traced (dynamo's ``trace_autograd_ops``, switched
-on for that region only), so a compiled model stays one graph.
+grad lse_b cancels the one flex's own backward subtracts). Under
+torch.compile the recomputation's ``torch.autograd.grad`` is traced
+(dynamo's ``trace_autograd_ops``, switched on for that region only), so a
+compiled model stays one graph.
 """
 
 from __future__ import annotations
@@ -37,6 +43,18 @@ __all__ = ["RingCall", "ring_attention"]
 
 # flex's backward op (see RingCall.direct_backward).
 _FLEX_BACKWARD = torch.ops.higher_order.flex_attention_backward
+
+
+def _dynamo_traces_flex_backward() -> bool:
+    """Whether dynamo traces a call of flex's backward op given a Python
+    score_mod (torch 2.13 and 2.15 derive its graphs; 2.11's dynamo takes
+    only graphs traced before, and fails)."""
+    from torch._dynamo.variables.higher_order_ops import FlexAttentionBackwardHighOrderVariable
+
+    return hasattr(FlexAttentionBackwardHighOrderVariable, "_derive_joint_graph")
+
+
+_DIRECT_BACKWARD_TRACEABLE = _dynamo_traces_flex_backward()
 # Lets dynamo trace the backward's torch.autograd.grad (and nothing else):
 # entered around that call only.
 _TRACE_AUTOGRAD = DynamoConfigPatchProxy(torch._dynamo.config.patch(trace_autograd_ops=True))
@@ -53,12 +71,13 @@ class RingCall:
         self.scale = scale
         self.enable_gqa = enable_gqa
         self.kernel_options = kernel_options
-        # Without a score_mod the backward calls flex's backward op directly.
-        # With one it recomputes each block's forward under autograd instead:
-        # dynamo derives a direct call's score_mod gradient without
-        # TransformGetItemToIndex (torch 2.13), so a score_mod indexing a
-        # captured tensor (ours do, for global positions) fails to trace.
-        self.direct_backward = score_mod is None
+        # Without a score_mod the backward calls flex's backward op directly
+        # (where dynamo can trace that call). With one it recomputes each
+        # block's forward under autograd instead: dynamo derives a direct
+        # call's score_mod gradient without TransformGetItemToIndex (torch
+        # 2.13), so a score_mod indexing a captured tensor (ours do, for
+        # global positions) fails to trace.
+        self.direct_backward = score_mod is None and _DIRECT_BACKWARD_TRACEABLE
         # One score_mod per step, on global positions (shared by fwd and bwd).
         self.score_mods = tuple(
             None if score_mod is None else
