@@ -5,17 +5,23 @@ kernel (``cplib_c::merge_partial_``).
 
 flex_attention is a Python higher-order op, so the loop is Python; the
 exchanges are cplib ops (``ring_ops.py``). The backward holds one visiting
-block at a time: it fetches each block again, recomputes that block's
+block at a time: it fetches each block again and computes its gradients
+for the global loss, then sends the block's dK|dV back to its owner.
+
+Without a score_mod it calls flex's backward op on the block with the
+merged output O and lse of its query rows (the block's softmax is
+exp(s - lse), a slice of the global one): no block's forward runs again.
+With a score_mod (see RingCall.direct_backward) it recomputes the block's
 (o_b, lse_b) once with autograd and backpropagates
 
     grad o_b   = w_b * dO,                                   w_b = exp(lse_b - LSE)
     grad lse_b = rowsum(grad o_b * o_b) - w_b * (rowsum(dO * O) - dLSE)
 
 (exact: O = sum_b w_b o_b and LSE = logsumexp_b lse_b; the first term of
-grad lse_b cancels the one flex's own backward subtracts), then sends the
-block's dK|dV back to its owner. Under torch.compile the recomputation's
-``torch.autograd.grad`` is traced (dynamo's ``trace_autograd_ops``, switched
-on for that region only), so a compiled model stays one graph.
+grad lse_b cancels the one flex's own backward subtracts). Under
+torch.compile the recomputation's ``torch.autograd.grad`` is traced
+(dynamo's ``trace_autograd_ops``, switched on for that region only), so a
+compiled model stays one graph.
 """
 
 from __future__ import annotations
@@ -35,6 +41,20 @@ from .ring_ops import pack, ring_begin, ring_end, ring_shift
 
 __all__ = ["RingCall", "ring_attention"]
 
+# flex's backward op (see RingCall.direct_backward).
+_FLEX_BACKWARD = torch.ops.higher_order.flex_attention_backward
+
+
+def _dynamo_traces_flex_backward() -> bool:
+    """Whether dynamo traces a call of flex's backward op given a Python
+    score_mod (torch 2.13 and 2.15 derive its graphs; 2.11's dynamo takes
+    only graphs traced before, and fails)."""
+    from torch._dynamo.variables.higher_order_ops import FlexAttentionBackwardHighOrderVariable
+
+    return hasattr(FlexAttentionBackwardHighOrderVariable, "_derive_joint_graph")
+
+
+_DIRECT_BACKWARD_TRACEABLE = _dynamo_traces_flex_backward()
 # Lets dynamo trace the backward's torch.autograd.grad (and nothing else):
 # entered around that call only.
 _TRACE_AUTOGRAD = DynamoConfigPatchProxy(torch._dynamo.config.patch(trace_autograd_ops=True))
@@ -51,6 +71,13 @@ class RingCall:
         self.scale = scale
         self.enable_gqa = enable_gqa
         self.kernel_options = kernel_options
+        # Without a score_mod the backward calls flex's backward op directly
+        # (where dynamo can trace that call). With one it recomputes each
+        # block's forward under autograd instead: dynamo derives a direct
+        # call's score_mod gradient without TransformGetItemToIndex (torch
+        # 2.13), so a score_mod indexing a captured tensor (ours do, for
+        # global positions) fails to trace.
+        self.direct_backward = score_mod is None and _DIRECT_BACKWARD_TRACEABLE
         # One score_mod per step, on global positions (shared by fwd and bwd).
         self.score_mods = tuple(
             None if score_mod is None else
@@ -170,6 +197,28 @@ def _block_grads(q, kb, vb, lse, d_out, delta, step, score_mod, call, need_q, ne
     return dq, dk, dv
 
 
+def _block_grads_direct(q, kb, vb, out, lse, d_out, d_lse, step: RingStep, call: RingCall):
+    """(dq, dk_b, dv_b) of one visited block without a score_mod: flex's own
+    backward on the block, given the merged output and lse of the step's
+    query rows, so the block's forward is not computed again (see the
+    module docstring; dq covers those rows only)."""
+    q, out, lse, d_out, d_lse = (_rows_of(t, step) for t in (q, out, lse, d_out, d_lse))
+    mask = step.mask if step.mask is not None else fa._create_empty_block_mask(q, kb)
+    options = fa._apply_kernel_options(q, kb, vb, False, call.kernel_options,
+                                       AuxRequest(lse=True))
+    # The op's lse is in base 2 (every backend but FLASH); ours is natural.
+    to_op = 1.0 / math.log(2.0) if options.get("BACKEND") != "FLASH" else 1.0
+    scale = call.scale if call.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    # Grad mode on: the op derives score_mod's backward graph by tracing it.
+    with torch.enable_grad():
+        dq, dk, dv, _ = _FLEX_BACKWARD(q, kb, vb, out, lse * to_op, d_out, d_lse / to_op,
+                                       fa._identity, None, mask.as_tuple(), scale, options,
+                                       (), ())
+    if dk.shape != kb.shape:  # keys broadcast over the batch
+        dk, dv = dk.sum(0, keepdim=True), dv.sum(0, keepdim=True)
+    return dq, dk, dv
+
+
 def _absorb(dk, dv, recv, k, v, step: RingStep) -> None:
     """Adds the gradient of our rows that ``step.dst`` sent back (``recv``)."""
     rk, rv = _unpack(recv, k, v, step.send_rows)
@@ -184,23 +233,29 @@ def _absorb(dk, dv, recv, k, v, step: RingStep) -> None:
 def _backward(q, k, v, out, lse, d_out, d_lse, call: RingCall, group_name: str,
               need_q: bool, need_kv: bool):
     acc = acc_dtype(q.dtype)
-    d_out = d_out.to(acc)
-    delta = (d_out * out.to(acc)).sum(-1) - d_lse.to(acc)
     # Rows no key sees (lse -inf) get weight 0 from every block.
     lse = torch.where(lse == -math.inf, torch.zeros_like(lse), lse)
+    if call.direct_backward:
+        d_out = d_out.to(q.dtype)
+    else:
+        d_out = d_out.to(acc)
+        delta = (d_out * out.to(acc)).sum(-1) - d_lse.to(acc)
+        anchor_src = next(t for t in (k, v, q) if t.requires_grad)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device) if need_q else None
     dk = torch.zeros(k.shape, dtype=acc, device=k.device) if need_kv else None
     dv = torch.zeros(v.shape, dtype=acc, device=v.device) if need_kv else None
     token, whole = d_out, []
-    anchor_src = next(t for t in (k, v, q) if t.requires_grad)
     for step, score_mod in zip(call.shard.steps, call.score_mods):
         kb, vb = k, v
         if step.offset:
             token, kb, vb = _fetch(k, v, step, token, whole, group_name)
         gk = gv = None
         if step.compute:
-            gq, gk, gv = _block_grads(q, kb, vb, lse, d_out, delta, step, score_mod, call,
-                                      need_q, need_kv, anchor_src)
+            if call.direct_backward:
+                gq, gk, gv = _block_grads_direct(q, kb, vb, out, lse, d_out, d_lse, step, call)
+            else:
+                gq, gk, gv = _block_grads(q, kb, vb, lse, d_out, delta, step, score_mod, call,
+                                          need_q, need_kv, anchor_src)
             if need_q:
                 _rows_of(dq, step).add_(gq)
             gq = None
