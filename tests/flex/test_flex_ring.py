@@ -166,3 +166,22 @@ def test_flex_ring_compiled_recompiles_for_another_mask(ranks):
     done = ranks(2).run(_check_two_masks_compiled)
     assert len(done[0]) == 2 and all(d == done[0] for d in done), done
 
+
+
+
+def test_flex_ring_backward_without_score_mod_calls_flex_backward_directly():
+    """Without a score_mod the backward calls flex's own backward op with the
+    merged output (no block's forward runs again) wherever dynamo traces
+    that call (torch >= 2.13); with one, or on torch 2.11, each visited
+    block's forward is recomputed under autograd. The gradient matrices
+    above run whichever this torch takes."""
+    from types import SimpleNamespace
+
+    from cplib.flex import ring
+
+    direct = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 13)
+    assert ring._DIRECT_BACKWARD_TRACEABLE == direct
+    no_steps = SimpleNamespace(steps=())
+    assert ring.RingCall(no_steps, None, None, False, None).direct_backward == direct
+    assert not ring.RingCall(no_steps, _positional_score_mod(8), None, False,
+                             None).direct_backward
