@@ -82,7 +82,8 @@ def collected(tmp_path_factory) -> dict[str, list[str]]:
         "               if it.get_closest_marker('cuda_compile')]\n"
         "    bad = [it.nodeid for it in session.items\n"
         "           if it.get_closest_marker('cuda') is None and _needs_gpu(it)]\n"
-        f"    json.dump(dict(cuda=marked, compile=compile, unmarked=bad), open({str(tmp / 'found.json')!r}, 'w'))\n")
+        "    found = dict(cuda=marked, compile=compile, unmarked=bad)\n"
+        f"    json.dump(found, open({str(tmp / 'found.json')!r}, 'w'))\n")
     env = dict(os.environ, PYTHONPATH=str(tmp))
     subprocess.run([sys.executable, "-P", "-m", "pytest", "--collect-only", "-q", "-p",
                     "audit_plugin", "-p", "no:cacheprovider", os.path.join(REPO, "tests")],

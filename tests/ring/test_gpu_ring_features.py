@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gpu_cases import (DEVICE, GPU_MARKS, HALF_DTYPES, Case, assert_ok, judge, local_rows,
-                       make_case, place, ranks, square, sync, visible)
+from gpu_cases import (DEVICE, GPU_MARKS, HALF_DTYPES, Case, assert_ok, global_input, judge,
+                       local_rows, make_case, place, ranks, square, sync, visible)
 from gpu_ring_cases import head_tail, run_ring
 
 pytestmark = GPU_MARKS
@@ -26,22 +26,27 @@ pytestmark = GPU_MARKS
 def test_ring_mla_and_sinks(world_size, dtype):
     n, failures = world_size, []
     s = 32 * n
-    cases = [  # (v head dim, sinks, mask, ring keywords)
-        (32, False, dict(causal=True), dict(is_causal=True, load_balanced=True)),
-        (64, True, dict(causal=True), dict(is_causal=True, load_balanced=True,
+    cases = [  # (v head dim, q heads, sinks' std (0: none), mask, ring keywords)
+        (32, 8, 0, dict(causal=True), dict(is_causal=True, load_balanced=True)),
+        (64, 8, 1, dict(causal=True), dict(is_causal=True, load_balanced=True,
                                           rotate="allgather")),
-        (48, True, dict(causal=True, window=(13, 0)), dict(is_causal=True, window=(13, 0),
-                                                          seq_len=s, load_balanced=True)),
-        (32, True, dict(causal=False), dict(rotate="alltoall")),
+        (48, 32, 0.25, dict(causal=True, window=(13, 0)), dict(is_causal=True, window=(13, 0),
+                                                              seq_len=s, load_balanced=True)),
+        (32, 32, 0.25, dict(causal=False), dict(rotate="alltoall")),
     ]
-    for i, (dv, sinks, mask, kw) in enumerate(cases):
+    for i, (dv, hq, sinks_std, mask, kw) in enumerate(cases):
         lb = kw.get("load_balanced", False)
         plain = set(mask) == {"causal"}
-        # 8 heads: the sinks' gradients are 8 values per rank (a few are noisy).
-        case = make_case(1, 8, 2, s, s, 64, dtype, 10 * i, square(s, **mask), dv=dv,
+        # dsinks is judged as one norm over hq values per rank, which the heads of the largest
+        # logits dominate: with 8 heads and N(0, 1) logits the last two cases exceeded 1.5x
+        # one device in up to 8 of 50 seeds (max 5.5); 32 heads, N(0, 1/4): 0 of 160, max 1.3,
+        # and a dsinks scaled by 1.02 or missing one row fails in 20 of 20 seeds (seed sweeps
+        # on the CPU bodies, 2026-11-27).
+        sinks = global_input((hq,), dtype, 10 * i + 4) * sinks_std if sinks_std else False
+        case = make_case(1, hq, 2, s, s, 64, dtype, 10 * i, square(s, **mask), dv=dv,
                          sinks=sinks, causal_hint=mask["causal"] if plain else None,
                          sink_rows=[head_tail(s, lb)(r, n)[0] for r in range(n)],
-                         what=f"{dtype} dv={dv} sinks={sinks} {mask}")
+                         what=f"{dtype} dv={dv} hq={hq} sinks={bool(sinks_std)} {mask}")
         failures += run_ring(case, n, head_tail(s, lb), **kw)
     assert_ok(failures, len(cases))
 

@@ -135,7 +135,7 @@ def single_device(q, k, v, cot, see: torch.Tensor, sinks=None, scale=None, *,
     the output sliced, as the ring does at its kernel calls, so both run the
     same kernels. ``sink_rows``: the q rows of each rank, in rank order; the
     sinks' gradient is then one gradient per rank's rows (stacked), each in
-    the dtype, as the ring returns it (every rank's covers its own rows),
+    the sinks' dtype, as the ring returns it (every rank's covers its own rows),
     taken from the output as a fused kernel with sinks takes it; the
     gradients of q, k, v go through autograd of the fp32 sink factor."""
     dev = DEVICE
@@ -174,7 +174,7 @@ def single_device(q, k, v, cot, see: torch.Tensor, sinks=None, scale=None, *,
         delta = (cot.to(dev).float() * out.detach().float()).sum(-1)
         per_row = -(delta * torch.exp(sd.detach().float().view(1, -1, 1) - lse)).cpu()
         parts = [torch.arange(q.shape[2])] if sink_rows is None else sink_rows
-        res["dsinks"] = torch.stack([per_row[:, :, rows].sum((0, 2)).to(q.dtype).double()
+        res["dsinks"] = torch.stack([per_row[:, :, rows].sum((0, 2)).to(sinks.dtype).double()
                                      for rows in parts])
     out.backward(cot.to(dev))
     sync()
@@ -208,17 +208,19 @@ class Case:
 
 def make_case(b, hq, hkv, lq, lk, d, dtype, seed, see, *, dv=None, sinks=False, scale=None,
               what="", causal_hint=None, grads=True, sink_rows=None) -> Case:
-    """Inputs, fp64 truth and the single-device result (main thread)."""
+    """Inputs, fp64 truth and the single-device result (main thread).
+    ``sinks``: True draws N(0, 1) logits in ``dtype``; a tensor gives them."""
     dv = d if dv is None else dv
     q = global_input((b, hq, lq, d), dtype, seed)
     k = global_input((b, hkv, lk, d), dtype, seed + 1)
     v = global_input((b, hkv, lk, dv), dtype, seed + 2)
     cot = global_input((b, hq, lq, dv), dtype, seed + 3) if grads else torch.zeros(
         b, hq, lq, dv, dtype=dtype)
-    snk = global_input((hq,), dtype, seed + 4) if sinks else None
+    snk = sinks if isinstance(sinks, torch.Tensor) else (
+        global_input((hq,), dtype, seed + 4) if sinks else None)
     c = Case(q, k, v, cot, see, snk, scale, what)
     c.want = truth(q, k, v, cot, see, snk, scale)
-    if sinks:  # per rank, as the ring returns it: -rowsum(dO * O) exp(s - lse) over its rows
+    if snk is not None:  # per rank, as the ring returns it: -rowsum(dO O) exp(s - lse), its rows
         per_row = -((cot.double() * c.want["out"]).sum(-1)
                     * torch.exp(snk.double().view(1, -1, 1) - c.want["lse"]))
         parts = [torch.arange(lq)] if sink_rows is None else sink_rows
