@@ -4,6 +4,7 @@
 #include <cmath>
 #include <iterator>
 
+#include "attention/cuda_tiles.h"
 #include "common/aten.h"
 
 namespace cplib::attention {
@@ -95,6 +96,21 @@ double scale_or_default(std::optional<double> scale, const Tensor& q) {
   return scale ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(3)));
 }
 
+// The memory-efficient kernels need every row stride 16-byte aligned ("query
+// is not correctly aligned (strideM)" for a bf16 head dim of 36, seen on an
+// H200): q/k/v head dims are zero-padded up to that, as for flash, only where
+// needed (fp32's multiple of 4 is).
+int64_t efficient_head_dim(const Tensor& q, const Tensor& v) {
+  const int64_t per_16_bytes = q.scalar_type() == ScalarType::Float ? 4 : 8;
+  const int64_t widest = std::max(q.size(3), v.size(3));
+  return widest % per_16_bytes == 0 && q.size(3) % per_16_bytes == 0 &&
+                 v.size(3) % per_16_bytes == 0
+             ? -1
+             : round_up(widest, per_16_bytes);
+}
+
+Tensor cut_last(const Tensor& t, int64_t d) { return t.size(3) == d ? t : narrow(t, 3, 0, d); }
+
 }  // namespace
 
 std::vector<std::string> flash_forward_argument_names() {
@@ -170,6 +186,12 @@ std::tuple<Tensor, Tensor, Tensor> flash_cuda_backward(const Tensor& grad_out, c
 std::tuple<Tensor, Tensor> efficient_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
                                           const std::optional<Tensor>& bias, bool causal,
                                           std::optional<double> scale) {
+  const int64_t d = efficient_head_dim(q, v);
+  if (d > 0) {  // padded: the real scale, and out cut back to v's head dim
+    auto [out, lse] = efficient_cuda(pad_last(q, d), pad_last(k, d), pad_last(v, d), bias, causal,
+                                     scale_or_default(scale, q));
+    return {cut_last(out, v.size(3)), lse};
+  }
   auto s = call<4>("aten::_scaled_dot_product_efficient_attention", "", q, k, v, bias, true, 0.0,
                    causal, scale);
   Tensor out = ret<Tensor>(s[0]), lse = ret<Tensor>(s[1]);
@@ -184,6 +206,15 @@ std::tuple<Tensor, Tensor, Tensor> efficient_cuda_backward(const Tensor& grad_ou
                                                            const Tensor& lse, const Tensor& seed,
                                                            const Tensor& offset, bool causal,
                                                            std::optional<double> scale) {
+  const int64_t d = efficient_head_dim(q, v);
+  if (d > 0) {
+    // Padded as the forward was; out and grad_out stay (B, L, H, D)-dense
+    // (see block_cuda.cpp), their zero columns add nothing to delta.
+    auto [gq, gk, gv] = efficient_cuda_backward(
+        seq_major(pad_last(grad_out, d)), pad_last(q, d), pad_last(k, d), pad_last(v, d), bias,
+        seq_major(pad_last(out, d)), lse, seed, offset, causal, scale_or_default(scale, q));
+    return {cut_last(gq, q.size(3)), cut_last(gk, k.size(3)), cut_last(gv, v.size(3))};
+  }
   bool grad_mask[4] = {true, true, true, false};
   auto s = call<4>("aten::_scaled_dot_product_efficient_attention_backward", "", grad_out, q, k, v,
                    bias, out, lse, seed, offset, 0.0,

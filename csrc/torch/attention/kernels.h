@@ -46,6 +46,10 @@ std::tuple<Tensor, Tensor, Tensor> flash_cuda_backward(const Tensor& grad_out, c
 // order: the running torch's schema (asked once; a name cplib cannot fill
 // raises NotImplementedError).
 std::vector<std::string> flash_forward_argument_names();
+// The memory-efficient kernels: head dims whose rows are not 16-byte aligned
+// (bf16/fp16: a multiple of 8; fp32: of 4) are zero-padded at the call, the
+// scale taken from the real one; the backward's out and grad_out as
+// block_cuda.cpp passes them, (B, L, H, D)-dense.
 std::tuple<Tensor, Tensor> efficient_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
                                           const std::optional<Tensor>& bias, bool causal,
                                           std::optional<double> scale);
