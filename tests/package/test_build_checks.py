@@ -80,8 +80,10 @@ def test_a_statically_linking_cxx_is_replaced_by_the_system_compiler(tmp_path):
 
 @needs_system_gxx
 def test_gpu_check_dry_run_shows_the_system_compiler_chosen(tmp_path):
+    # No prepared wheel (a checkout where `make gpu-prep` ran has one): the in-place build's path.
     env = {**os.environ, "CXX": _static_gxx(tmp_path), "CC": "/opt/gcc/bin/gcc",
-           "PYTHON": sys.executable, "OUT": str(tmp_path / "out")}
+           "PYTHON": sys.executable, "OUT": str(tmp_path / "out"),
+           "GPU_CHECK_PREP": str(tmp_path / "no-prep")}
     out = subprocess.run([os.path.join(REPO, "benchmarks", "gpu", "run.sh"), "--dry-run"],
                          env=env, capture_output=True, text=True, timeout=120, check=True).stdout
     assert "CC=/usr/bin/gcc CXX=/usr/bin/g++" in out, out
