@@ -167,8 +167,6 @@ def test_flex_ring_compiled_recompiles_for_another_mask(ranks):
     assert len(done[0]) == 2 and all(d == done[0] for d in done), done
 
 
-
-
 def test_flex_ring_backward_without_score_mod_calls_flex_backward_directly():
     """Without a score_mod the backward calls flex's own backward op with the
     merged output (no block's forward runs again) wherever dynamo traces

@@ -4,7 +4,6 @@
 #include <cmath>
 #include <iterator>
 
-#include "attention/cuda_tiles.h"
 #include "common/aten.h"
 
 namespace cplib::attention {
@@ -111,6 +110,16 @@ int64_t efficient_head_dim(const Tensor& q, const Tensor& v) {
 
 Tensor cut_last(const Tensor& t, int64_t d) { return t.size(3) == d ? t : narrow(t, 3, 0, d); }
 
+// `t` (B, H, L, D) zero-padded to head dim d in one copy, its memory
+// (B, L, H, d)-dense: what seq_major(pad_last(t, d)) gives, without the
+// intermediate (B, H, L, d) copy.
+Tensor pad_last_seq_major(const Tensor& t, int64_t d) {
+  Tensor dense = aten::zeros({t.size(0), t.size(2), t.size(1), d}, aten::opts_of(t));
+  Tensor view = torch::stable::transpose(dense, 1, 2);
+  aten::copy_(narrow(view, 3, 0, t.size(3)), t);
+  return view;
+}
+
 }  // namespace
 
 std::vector<std::string> flash_forward_argument_names() {
@@ -211,8 +220,8 @@ std::tuple<Tensor, Tensor, Tensor> efficient_cuda_backward(const Tensor& grad_ou
     // Padded as the forward was; out and grad_out stay (B, L, H, D)-dense
     // (see block_cuda.cpp), their zero columns add nothing to delta.
     auto [gq, gk, gv] = efficient_cuda_backward(
-        seq_major(pad_last(grad_out, d)), pad_last(q, d), pad_last(k, d), pad_last(v, d), bias,
-        seq_major(pad_last(out, d)), lse, seed, offset, causal, scale_or_default(scale, q));
+        pad_last_seq_major(grad_out, d), pad_last(q, d), pad_last(k, d), pad_last(v, d), bias,
+        pad_last_seq_major(out, d), lse, seed, offset, causal, scale_or_default(scale, q));
     return {cut_last(gq, q.size(3)), cut_last(gk, k.size(3)), cut_last(gv, v.size(3))};
   }
   bool grad_mask[4] = {true, true, true, false};
