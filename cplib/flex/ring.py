@@ -197,23 +197,29 @@ def _block_grads(q, kb, vb, lse, d_out, delta, step, score_mod, call, need_q, ne
     return dq, dk, dv
 
 
-def _block_grads_direct(q, kb, vb, out, lse, d_out, d_lse, step: RingStep, call: RingCall):
-    """(dq, dk_b, dv_b) of one visited block without a score_mod: flex's own
-    backward on the block, given the merged output and lse of the step's
-    query rows, so the block's forward is not computed again (see the
-    module docstring; dq covers those rows only)."""
-    q, out, lse, d_out, d_lse = (_rows_of(t, step) for t in (q, out, lse, d_out, d_lse))
-    mask = step.mask if step.mask is not None else fa._create_empty_block_mask(q, kb)
-    options = fa._apply_kernel_options(q, kb, vb, False, call.kernel_options,
-                                       AuxRequest(lse=True))
+def _direct_backward_args(q, k, v, lse, d_lse, call: RingCall):
+    """What every step's call of flex's backward op shares, computed once:
+    lse and its gradient in the op's base, the scale, the kernel options."""
+    options = fa._apply_kernel_options(q, k, v, False, call.kernel_options, AuxRequest(lse=True))
     # The op's lse is in base 2 (every backend but FLASH); ours is natural.
     to_op = 1.0 / math.log(2.0) if options.get("BACKEND") != "FLASH" else 1.0
     scale = call.scale if call.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return lse * to_op, d_lse / to_op, scale, options
+
+
+def _block_grads_direct(q, kb, vb, out, d_out, step: RingStep, op_args):
+    """(dq, dk_b, dv_b) of one visited block without a score_mod: flex's own
+    backward on the block, given the merged output and lse of the step's
+    query rows, so the block's forward is not computed again (see the
+    module docstring; dq covers those rows only). ``op_args``: from
+    _direct_backward_args."""
+    lse, d_lse, scale, options = op_args
+    q, out, lse, d_out, d_lse = (_rows_of(t, step) for t in (q, out, lse, d_out, d_lse))
+    mask = step.mask if step.mask is not None else fa._create_empty_block_mask(q, kb)
     # Grad mode on: the op derives score_mod's backward graph by tracing it.
     with torch.enable_grad():
-        dq, dk, dv, _ = _FLEX_BACKWARD(q, kb, vb, out, lse * to_op, d_out, d_lse / to_op,
-                                       fa._identity, None, mask.as_tuple(), scale, options,
-                                       (), ())
+        dq, dk, dv, _ = _FLEX_BACKWARD(q, kb, vb, out, lse, d_out, d_lse, fa._identity, None,
+                                       mask.as_tuple(), scale, options, (), ())
     if dk.shape != kb.shape:  # keys broadcast over the batch
         dk, dv = dk.sum(0, keepdim=True), dv.sum(0, keepdim=True)
     return dq, dk, dv
@@ -237,6 +243,7 @@ def _backward(q, k, v, out, lse, d_out, d_lse, call: RingCall, group_name: str,
     lse = torch.where(lse == -math.inf, torch.zeros_like(lse), lse)
     if call.direct_backward:
         d_out = d_out.to(q.dtype)
+        op_args = _direct_backward_args(q, k, v, lse, d_lse, call)
     else:
         d_out = d_out.to(acc)
         delta = (d_out * out.to(acc)).sum(-1) - d_lse.to(acc)
@@ -252,7 +259,7 @@ def _backward(q, k, v, out, lse, d_out, d_lse, call: RingCall, group_name: str,
         gk = gv = None
         if step.compute:
             if call.direct_backward:
-                gq, gk, gv = _block_grads_direct(q, kb, vb, out, lse, d_out, d_lse, step, call)
+                gq, gk, gv = _block_grads_direct(q, kb, vb, out, d_out, step, op_args)
             else:
                 gq, gk, gv = _block_grads(q, kb, vb, lse, d_out, delta, step, score_mod, call,
                                           need_q, need_kv, anchor_src)

@@ -101,11 +101,8 @@ double scale_or_default(std::optional<double> scale, const Tensor& q) {
 // needed (fp32's multiple of 4 is).
 int64_t efficient_head_dim(const Tensor& q, const Tensor& v) {
   const int64_t per_16_bytes = q.scalar_type() == ScalarType::Float ? 4 : 8;
-  const int64_t widest = std::max(q.size(3), v.size(3));
-  return widest % per_16_bytes == 0 && q.size(3) % per_16_bytes == 0 &&
-                 v.size(3) % per_16_bytes == 0
-             ? -1
-             : round_up(widest, per_16_bytes);
+  if (q.size(3) % per_16_bytes == 0 && v.size(3) % per_16_bytes == 0) return -1;
+  return round_up(std::max(q.size(3), v.size(3)), per_16_bytes);
 }
 
 Tensor cut_last(const Tensor& t, int64_t d) { return t.size(3) == d ? t : narrow(t, 3, 0, d); }
