@@ -1,6 +1,8 @@
 """Hugging Face's losses under context parallelism: the causal-LM loss and the
-MoE router loss, installed by ``import cplib.hf`` and by
-``cplib.patch_torch()`` (docs/clients.md, docs/hf.md).
+MoE router loss, installed by ``import cplib.hf``, by ``cplib.patch_torch()``
+and whenever cplib's context parallelism starts while transformers is
+imported (docs/clients.md, docs/hf.md): ``labels=`` under a plain
+``cplib.context_parallel`` region is never a per-shard loss.
 
 HF's ``ForCausalLMLoss`` shifts ``labels`` inside the tensor it gets and
 averages over the valid tokens it sees: on a shard, both are wrong. Under
@@ -37,7 +39,8 @@ from ..frontend.sequence import labels_in_layout, sequence_shards
 from ..loss import shifted, token_loss_sum
 from .router_loss import caller_scales, context_parallel_router_loss
 
-__all__ = ["install_hf_losses", "uninstall_hf_losses", "context_parallel_causal_lm_loss"]
+__all__ = ["install_hf_losses", "uninstall_hf_losses", "install_if_transformers_loaded",
+           "context_parallel_causal_lm_loss"]
 
 
 def context_parallel_causal_lm_loss(original: Callable[..., torch.Tensor], logits: torch.Tensor,
@@ -125,6 +128,16 @@ def install_hf_losses(owner: str) -> None:
     _replace(PreTrainedModel, "post_init", functools.wraps(post_init)(post_init_with_router_loss))
     for module in _models_modules():  # models built before the install
         _wrap_router_loss(module)
+
+
+def install_if_transformers_loaded() -> None:
+    """:func:`install_hf_losses` once transformers' models are imported
+    (before, no model has a ``loss_function`` to replace): what cplib's context
+    parallelism runs as it starts (cplib/frontend/start_hooks.py). The owner
+    "context_parallel" is never taken back: outside context parallelism the
+    installed loss is HF's own."""
+    if "transformers.modeling_utils" in sys.modules and "context_parallel" not in _owners:
+        install_hf_losses("context_parallel")
 
 
 def uninstall_hf_losses(owner: str) -> None:

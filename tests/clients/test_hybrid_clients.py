@@ -2,7 +2,7 @@
 under context parallelism in processes that never import ``cplib.hf``: HF
 Trainer through ``cplib.patch_torch()`` (the issue's one switch), and a plain
 ``cplib.context_parallel`` region with a loss of the user's own
-(``cplib.loss.cross_entropy``). Either way the Gated DeltaNet layers carry
+(``cplib.loss.cross_entropy``) or HF's (``labels=``). Either way the Gated DeltaNet layers carry
 their conv halo and recurrent state across the 2 gloo ranks: the mean over
 the ranks of the loss is one process's within 2e-5 relative and every
 gradient within 1e-5 (issue 43's goals for hybrid models). Before, these
@@ -100,27 +100,36 @@ def test_trainer_with_patch_torch_carries_hybrid_layers(ranks_without_cplib_hf):
     assert errors[0] == errors[1]
 
 
-def _plain_region(load_balance: bool) -> float:
+def _plain_region(loss_kind: str) -> float:
+    """Sequential, uneven shards (HF's SDPA mask for head-tail positions is a
+    4-D one, which cplib's SDPA refuses: its own error, hf.md); the loss is
+    cplib.loss.cross_entropy on the logits, or HF's own (``labels=``)."""
     import cplib
 
     n = dist.get_world_size()
-    inputs = batch(s=32 if load_balance else 33)
+    inputs = batch(s=33)
     model = _qwen3_next()
     want = one_process(model, inputs)
     ids, pos, labels = (inputs[k].clone() for k in ("input_ids", "position_ids", "labels"))
     with cplib.context_parallel(DeviceMesh("cpu", list(range(n))), buffers=[ids, pos, labels],
-                                buffer_seq_dims=[1, 1, 1], load_balance=load_balance):
-        logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
-        loss = cplib.loss.cross_entropy(logits, labels)
+                                buffer_seq_dims=[1, 1, 1], load_balance=False):
+        if loss_kind == "labels=":
+            loss = model(input_ids=ids, position_ids=pos, labels=labels, use_cache=False).loss
+        else:
+            logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+            loss = cplib.loss.cross_entropy(logits, labels)
         loss.backward()
     grads = {name: mean_over_ranks(p.grad) for name, p in model.named_parameters()}
-    return _check(f"cplib.context_parallel load_balance={load_balance}", loss, grads, want)
+    return _check(f"cplib.context_parallel, {loss_kind}", loss, grads, want)
 
 
-def test_context_parallel_without_cplib_hf_carries_hybrid_layers(ranks_without_cplib_hf):
-    # Sequential, uneven shards: HF's SDPA mask for head-tail positions is a
-    # 4-D one, which cplib's SDPA refuses (its own error; hf.md).
-    errors = ranks_without_cplib_hf(_plain_region, False)
+@pytest.mark.parametrize("loss_kind", ["cplib.loss.cross_entropy", "labels="])
+def test_context_parallel_without_cplib_hf_carries_hybrid_layers(ranks_without_cplib_hf,
+                                                                 loss_kind):
+    """With ``labels=`` the region's start installs cplib's causal-LM loss
+    (HF's shifts inside each shard and averages per shard: the mean over the
+    ranks missed one process's, silently)."""
+    errors = ranks_without_cplib_hf(_plain_region, loss_kind)
     assert errors[0] == errors[1]
 
 
