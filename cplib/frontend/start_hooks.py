@@ -8,8 +8,8 @@ interception of transformers' hybrid layers (cplib/clients/hf_hybrid.py), so
 that a model's recurrent and conv layers are carried across the ranks, or
 refused, and of its causal-LM and router losses (cplib/clients/hf_loss.py),
 so that ``labels=`` gives the whole sequence's loss, whichever switch
-(``import cplib.hf``, ``cplib.patch_torch()``, or none) the user turned on. A hook does local work only (no collective), the
-same on every rank.
+(``import cplib.hf``, ``cplib.patch_torch()``, or none) the user turned on.
+A hook does local work only (no collective), the same on every rank.
 """
 
 from __future__ import annotations
