@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import sys
+import threading
 import types
 from typing import Any, Callable
 
@@ -70,6 +71,9 @@ def context_parallel_causal_lm_loss(original: Callable[..., torch.Tensor], logit
 _owners: set[str] = set()
 # What the install replaced: (owner object, attribute) -> the original.
 _replaced: dict[tuple[Any, str], Any] = {}
+# Threaded ranks start their contexts (and build their models) at once: one
+# install, and one wrap of a router loss, at a time.
+_lock = threading.RLock()
 
 
 def _replace(owner: Any, name: str, new: Any) -> None:
@@ -81,11 +85,12 @@ def _replace(owner: Any, name: str, new: Any) -> None:
 def _wrap_router_loss(module: types.ModuleType | None) -> None:
     """``module.load_balancing_loss_func`` (an MoE model's modeling module)
     through context_parallel_router_loss, once."""
-    fn = getattr(module, "load_balancing_loss_func", None)
-    if fn is None or (module, "load_balancing_loss_func") in _replaced:
-        return
-    _replace(module, "load_balancing_loss_func",
-             functools.wraps(fn)(functools.partial(context_parallel_router_loss, fn)))
+    with _lock:
+        fn = getattr(module, "load_balancing_loss_func", None)
+        if fn is None or (module, "load_balancing_loss_func") in _replaced:
+            return
+        _replace(module, "load_balancing_loss_func",
+                 functools.wraps(fn)(functools.partial(context_parallel_router_loss, fn)))
 
 
 def _models_modules() -> list[types.ModuleType]:
@@ -99,9 +104,13 @@ def install_hf_losses(owner: str) -> None:
     :func:`uninstall_hf_losses`."""
     if importlib.util.find_spec("transformers") is None:
         return
-    _owners.add(owner)
-    if _replaced:
-        return
+    with _lock:
+        _owners.add(owner)
+        if not _replaced:
+            _install()
+
+
+def _install() -> None:
     from transformers.loss.loss_utils import ForCausalLMLoss
     from transformers.modeling_utils import PreTrainedModel
 
@@ -142,9 +151,10 @@ def install_if_transformers_loaded() -> None:
 
 def uninstall_hf_losses(owner: str) -> None:
     """Takes ``owner``'s install back; the losses go once no owner is left."""
-    _owners.discard(owner)
-    if _owners:
-        return
-    for (obj, name), original in _replaced.items():
-        setattr(obj, name, original)
-    _replaced.clear()
+    with _lock:
+        _owners.discard(owner)
+        if _owners:
+            return
+        for (obj, name), original in _replaced.items():
+            setattr(obj, name, original)
+        _replaced.clear()
