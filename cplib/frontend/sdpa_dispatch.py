@@ -17,7 +17,7 @@ from typing import Any, Callable, TypeVar
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from ..attention.args import backend_arg, check_inputs, scale_arg, window_arg
 from .documents import current_window
@@ -35,6 +35,7 @@ __all__ = [
     "_disable_context_parallel_dispatcher",
     "dispatcher_enabled",
     "agreed_before_attention",
+    "active_config",
 ]
 
 T = TypeVar("T")
@@ -252,6 +253,16 @@ class CPDispatchMode(TorchFunctionMode):
                     return _redispatch(func, types_, args, kwargs)
             return _call_with_patched_sdpa(self.config, func, args, kwargs)
         return func(*args, **kwargs)
+
+
+def active_config() -> RingConfig | None:
+    """The configuration of the innermost context-parallel dispatch in effect
+    (a ``cplib.context_parallel`` region, or a ``_ContextParallel`` module's
+    forward), else None."""
+    for mode in reversed(_get_current_function_mode_stack()):
+        if isinstance(mode, CPDispatchMode):
+            return mode.config
+    return None
 
 
 def _call_with_patched_sdpa(config: RingConfig, func: Callable, args: tuple,
