@@ -13,15 +13,22 @@ result without a word:
 * a sliding-window layer on SDPA: transformers builds its window mask from
   the shard's length and skips it (``is_causal=True``) when the shard is no
   longer than the window, so a window shorter than the whole sequence is
-  lost (a longer shard gets a 4-D mask, which the ring refuses anyway).
+  lost (a longer shard gets a 4-D mask, which the ring refuses anyway);
+* packed documents in ``position_ids`` (where transformers looks for them:
+  no 2-D mask, no cache) in a context given no documents: transformers sees
+  this rank's positions only, so a document that starts at a shard border
+  goes unseen and attention runs across it (whatever the implementation).
 
 Every model's attention layer looks its function up through
 ``AttentionInterface.get_interface`` when it runs; the guard wraps that
 lookup. Outside context parallelism it returns what transformers returns.
-Under it, the paths above raise NotImplementedError naming the
-implementation (or the window and the sequence length) and what to use
-instead; the condition reads the config and shapes only, the same on every
-rank, and comes before any collective. ``attn_implementation="cplib"``
+Under it, the first two raise NotImplementedError naming the implementation
+(or the window and the sequence length) and what to use instead; the
+condition reads the config and shapes only, the same on every rank, and
+comes before any collective. For the third, the guard wraps
+``masking_utils.find_packed_sequence_indices``: the ranks reduce one pair of
+integers (whether every position is its global row index plus one common
+offset) and raise together where it is not. ``attn_implementation="cplib"``
 (``import cplib.hf``) takes windows; any other registered function runs.
 The guard is installed whenever cplib's context parallelism starts while
 transformers is imported (cplib/frontend/start_hooks.py).
@@ -33,7 +40,11 @@ import functools
 import sys
 from typing import Any, Callable
 
+import torch
+import torch.distributed as dist
+
 from ..frontend.sdpa_dispatch import active_config
+from ..frontend.sequence import sequence_shards
 
 __all__ = ["install_attention_guard", "install_if_transformers_loaded"]
 
@@ -72,11 +83,52 @@ def _windowed_sdpa(sdpa: Callable) -> Callable:
     return attention
 
 
+def _check_unpacked(position_ids: torch.Tensor) -> None:
+    """NotImplementedError on every CP rank unless ``position_ids`` are the
+    global row indices of this rank's rows plus one offset common to all
+    ranks (no document starts anywhere in the whole sequence)."""
+    config, shards = active_config(), sequence_shards(position_ids.shape[-1])
+    if shards is None or config is None or config.cu_seqlens is not None:
+        return
+    rows = shards.local(torch.arange(shards.seq_len, device=position_ids.device))
+    if rows.shape[-1] != position_ids.shape[-1]:
+        return
+    offset = position_ids.long() - rows
+    spread = torch.stack([offset.max(), -offset.min()])  # max == min over all ranks: no start
+    for name in (config.group_name, config.ulysses_group):
+        if name is not None:
+            from torch.distributed.distributed_c10d import _resolve_process_group
+            dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=_resolve_process_group(name))
+    if int(spread[0]) != -int(spread[1]):
+        raise NotImplementedError(
+            "cplib: position_ids hold packed documents (they do not count up by one over the "
+            f"whole {shards.seq_len}-token sequence), but {shards.source} was given no "
+            "documents, and transformers, which finds them in position_ids, sees only this "
+            "rank's shard: attention would run across documents. Pass position_ids= (or "
+            "cu_seqlens=) to cplib.context_parallel, with attn_implementation=\"cplib\" "
+            "(import cplib.hf)")
+
+
+def _packed_search(find: Callable) -> Callable:
+    @functools.wraps(find)
+    def find_packed_sequence_indices(position_ids: torch.Tensor, *args: Any, **kwargs: Any):
+        if active_config() is not None and not torch.compiler.is_compiling():
+            _check_unpacked(position_ids)
+        return find(position_ids, *args, **kwargs)
+
+    return find_packed_sequence_indices
+
+
 def install_attention_guard() -> None:
-    """Wraps ``AttentionInterface.get_interface`` (idempotent)."""
+    """Wraps ``AttentionInterface.get_interface`` and transformers' search
+    for packed documents (idempotent)."""
     if _installed:
         return
+    from transformers import masking_utils
     from transformers.modeling_utils import AttentionInterface
+
+    masking_utils.find_packed_sequence_indices = _packed_search(
+        masking_utils.find_packed_sequence_indices)
 
     original = AttentionInterface.get_interface
 

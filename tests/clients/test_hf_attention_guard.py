@@ -8,7 +8,10 @@ on SDPA lost its window (each 16-token shard is no longer than the window,
 so transformers skipped the mask and SDPA ran plain causal attention): the
 mean loss missed one process's by 7.5e-4, silently. A tiny Llama on
 ``attn_implementation="eager"`` attended within each shard: loss off by
-2.0e-3.
+2.0e-3. Two packed 16-token documents, one per rank, in a region given no
+documents: each rank's positions count 0..15, transformers saw no document
+start, and attention ran across the border (on SDPA and on "cplib" alike):
+loss off by 6.2e-3 on both.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from torch.distributed.device_mesh import DeviceMesh
 def _model(kind: str, attn: str, window: int | None = None):
     import transformers
 
+    if attn == "cplib":
+        import cplib.hf  # noqa: F401  (registers it; takes the context's documents)
     torch.manual_seed(0)
     common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -31,24 +36,28 @@ def _model(kind: str, attn: str, window: int | None = None):
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
 
 
-def _under_cp(kind: str, attn: str, window: int | None = None) -> str:
-    """The mean loss over the ranks minus one process's, or the error's text."""
+def _under_cp(kind: str, attn: str, window: int | None = None, packed: bool = False) -> str:
+    """The mean loss over the ranks minus one process's, or the error's text;
+    ``packed``: one 16-token document per rank (sequential shards), no cache,
+    so that transformers looks for documents in position_ids."""
     import cplib
 
     n = dist.get_world_size()
     model = _model(kind, attn, window)
     ids = torch.randint(0, 64, (1, 16 * n), generator=torch.Generator().manual_seed(1))
-    pos, labels = torch.arange(16 * n)[None], ids.clone()
+    pos = (torch.arange(16).repeat(n) if packed else torch.arange(16 * n))[None]
+    labels, kw = ids.clone(), dict(use_cache=False) if packed else {}
     with torch.no_grad():
-        want = model(input_ids=ids, position_ids=pos, labels=labels).loss
+        want = model(input_ids=ids, position_ids=pos, labels=labels, **kw).loss
         try:
             with cplib.context_parallel(DeviceMesh("cpu", list(range(n))),
-                                        buffers=[ids, pos, labels], buffer_seq_dims=[1, 1, 1]):
-                loss = model(input_ids=ids, position_ids=pos, labels=labels).loss
+                                        buffers=[ids, pos, labels], buffer_seq_dims=[1, 1, 1],
+                                        load_balance=not packed):
+                loss = model(input_ids=ids, position_ids=pos, labels=labels, **kw).loss
         except NotImplementedError as exc:
             return str(exc)
         # Outside the region the model is transformers' own again.
-        assert torch.equal(model(input_ids=ids, position_ids=pos, labels=labels).loss, want)
+        assert torch.equal(model(input_ids=ids, position_ids=pos, labels=labels, **kw).loss, want)
     dist.all_reduce(loss)
     return f"{abs(loss.item() / n - want.item()):.1e}"
 
@@ -67,3 +76,9 @@ def test_eager_attention_raises_under_cp(ranks):
     assert got[0] == got[1], got
     assert "attn_implementation='eager'" in got[0], got[0]
     assert float(ranks(2).run(_under_cp, "llama", "sdpa")[0]) < 1e-6
+
+
+def test_packed_position_ids_without_the_contexts_documents_raise(ranks):
+    for attn in ("sdpa", "cplib"):
+        got = ranks(2).run(_under_cp, "llama", attn, None, True)
+        assert got[0] == got[1] and "packed documents" in got[0], got
