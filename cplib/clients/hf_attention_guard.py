@@ -7,9 +7,11 @@ sequence, but two of transformers' attention paths would give another
 result without a word:
 
 * eager attention (``attn_implementation="eager"``, each model's
-  ``eager_attention_forward``; ``"paged|eager"``) and the flash-attn kernels
-  (``"flash_attention_2"``, ...) attend from this rank's queries to this
-  rank's keys only;
+  ``eager_attention_forward``; ``"paged|eager"``), the flash-attn kernels
+  (``"flash_attention_2"``, ...) and flex attention (``"flex_attention"``,
+  unless a module parallelized with ``_ContextParallel(attention_type=FLEX)``
+  takes its calls over) attend from this rank's queries to this rank's keys
+  only;
 * a sliding-window layer on SDPA: transformers builds its window mask from
   the shard's length and skips it (``is_causal=True``) when the shard is no
   longer than the window, so a window shorter than the whole sequence is
@@ -43,6 +45,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from torch.overrides import _get_current_function_mode_stack
+
+from ..flex.cp_mode import FlexCPMode
 from ..frontend.sdpa_dispatch import active_config
 from ..frontend.sequence import sequence_shards
 
@@ -55,11 +60,19 @@ _installed: list[Callable] = []  # the original get_interface, once installed
 
 
 def _refuse_local(implementation: str) -> None:
+    flex = (", or parallelize the attention modules with _ContextParallel(attention_type="
+            "FLEX)" if implementation == "flex_attention" else "")
     raise NotImplementedError(
         f"cplib: attn_implementation={implementation!r} computes attention on this rank's "
         "sequence shard alone under context parallelism (its keys and values never leave "
         "the rank); use attn_implementation=\"sdpa\", or \"cplib\" (import cplib.hf), whose "
-        "attention runs over the whole sequence")
+        f"attention runs over the whole sequence{flex}")
+
+
+def _local_only(implementation: str) -> bool:
+    if implementation == "flex_attention":  # unless cplib's flex module path takes it over
+        return not any(isinstance(m, FlexCPMode) for m in _get_current_function_mode_stack())
+    return implementation in _LOCAL_ONLY
 
 
 def _windowed_sdpa(sdpa: Callable) -> Callable:
@@ -137,7 +150,7 @@ def install_attention_guard() -> None:
         fn = original(self, attn_implementation, default)
         if active_config() is None:
             return fn
-        if attn_implementation in _LOCAL_ONLY:
+        if _local_only(attn_implementation):
             _refuse_local(attn_implementation)
         if attn_implementation == "sdpa":
             return _windowed_sdpa(fn)
