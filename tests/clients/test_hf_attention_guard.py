@@ -8,10 +8,11 @@ on SDPA lost its window (each 16-token shard is no longer than the window,
 so transformers skipped the mask and SDPA ran plain causal attention): the
 mean loss missed one process's by 7.5e-4, silently. A tiny Llama on
 ``attn_implementation="eager"`` attended within each shard: loss off by
-2.0e-3 (``"flex_attention"`` too: logits off by 0.24 at S = 256). Two packed 16-token documents, one per rank, in a region given no
-documents: each rank's positions count 0..15, transformers saw no document
-start, and attention ran across the border (on SDPA and on "cplib" alike):
-loss off by 6.2e-3 on both.
+2.0e-3 (``"flex_attention"`` too: logits off by 0.24 at S = 256). Two
+packed 16-token documents, one per rank, in a region given no documents:
+each rank's positions count 0..15, transformers saw no document start, and
+attention ran across the border (on SDPA and on "cplib" alike): loss off by
+6.2e-3 on both.
 """
 
 from __future__ import annotations
