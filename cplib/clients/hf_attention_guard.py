@@ -114,12 +114,13 @@ def _check_unpacked(position_ids: torch.Tensor) -> None:
             dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=_resolve_process_group(name))
     if int(spread[0]) != -int(spread[1]):
         raise NotImplementedError(
-            "cplib: position_ids hold packed documents (they do not count up by one over the "
-            f"whole {shards.seq_len}-token sequence), but {shards.source} was given no "
-            "documents, and transformers, which finds them in position_ids, sees only this "
-            "rank's shard: attention would run across documents. Pass position_ids= (or "
+            "cplib: position_ids do not count up by one over the whole "
+            f"{shards.seq_len}-token sequence: packed documents, but {shards.source} was "
+            "given none, and transformers, which finds them in position_ids, sees only this "
+            "rank's shard, so attention would run across documents; pass position_ids= (or "
             "cu_seqlens=) to cplib.context_parallel, with attn_implementation=\"cplib\" "
-            "(import cplib.hf)")
+            "(import cplib.hf). (Or the model was not given position_ids: transformers then "
+            "numbers each shard from 0; list them among the buffers and pass them.)")
 
 
 def _packed_search(find: Callable) -> Callable:
