@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from ..attention.args import backend_arg, check_inputs, scale_arg, window_arg
-from .documents import current_window
+from .documents import current_window, documents_stack
 from .dtensor_sdpa import disable_dtensor_sdpa, enable_dtensor_sdpa
 from ..comm.handshake import agreed, forward_error
 from ..comm.native import group_name_of
@@ -227,6 +227,17 @@ def _check_mha(args: tuple, kwargs: dict) -> None:
         )
 
 
+def _refuse_module_documents() -> None:
+    # attention_documents gives _ContextParallel modules their documents; a
+    # region's calls would run without them (every rank alike: the same code).
+    raise NotImplementedError(
+        "cplib: cplib.attention_documents(...) gives documents to the SDPA calls of "
+        "_ContextParallel modules; this SDPA call runs in a cplib.context_parallel region, "
+        "which takes its documents once, on entry: pass position_ids= or cu_seqlens= (and "
+        "load_balance=\"per_document\" or \"placement\" as the shards need) to "
+        "cplib.context_parallel instead")
+
+
 class CPDispatchMode(TorchFunctionMode):
     """While active, every SDPA call runs as context-parallel ring attention
     with ``config``."""
@@ -242,6 +253,8 @@ class CPDispatchMode(TorchFunctionMode):
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func is _SDPA:
+            if self.handle is not None and documents_stack:
+                _refuse_module_documents()
             return routed_sdpa(self.config, *args, **kwargs)
         if func is _MHA:
             _agreed_in(self.config, "multi_head_attention_forward",
