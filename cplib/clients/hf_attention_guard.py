@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
 from typing import Any, Callable
 
 import torch
@@ -57,6 +58,7 @@ __all__ = ["install_attention_guard", "install_if_transformers_loaded"]
 _LOCAL_ONLY = ("eager", "paged|eager", "flash_attention_2", "flash_attention_3",
                "flash_attention_4")
 _installed: list[Callable] = []  # the original get_interface, once installed
+_lock = threading.Lock()  # threaded ranks start their contexts at once
 
 
 def _refuse_local(implementation: str) -> None:
@@ -136,8 +138,12 @@ def _packed_search(find: Callable) -> Callable:
 def install_attention_guard() -> None:
     """Wraps ``AttentionInterface.get_interface`` and transformers' search
     for packed documents (idempotent)."""
-    if _installed:
-        return
+    with _lock:
+        if not _installed:
+            _install()
+
+
+def _install() -> None:
     from transformers import masking_utils
     from transformers.modeling_utils import AttentionInterface
 
