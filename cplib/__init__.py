@@ -73,16 +73,18 @@ from .conv.seq_halo import seq_halo
 from .conv.tp_conv import tp_conv
 
 # hybrid: recurrent and conv layers of hybrid models. transformers' hybrid
-# layers and causal-LM/router losses are intercepted whenever context
-# parallelism starts (with or without cplib.hf or the switch): never a
-# per-shard recurrence, never a per-shard loss.
+# layers, causal-LM/router losses and attention lookup are intercepted
+# whenever context parallelism starts (with or without cplib.hf or the
+# switch): never a per-shard recurrence, loss or attention.
 from .hybrid import recurrence_exchange
 from .clients.hf_hybrid import install_if_transformers_loaded as _install_hybrid_layers
 from .clients.hf_loss import install_if_transformers_loaded as _install_hf_losses
+from .clients.hf_attention_guard import install_if_transformers_loaded as _install_hf_guard
 from .frontend.start_hooks import on_context_parallel_start as _on_context_parallel_start
 
 _on_context_parallel_start(_install_hybrid_layers)
 _on_context_parallel_start(_install_hf_losses)
+_on_context_parallel_start(_install_hf_guard)
 
 # Public names for what torch keeps private (same objects).
 LoadBalancer = _LoadBalancer

@@ -26,8 +26,8 @@ __all__ = ["check_key_padding", "key_padding_inputs"]
 
 def check_key_padding(op: str, attn_mask, k: torch.Tensor) -> tuple[int, ...]:
     """``attn_mask``'s shape as 4 dims; NotImplementedError naming the shape
-    unless it depends on the key position alone; ValueError for a dtype that
-    is neither boolean nor floating point."""
+    unless it depends on the key position alone, or when the mask requires
+    grad; ValueError for a dtype that is neither boolean nor floating point."""
     if not isinstance(attn_mask, torch.Tensor):
         raise ValueError(f"cplib.{op}: attn_mask must be a tensor, got "
                          f"{type(attn_mask).__name__}")
@@ -43,6 +43,11 @@ def check_key_padding(op: str, attn_mask, k: torch.Tensor) -> tuple[int, ...]:
     if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
         raise ValueError(f"cplib.{op}: attn_mask must be boolean or floating point, got "
                          f"{attn_mask.dtype}")
+    if attn_mask.requires_grad:  # the bias enters detached: its gradient would be lost
+        raise NotImplementedError(
+            f"cplib.{op}: attn_mask requires grad, but context-parallel attention takes the "
+            "key-padding mask as a constant and computes no gradient for it; pass "
+            "attn_mask.detach(), or give the bias to the keys another way")
     return full
 
 

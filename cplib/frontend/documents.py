@@ -13,7 +13,7 @@ import torch
 from ..attention.args import check_cu_seqlens, window_arg
 
 __all__ = ["cu_seqlens_from_position_ids", "context_documents", "attention_window",
-           "current_window"]
+           "current_window", "documents_stack"]
 
 
 def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -62,6 +62,13 @@ def context_documents(cu_seqlens: torch.Tensor | None, position_ids: torch.Tenso
     check_cu_seqlens("context_parallel", cu_seqlens, seq_len)
     return cu_seqlens.to("cpu", torch.long)
 
+
+# The documents of the SDPA calls of ``_ContextParallel`` modules made inside
+# ``attention_documents`` blocks (cplib/frontend/style.py; a stack, so blocks
+# nest): (cu_seqlens, per_document, placement). A ``context_parallel``
+# region's calls take the region's documents and refuse these
+# (cplib/frontend/sdpa_dispatch.py).
+documents_stack: list[tuple[torch.Tensor, bool, bool]] = []
 
 # The window of the SDPA calls made inside `attention_window` blocks; a stack
 # so blocks nest. Set and read on the caller's thread, at trace time under

@@ -17,10 +17,10 @@ from typing import Any, Callable, TypeVar
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from ..attention.args import backend_arg, check_inputs, scale_arg, window_arg
-from .documents import current_window
+from .documents import current_window, documents_stack
 from .dtensor_sdpa import disable_dtensor_sdpa, enable_dtensor_sdpa
 from ..comm.handshake import agreed, forward_error
 from ..comm.native import group_name_of
@@ -35,6 +35,7 @@ __all__ = [
     "_disable_context_parallel_dispatcher",
     "dispatcher_enabled",
     "agreed_before_attention",
+    "active_config",
 ]
 
 T = TypeVar("T")
@@ -226,6 +227,17 @@ def _check_mha(args: tuple, kwargs: dict) -> None:
         )
 
 
+def _refuse_module_documents() -> None:
+    # attention_documents gives _ContextParallel modules their documents; a
+    # region's calls would run without them (every rank alike: the same code).
+    raise NotImplementedError(
+        "cplib: cplib.attention_documents(...) gives documents to the SDPA calls of "
+        "_ContextParallel modules; this SDPA call runs in a cplib.context_parallel region, "
+        "which takes its documents once, on entry: pass position_ids= or cu_seqlens= (and "
+        "load_balance=\"per_document\" or \"placement\" as the shards need) to "
+        "cplib.context_parallel instead")
+
+
 class CPDispatchMode(TorchFunctionMode):
     """While active, every SDPA call runs as context-parallel ring attention
     with ``config``."""
@@ -241,6 +253,8 @@ class CPDispatchMode(TorchFunctionMode):
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func is _SDPA:
+            if self.handle is not None and documents_stack:
+                _refuse_module_documents()
             return routed_sdpa(self.config, *args, **kwargs)
         if func is _MHA:
             _agreed_in(self.config, "multi_head_attention_forward",
@@ -252,6 +266,16 @@ class CPDispatchMode(TorchFunctionMode):
                     return _redispatch(func, types_, args, kwargs)
             return _call_with_patched_sdpa(self.config, func, args, kwargs)
         return func(*args, **kwargs)
+
+
+def active_config() -> RingConfig | None:
+    """The configuration of the innermost context-parallel dispatch in effect
+    (a ``cplib.context_parallel`` region, or a ``_ContextParallel`` module's
+    forward), else None."""
+    for mode in reversed(_get_current_function_mode_stack()):
+        if isinstance(mode, CPDispatchMode):
+            return mode.config
+    return None
 
 
 def _call_with_patched_sdpa(config: RingConfig, func: Callable, args: tuple,

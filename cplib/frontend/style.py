@@ -23,6 +23,7 @@ from .options import RingConfig, _cp_options, _RotateMethod, explicit_rotation, 
 from ..attention.names import layout_of
 from .shard_layout import check_layout_read
 from .start_hooks import run_start_hooks
+from .documents import documents_stack as _documents
 from .sdpa_dispatch import CPDispatchMode, agreed_before_attention, dispatcher_enabled
 from ..comm.native import check_mesh
 from ..ulysses.usp_layout import UspGroups, check_degrees, usp_groups
@@ -175,12 +176,6 @@ def _flex_layout() -> torch.Tensor | None:
     layout = _cp_options.shard_layout
     balancer = None if layout is None else layout.load_balancer
     return None if balancer is None else balancer._generate_indices(restore=False)
-
-
-# The documents of the SDPA calls of ``_ContextParallel`` modules made inside
-# ``attention_documents`` blocks (a stack, so blocks nest): (cu_seqlens,
-# per_document, placement).
-_documents: list[tuple[torch.Tensor, bool, bool]] = []
 
 
 @contextlib.contextmanager

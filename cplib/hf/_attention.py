@@ -16,12 +16,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.overrides import _get_current_function_mode_stack
 
 from ..clients.hybrid_families import FULL_MASK_LAYERS
 from ..frontend.options import RingConfig
 from ..strategy.ring_entry import ring_sdpa
-from ..frontend.sdpa_dispatch import CPDispatchMode, context_extras, sdpa_backend_hint
+from ..frontend.sdpa_dispatch import active_config, context_extras, sdpa_backend_hint
 from ..ulysses.op import ulysses_sdpa
 from ..ulysses.usp import usp_sdpa
 
@@ -44,7 +43,7 @@ def cplib_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0
         return None
     padded = torch.tensor([0 if bool(attention_mask.all()) else 1],
                           device=attention_mask.device)
-    config = _active_config()
+    config = active_config()
     if config is not None:
         from torch.distributed.distributed_c10d import _resolve_process_group
 
@@ -73,15 +72,6 @@ def _refuse_full_mask_layers(config: Any) -> None:
             "attn_implementation=\"sdpa\" or \"eager\" outside context parallelism")
 
 
-def _active_config() -> RingConfig | None:
-    """The configuration of the innermost ``cplib.context_parallel`` region
-    this call runs in, else None."""
-    for mode in reversed(_get_current_function_mode_stack()):
-        if isinstance(mode, CPDispatchMode):
-            return mode.config
-    return None
-
-
 def cplib_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                             value: torch.Tensor, attention_mask: torch.Tensor | None,
                             dropout: float = 0.0, scaling: float | None = None,
@@ -106,7 +96,7 @@ def cplib_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     # HF's window W sees the W - 1 tokens before each query (and after it,
     # when not causal); causal attention drops the right side.
     window = None if sliding_window is None else (sliding_window - 1, sliding_window - 1)
-    config = _active_config()
+    config = active_config()
     if config is not None:
         out = _context_parallel(config, query, key, value, attention_mask, scaling, causal,
                                 window, s_aux)

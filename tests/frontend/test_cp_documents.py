@@ -2,7 +2,8 @@
 sequence length: Hugging Face Llama under context_parallel at a prime S and
 with packed documents (position_ids restarting at each document) against the
 same model in one process; a window per call; shard / unshard of uneven
-lengths; bad document arguments raising ValueError on every rank."""
+lengths; bad document arguments raising ValueError on every rank, and
+``attention_documents`` (the module path's) refused in a region."""
 
 from __future__ import annotations
 
@@ -104,6 +105,13 @@ def _check_bad_documents() -> int:
     for kw, exc, match in bad:
         with pytest.raises(exc, match=match):
             enter(**kw)
+    # attention_documents is the _ContextParallel modules' way; a region's SDPA
+    # call ignored it (attention ran across documents, 0.86 off): it raises.
+    x = torch.randn(1, 2, s, 8)
+    with context_parallel(mesh, buffers=[x], buffer_seq_dims=[2]):
+        with cplib.attention_documents(torch.tensor([0, 3, s])):
+            with pytest.raises(NotImplementedError, match="pass position_ids= or cu_seqlens="):
+                F.scaled_dot_product_attention(x, x, x, is_causal=True)
     assert ids.shape == (1, s)
     t = torch.ones(1)
     dist.all_reduce(t)

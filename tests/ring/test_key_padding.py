@@ -2,7 +2,8 @@
 under context parallelism, op by op, against an fp64 reference on the full
 sequence: ring_sdpa with every rotation (with causal, load balancing,
 documents and windows), Ulysses and USP, ranks of different local lengths
-(non-causal), and masks of any other shape raising NotImplementedError."""
+(non-causal), and masks of any other shape, or that require grad, raising
+NotImplementedError."""
 
 from __future__ import annotations
 
@@ -143,6 +144,18 @@ def _check_bad_masks() -> int:
                 fn(mask)
     with pytest.raises(ValueError, match="boolean or floating point, got torch.int64"):
         cplib.ring_sdpa(q, k, v, g, attn_mask=torch.ones(B, 1, 1, 4, dtype=torch.long))
+    # An additive mask that requires grad would get none (the bias enters as a
+    # constant): before, its gradient was silently missing.
+    bias = torch.zeros(1, 1, 1, 4, requires_grad=True)
+    for fn in (lambda: cplib.ring_sdpa(q, k, v, g, attn_mask=bias),
+               lambda: cplib.ulysses_sdpa(q, k, v, g, attn_mask=bias)):
+        with pytest.raises(NotImplementedError, match="attn_mask requires grad"):
+            fn()
+    x = torch.randn(B, HQ, 4 * dist.get_world_size(), D)
+    with cplib.context_parallel(DeviceMesh("cpu", list(range(dist.get_world_size()))),
+                                buffers=[x], buffer_seq_dims=[2]):
+        with pytest.raises(NotImplementedError, match="attn_mask requires grad"):
+            torch.nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=bias * 2)
     return len(bad)
 
 

@@ -1,0 +1,173 @@
+"""Hugging Face attention paths that context parallelism cannot shard,
+refused by name instead of computing something else.
+
+Under context parallelism (a ``cplib.context_parallel`` region, or a module
+parallelized with ``_ContextParallel``) every SDPA call runs over the whole
+sequence, but two of transformers' attention paths would give another
+result without a word:
+
+* eager attention (``attn_implementation="eager"``, each model's
+  ``eager_attention_forward``; ``"paged|eager"``), the flash-attn kernels
+  (``"flash_attention_2"``, ...) and flex attention (``"flex_attention"``,
+  unless a module parallelized with ``_ContextParallel(attention_type=FLEX)``
+  takes its calls over) attend from this rank's queries to this rank's keys
+  only;
+* a sliding-window layer on SDPA: transformers builds its window mask from
+  the shard's length and skips it (``is_causal=True``) when the shard is no
+  longer than the window, so a window shorter than the whole sequence is
+  lost (a longer shard gets a 4-D mask, which the ring refuses anyway);
+* packed documents in ``position_ids`` (where transformers looks for them:
+  no 2-D mask, no cache) in a context given no documents: transformers sees
+  this rank's positions only, so a document that starts at a shard border
+  goes unseen and attention runs across it (whatever the implementation).
+
+Every model's attention layer looks its function up through
+``AttentionInterface.get_interface`` when it runs; the guard wraps that
+lookup. Outside context parallelism it returns what transformers returns.
+Under it, the first two raise NotImplementedError naming the implementation
+(or the window and the sequence length) and what to use instead; the
+condition reads the config and shapes only, the same on every rank, and
+comes before any collective. For the third, the guard wraps
+``masking_utils.find_packed_sequence_indices``: the ranks reduce one pair of
+integers (whether every position is its global row index plus one common
+offset) and raise together where it is not. ``attn_implementation="cplib"``
+(``import cplib.hf``) takes windows; any other registered function runs.
+The guard is installed whenever cplib's context parallelism starts while
+transformers is imported (cplib/frontend/start_hooks.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from torch.overrides import _get_current_function_mode_stack
+
+from ..flex.cp_mode import FlexCPMode
+from ..frontend.sdpa_dispatch import active_config
+from ..frontend.sequence import sequence_shards
+
+__all__ = ["install_attention_guard", "install_if_transformers_loaded"]
+
+# transformers' implementations that attend within the local shard only.
+_LOCAL_ONLY = ("eager", "paged|eager", "flash_attention_2", "flash_attention_3",
+               "flash_attention_4")
+_installed: list[Callable] = []  # the original get_interface, once installed
+_lock = threading.Lock()  # threaded ranks start their contexts at once
+
+
+def _refuse_local(implementation: str) -> None:
+    flex = (", or parallelize the attention modules with _ContextParallel(attention_type="
+            "FLEX)" if implementation == "flex_attention" else "")
+    raise NotImplementedError(
+        f"cplib: attn_implementation={implementation!r} computes attention on this rank's "
+        "sequence shard alone under context parallelism (its keys and values never leave "
+        "the rank); use attn_implementation=\"sdpa\", or \"cplib\" (import cplib.hf), whose "
+        f"attention runs over the whole sequence{flex}")
+
+
+def _local_only(implementation: str) -> bool:
+    if implementation == "flex_attention":  # unless cplib's flex module path takes it over
+        return not any(isinstance(m, FlexCPMode) for m in _get_current_function_mode_stack())
+    return implementation in _LOCAL_ONLY
+
+
+def _windowed_sdpa(sdpa: Callable) -> Callable:
+    """transformers' SDPA attention, refusing a sliding window shorter than
+    the whole sequence under context parallelism."""
+
+    @functools.wraps(sdpa)
+    def attention(module: Any, query: Any, *args: Any, **kwargs: Any) -> Any:
+        window, config = kwargs.get("sliding_window"), active_config()
+        if window is not None and config is not None:
+            seq_len = config.seq_len or query.shape[-2] * config.world_size
+            if seq_len > window:
+                raise NotImplementedError(
+                    f"cplib: {type(module).__name__} has sliding_window={window}, shorter than "
+                    f"the {seq_len}-token sequence under context parallelism, and "
+                    "attn_implementation=\"sdpa\" cannot carry it (transformers builds the "
+                    "window mask from this rank's shard); use attn_implementation=\"cplib\" "
+                    "(import cplib.hf), which runs the window over the whole sequence")
+        return sdpa(module, query, *args, **kwargs)
+
+    return attention
+
+
+def _check_unpacked(position_ids: torch.Tensor) -> None:
+    """NotImplementedError on every CP rank unless ``position_ids`` are the
+    global row indices of this rank's rows plus one offset common to all
+    ranks (no document starts anywhere in the whole sequence)."""
+    config, shards = active_config(), sequence_shards(position_ids.shape[-1])
+    if shards is None or config is None or config.cu_seqlens is not None:
+        return
+    rows = shards.local(torch.arange(shards.seq_len, device=position_ids.device))
+    if rows.shape[-1] != position_ids.shape[-1]:
+        return
+    offset = position_ids.long() - rows
+    spread = torch.stack([offset.max(), -offset.min()])  # max == min over all ranks: no start
+    for name in (config.group_name, config.ulysses_group):
+        if name is not None:
+            from torch.distributed.distributed_c10d import _resolve_process_group
+            dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=_resolve_process_group(name))
+    if int(spread[0]) != -int(spread[1]):
+        raise NotImplementedError(
+            "cplib: position_ids do not count up by one over the whole "
+            f"{shards.seq_len}-token sequence: packed documents, but {shards.source} was "
+            "given none, and transformers, which finds them in position_ids, sees only this "
+            "rank's shard, so attention would run across documents; pass position_ids= (or "
+            "cu_seqlens=) to cplib.context_parallel, with attn_implementation=\"cplib\" "
+            "(import cplib.hf). (Or the model was not given position_ids: transformers then "
+            "numbers each shard from 0; list them among the buffers and pass them.)")
+
+
+def _packed_search(find: Callable) -> Callable:
+    @functools.wraps(find)
+    def find_packed_sequence_indices(position_ids: torch.Tensor, *args: Any, **kwargs: Any):
+        if active_config() is not None and not torch.compiler.is_compiling():
+            _check_unpacked(position_ids)
+        return find(position_ids, *args, **kwargs)
+
+    return find_packed_sequence_indices
+
+
+def install_attention_guard() -> None:
+    """Wraps ``AttentionInterface.get_interface`` and transformers' search
+    for packed documents (idempotent)."""
+    with _lock:
+        if not _installed:
+            _install()
+
+
+def _install() -> None:
+    from transformers import masking_utils
+    from transformers.modeling_utils import AttentionInterface
+
+    masking_utils.find_packed_sequence_indices = _packed_search(
+        masking_utils.find_packed_sequence_indices)
+
+    original = AttentionInterface.get_interface
+
+    @functools.wraps(original)
+    def get_interface(self: Any, attn_implementation: str, default: Callable) -> Callable:
+        fn = original(self, attn_implementation, default)
+        if active_config() is None:
+            return fn
+        if _local_only(attn_implementation):
+            _refuse_local(attn_implementation)
+        if attn_implementation == "sdpa":
+            return _windowed_sdpa(fn)
+        return fn
+
+    _installed.append(original)
+    AttentionInterface.get_interface = get_interface
+
+
+def install_if_transformers_loaded() -> None:
+    """:func:`install_attention_guard` once transformers' models are imported."""
+    if "transformers.modeling_utils" in sys.modules:
+        install_attention_guard()
