@@ -77,14 +77,10 @@ from .conv.tp_conv import tp_conv
 # whenever context parallelism starts (with or without cplib.hf or the
 # switch): never a per-shard recurrence, loss or attention.
 from .hybrid import recurrence_exchange
-from .clients.hf_hybrid import install_if_transformers_loaded as _install_hybrid_layers
-from .clients.hf_loss import install_if_transformers_loaded as _install_hf_losses
-from .clients.hf_attention_guard import install_if_transformers_loaded as _install_hf_guard
+from .clients.on_start import install_into_transformers as _install_into_transformers
 from .frontend.start_hooks import on_context_parallel_start as _on_context_parallel_start
 
-_on_context_parallel_start(_install_hybrid_layers)
-_on_context_parallel_start(_install_hf_losses)
-_on_context_parallel_start(_install_hf_guard)
+_on_context_parallel_start(_install_into_transformers)
 
 # Public names for what torch keeps private (same objects).
 LoadBalancer = _LoadBalancer

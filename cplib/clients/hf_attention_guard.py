@@ -39,20 +39,18 @@ transformers is imported (cplib/frontend/start_hooks.py).
 from __future__ import annotations
 
 import functools
-import sys
 import threading
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
 from torch.overrides import _get_current_function_mode_stack
 
 from ..flex.cp_mode import FlexCPMode
-from ..frontend.sdpa_dispatch import active_config
+from ..frontend.sdpa_dispatch import active_config, max_over_cp_ranks
 from ..frontend.sequence import sequence_shards
 
-__all__ = ["install_attention_guard", "install_if_transformers_loaded"]
+__all__ = ["install_attention_guard"]
 
 # transformers' implementations that attend within the local shard only.
 _LOCAL_ONLY = ("eager", "paged|eager", "flash_attention_2", "flash_attention_3",
@@ -110,10 +108,7 @@ def _check_unpacked(position_ids: torch.Tensor) -> None:
         return
     offset = position_ids.long() - rows
     spread = torch.stack([offset.max(), -offset.min()])  # max == min over all ranks: no start
-    for name in (config.group_name, config.ulysses_group):
-        if name is not None:
-            from torch.distributed.distributed_c10d import _resolve_process_group
-            dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=_resolve_process_group(name))
+    max_over_cp_ranks(spread, config)
     if int(spread[0]) != -int(spread[1]):
         raise NotImplementedError(
             "cplib: position_ids do not count up by one over the whole "
@@ -166,8 +161,3 @@ def _install() -> None:
     _installed.append(original)
     AttentionInterface.get_interface = get_interface
 
-
-def install_if_transformers_loaded() -> None:
-    """:func:`install_attention_guard` once transformers' models are imported."""
-    if "transformers.modeling_utils" in sys.modules:
-        install_attention_guard()

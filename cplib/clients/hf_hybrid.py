@@ -13,7 +13,7 @@ module imported by then and in every model built afterwards (through
 runs at ``import cplib.hf``, at ``cplib.patch_torch()`` and whenever cplib's
 context parallelism starts (``cplib.context_parallel``, torch's names after
 the switch, ``_context_parallel_shard``, ``_ContextParallel``) while
-transformers is imported (:func:`install_if_transformers_loaded`): so this
+transformers is imported (cplib/clients/on_start.py): so this
 module lives beside the losses, outside ``cplib.hf``, whose import is the
 ``attn_implementation="cplib"`` switch.
 
@@ -47,7 +47,7 @@ from .hybrid_families import FAMILIES, KERNEL_ROLES, SELECTORS, Mixer
 from .hybrid_kernels import HANDLERS
 from .hybrid_layout import layout_in_effect
 
-__all__ = ["install_hybrid_layers", "install_if_transformers_loaded", "patch_family"]
+__all__ = ["install_hybrid_layers", "patch_family"]
 
 # The layout and name of the mixer layer running now under CP (its kernel
 # calls read it); per thread, like the dispatch mode that marks the context.
@@ -161,14 +161,6 @@ def _patch_model(model: Any) -> None:
         family = _family(name)
         if family is not None and name in sys.modules:
             patch_family(sys.modules[name], family)
-
-
-def install_if_transformers_loaded() -> None:
-    """:func:`install_hybrid_layers` once transformers is imported (before,
-    none of its models exists): what cplib's context parallelism runs as it
-    starts (cplib/frontend/start_hooks.py)."""
-    if "transformers.modeling_utils" in sys.modules:
-        install_hybrid_layers()
 
 
 def install_hybrid_layers() -> None:

@@ -40,8 +40,7 @@ from ..frontend.sequence import labels_in_layout, sequence_shards
 from ..loss import shifted, token_loss_sum
 from .router_loss import caller_scales, context_parallel_router_loss
 
-__all__ = ["install_hf_losses", "uninstall_hf_losses", "install_if_transformers_loaded",
-           "context_parallel_causal_lm_loss"]
+__all__ = ["install_hf_losses", "uninstall_hf_losses", "context_parallel_causal_lm_loss"]
 
 
 def context_parallel_causal_lm_loss(original: Callable[..., torch.Tensor], logits: torch.Tensor,
@@ -102,6 +101,8 @@ def install_hf_losses(owner: str) -> None:
     """Installs both losses into transformers (nothing when it is not
     installed); idempotent. ``owner`` names the caller for
     :func:`uninstall_hf_losses`."""
+    if owner in _owners and _replaced:  # each context's start comes here
+        return
     if importlib.util.find_spec("transformers") is None:
         return
     with _lock:
@@ -137,16 +138,6 @@ def _install() -> None:
     _replace(PreTrainedModel, "post_init", functools.wraps(post_init)(post_init_with_router_loss))
     for module in _models_modules():  # models built before the install
         _wrap_router_loss(module)
-
-
-def install_if_transformers_loaded() -> None:
-    """:func:`install_hf_losses` once transformers' models are imported
-    (before, no model has a ``loss_function`` to replace): what cplib's context
-    parallelism runs as it starts (cplib/frontend/start_hooks.py). The owner
-    "context_parallel" is never taken back: outside context parallelism the
-    installed loss is HF's own."""
-    if "transformers.modeling_utils" in sys.modules and "context_parallel" not in _owners:
-        install_hf_losses("context_parallel")
 
 
 def uninstall_hf_losses(owner: str) -> None:

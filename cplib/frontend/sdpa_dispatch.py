@@ -36,6 +36,7 @@ __all__ = [
     "dispatcher_enabled",
     "agreed_before_attention",
     "active_config",
+    "max_over_cp_ranks",
 ]
 
 T = TypeVar("T")
@@ -276,6 +277,17 @@ def active_config() -> RingConfig | None:
         if isinstance(mode, CPDispatchMode):
             return mode.config
     return None
+
+
+def max_over_cp_ranks(t: torch.Tensor, config: RingConfig) -> None:
+    """``t`` becomes, in place, its elementwise max over every CP rank of
+    ``config``: the ring groups and the Ulysses groups together span them."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    for name in (config.group_name, config.ulysses_group):
+        if name is not None:
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX,
+                                         group=_resolve_process_group(name))
 
 
 def _call_with_patched_sdpa(config: RingConfig, func: Callable, args: tuple,

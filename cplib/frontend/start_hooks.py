@@ -4,11 +4,10 @@ cuts a batch, or ``_ContextParallel`` parallelizes a module.
 
 The layers above the front end register here (cplib/__init__.py) what must
 be in place by then, without the front end importing them: cplib's
-interception of transformers' hybrid layers (cplib/clients/hf_hybrid.py), so
-that a model's recurrent and conv layers are carried across the ranks, or
-refused, and of its causal-LM and router losses (cplib/clients/hf_loss.py),
-so that ``labels=`` gives the whole sequence's loss, whichever switch
-(``import cplib.hf``, ``cplib.patch_torch()``, or none) the user turned on.
+interception of transformers (cplib/clients/on_start.py: its hybrid layers
+carried across the ranks or refused, its losses over the whole sequence, its
+shard-local attention paths refused), whichever switch (``import cplib.hf``,
+``cplib.patch_torch()``, or none) the user turned on.
 A hook does local work only (no collective), the same on every rank.
 """
 

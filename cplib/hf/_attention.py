@@ -14,13 +14,13 @@ import inspect
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..clients.hybrid_families import FULL_MASK_LAYERS
 from ..frontend.options import RingConfig
 from ..strategy.ring_entry import ring_sdpa
-from ..frontend.sdpa_dispatch import active_config, context_extras, sdpa_backend_hint
+from ..frontend.sdpa_dispatch import (active_config, context_extras, max_over_cp_ranks,
+                                      sdpa_backend_hint)
 from ..ulysses.op import ulysses_sdpa
 from ..ulysses.usp import usp_sdpa
 
@@ -45,12 +45,7 @@ def cplib_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0
                           device=attention_mask.device)
     config = active_config()
     if config is not None:
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
-        # The ring groups and the Ulysses groups together span the CP ranks.
-        for name in (config.group_name, config.ulysses_group):
-            if name is not None:
-                dist.all_reduce(padded, op=dist.ReduceOp.MAX, group=_resolve_process_group(name))
+        max_over_cp_ranks(padded, config)
     return attention_mask.bool() if bool(padded.item()) else None
 
 
