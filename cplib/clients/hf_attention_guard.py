@@ -19,7 +19,9 @@ result without a word:
 * packed documents in ``position_ids`` (where transformers looks for them:
   no 2-D mask, no cache) in a context given no documents: transformers sees
   this rank's positions only, so a document that starts at a shard border
-  goes unseen and attention runs across it (whatever the implementation).
+  goes unseen and attention runs across it (whatever the implementation);
+* no ``position_ids`` at all: transformers numbers each shard from 0, so
+  the rotary positions of every rank past the first are another sequence's.
 
 Every model's attention layer looks its function up through
 ``AttentionInterface.get_interface`` when it runs; the guard wraps that
@@ -30,7 +32,11 @@ condition reads the config and shapes only, the same on every rank, and
 comes before any collective. For the third, the guard wraps
 ``masking_utils.find_packed_sequence_indices``: the ranks reduce one pair of
 integers (whether every position is its global row index plus one common
-offset) and raise together where it is not. ``attn_implementation="cplib"``
+offset) and raise together where it is not. Where transformers does not
+look (a 2-D mask, or a cache: the default of a training forward), the guard
+wraps ``masking_utils._preprocess_mask_arguments``, which every mask runs:
+one reduce of three integers, raising where every rank's positions count up
+by one from one common start (how transformers numbers a shard). ``attn_implementation="cplib"``
 (``import cplib.hf``) takes windows; any other registered function runs.
 The guard is installed whenever cplib's context parallelism starts while
 transformers is imported (cplib/frontend/start_hooks.py).
@@ -39,6 +45,7 @@ transformers is imported (cplib/frontend/start_hooks.py).
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 from typing import Any, Callable
 
@@ -120,6 +127,55 @@ def _check_unpacked(position_ids: torch.Tensor) -> None:
             "numbers each shard from 0; list them among the buffers and pass them.)")
 
 
+def _check_numbered_globally(position_ids: torch.Tensor) -> None:
+    """NotImplementedError on every CP rank when every rank's
+    ``position_ids`` count up by one from one common start over its own
+    shard: what transformers makes for a model given none (an arange over the
+    shard, after the cached tokens). Positions over the whole sequence never
+    look like that on two ranks, unless documents (then given to the
+    context) each fill a shard."""
+    config, shards = active_config(), sequence_shards(position_ids.shape[-1])
+    if shards is None or config is None or config.cu_seqlens is not None:
+        return
+    if shards.mesh.size() == 1:
+        return
+    local = position_ids.long()
+    start = local[..., :1]
+    steps = torch.arange(local.shape[-1], device=local.device)
+    counts_up = ((local - start) == steps).all()
+    # [not counting up, max start, -min start]: max over ranks.
+    seen = torch.stack([(~counts_up).long(), start.max(), -start.min()])
+    max_over_cp_ranks(seen, config)
+    if int(seen[0]) == 0 and int(seen[1]) == -int(seen[2]):
+        raise NotImplementedError(
+            f"cplib: every rank's position_ids count {int(seen[1])}, {int(seen[1]) + 1}, ... "
+            f"over its own shard of the {shards.seq_len}-token sequence: transformers numbers "
+            "each shard alone when the model is not given position_ids, so its positions "
+            f"(rotary embeddings, masks) would be another sequence's; under {shards.source} "
+            "pass position_ids over the whole sequence (list them among the buffers)")
+
+
+def _mask_arguments(preprocess: Callable) -> Callable:
+    """transformers' ``_preprocess_mask_arguments`` (run by every mask it
+    builds), checking the positions it is given: without a 2-D mask and a
+    cache it calls find_packed_sequence_indices, which checks more; with
+    either (the default cache of a training forward), nothing else would."""
+    signature = inspect.signature(preprocess)
+
+    @functools.wraps(preprocess)
+    def preprocess_mask_arguments(*args: Any, **kwargs: Any) -> Any:
+        if active_config() is not None and not torch.compiler.is_compiling():
+            given = signature.bind(*args, **kwargs).arguments
+            pos, mask = given.get("position_ids"), given.get("attention_mask")
+            cache = given.get("past_key_values")
+            fresh = cache is None or int(cache.get_seq_length()) == 0
+            if pos is not None and fresh and (mask is not None or cache is not None):
+                _check_numbered_globally(pos)
+        return preprocess(*args, **kwargs)
+
+    return preprocess_mask_arguments
+
+
 def _packed_search(find: Callable) -> Callable:
     @functools.wraps(find)
     def find_packed_sequence_indices(position_ids: torch.Tensor, *args: Any, **kwargs: Any):
@@ -144,6 +200,10 @@ def _install() -> None:
 
     masking_utils.find_packed_sequence_indices = _packed_search(
         masking_utils.find_packed_sequence_indices)
+    preprocess = getattr(masking_utils, "_preprocess_mask_arguments", None)
+    if preprocess is not None and {"position_ids", "attention_mask", "past_key_values"} <= set(
+            inspect.signature(preprocess).parameters):
+        masking_utils._preprocess_mask_arguments = _mask_arguments(preprocess)
 
     original = AttentionInterface.get_interface
 

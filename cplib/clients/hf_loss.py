@@ -1,15 +1,18 @@
-"""Hugging Face's losses under context parallelism: the causal-LM loss and the
-MoE router loss, installed by ``import cplib.hf``, by ``cplib.patch_torch()``
-and whenever cplib's context parallelism starts while transformers is
-imported (docs/clients.md, docs/hf.md): ``labels=`` under a plain
-``cplib.context_parallel`` region is never a per-shard loss.
+"""Hugging Face's losses under context parallelism: the causal-LM,
+masked-LM, token-classification and MoE router losses, installed by
+``import cplib.hf``, by ``cplib.patch_torch()`` and whenever cplib's context
+parallelism starts while transformers is imported (docs/clients.md,
+docs/hf.md): ``labels=`` under a plain ``cplib.context_parallel`` region is
+never a per-shard loss.
 
 HF's ``ForCausalLMLoss`` shifts ``labels`` inside the tensor it gets and
-averages over the valid tokens it sees: on a shard, both are wrong. Under
-context parallelism (a ``cplib.context_parallel`` region, or inputs sharded
-by ``_context_parallel_shard``: cplib/frontend/sequence.py) the installed loss
-shifts the labels over the whole sequence (``shift_labels``, already
-shifted, are taken as given) and returns
+averages over the valid tokens it sees: on a shard, both are wrong (the
+masked-LM and token-classification losses only average). Under context
+parallelism (a ``cplib.context_parallel`` region, or inputs sharded by
+``_context_parallel_shard``: cplib/frontend/sequence.py) the installed loss
+shifts causal-LM labels over the whole sequence (``shift_labels``, already
+shifted, are taken as given; the other two score each position against its
+own label) and returns
 
 * ``N * (this rank's token losses) / (global count of valid labels)``
   without ``num_items_in_batch``: the mean over the N CP ranks of the loss,
@@ -18,10 +21,14 @@ shifted, are taken as given) and returns
   Face's convention for that argument (the caller multiplies by its number
   of processes, as Trainer does), so nothing is scaled twice.
 
-The models' ``loss_function`` returns it where Hugging Face maps the model to
-``ForCausalLMLoss`` (``LOSS_MAPPING`` itself is left alone: Trainer's
+Every other loss of HF's ``LOSS_MAPPING`` (sequence classification, question
+answering, CTC, detection, ...) reads the whole sequence at once and raises
+NotImplementedError under context parallelism.
+
+The models' ``loss_function`` returns these where Hugging Face maps the model
+to its loss (``LOSS_MAPPING`` itself is left alone: Trainer's
 ``LOSS_MAPPING[...] is ForCausalLMLoss`` check, which decides how it counts
-``num_items_in_batch``, still holds). Outside context parallelism the loss is
+``num_items_in_batch``, still holds). Outside context parallelism each loss is
 HF's own.
 """
 
@@ -36,11 +43,29 @@ from typing import Any, Callable
 
 import torch
 
-from ..frontend.sequence import labels_in_layout, sequence_shards
+from ..frontend.sequence import labels_in_layout, layout_source, sequence_shards
 from ..loss import shifted, token_loss_sum
 from .router_loss import caller_scales, context_parallel_router_loss
 
-__all__ = ["install_hf_losses", "uninstall_hf_losses", "context_parallel_causal_lm_loss"]
+__all__ = ["install_hf_losses", "uninstall_hf_losses", "context_parallel_causal_lm_loss",
+           "context_parallel_masked_lm_loss", "context_parallel_token_classification_loss",
+           "refused_under_context_parallelism"]
+
+
+def _whole_sequence_loss(logits: torch.Tensor, given: torch.Tensor, what: str, shift: bool,
+                         num_items_in_batch: Any, ignore_index: int) -> torch.Tensor:
+    """This rank's share of a token-wise cross-entropy over the whole
+    sequence (the module docstring's convention); ``shift``: ``given`` are
+    HF's causal-LM labels, scored against the next token."""
+    logits = logits.float()  # as HF computes it
+    shards, full = labels_in_layout(logits, given, what)
+    target = shifted(full, ignore_index) if shift else full
+    total, count = token_loss_sum(shards, logits, target, ignore_index)
+    if num_items_in_batch is None:
+        return total * shards.mesh.size() / count
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
 
 
 def context_parallel_causal_lm_loss(original: Callable[..., torch.Tensor], logits: torch.Tensor,
@@ -55,15 +80,57 @@ def context_parallel_causal_lm_loss(original: Callable[..., torch.Tensor], logit
         return original(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
                         ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
     given, what = (labels, "labels") if shift_labels is None else (shift_labels, "shift_labels")
-    logits = logits.float()  # as HF computes it
-    shards, full = labels_in_layout(logits, given, what)
-    target = shifted(full, ignore_index) if shift_labels is None else full
-    total, count = token_loss_sum(shards, logits, target, ignore_index)
-    if num_items_in_batch is None:
-        return total * shards.mesh.size() / count
-    if torch.is_tensor(num_items_in_batch):
-        num_items_in_batch = num_items_in_batch.to(total.device)
-    return total / num_items_in_batch
+    return _whole_sequence_loss(logits, given, what, shift_labels is None, num_items_in_batch,
+                                ignore_index)
+
+
+def context_parallel_masked_lm_loss(original: Callable[..., torch.Tensor], logits: torch.Tensor,
+                                    labels: torch.Tensor, vocab_size: int,
+                                    num_items_in_batch: Any = None, ignore_index: int = -100,
+                                    **kwargs: Any) -> torch.Tensor:
+    """HF's masked-LM loss (``original``) without context parallelism; with
+    it, each position scored against its own label over the whole sequence."""
+    caller_scales.set(num_items_in_batch is not None)
+    if sequence_shards(logits.shape[-2]) is None:
+        return original(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
+                        ignore_index=ignore_index, **kwargs)
+    return _whole_sequence_loss(logits, labels, "labels", False, num_items_in_batch, ignore_index)
+
+
+def context_parallel_token_classification_loss(original: Callable[..., torch.Tensor],
+                                               logits: torch.Tensor, labels: torch.Tensor,
+                                               config: Any, **kwargs: Any) -> torch.Tensor:
+    """HF's token-classification loss (``original``) without context
+    parallelism; with it, as the masked-LM loss (``num_items_in_batch`` and
+    ``ignore_index`` come in ``kwargs``, as HF passes them)."""
+    num_items = kwargs.get("num_items_in_batch")
+    caller_scales.set(num_items is not None)
+    if sequence_shards(logits.shape[-2]) is None:
+        return original(logits, labels, config, **kwargs)
+    return _whole_sequence_loss(logits, labels, "labels", False, num_items,
+                                kwargs.get("ignore_index", -100))
+
+
+def refused_under_context_parallelism(original: Callable[..., Any]) -> Callable[..., Any]:
+    """HF's ``original`` loss outside context parallelism; under it, a
+    NotImplementedError naming it (the same on every rank: the layout and the
+    model decide). These losses read a whole sequence at once (a pooled
+    token, start and end over all positions, an alignment), which no rank
+    holds."""
+
+    @functools.wraps(original)
+    def loss(*args: Any, **kwargs: Any) -> Any:
+        where = layout_source()
+        if where is not None:
+            raise NotImplementedError(
+                f"cplib: Hugging Face's {original.__name__} reads the whole sequence at once, "
+                f"and under {where} each rank holds only its shard of it, so the loss would "
+                "be another one; cplib computes the causal-LM, masked-LM and "
+                "token-classification losses over the whole sequence: compute this one "
+                "outside context parallelism")
+        return original(*args, **kwargs)
+
+    return loss
 
 
 # Who installed the losses ("cplib.hf", "patch_torch"); they stay while any does.
@@ -112,19 +179,24 @@ def install_hf_losses(owner: str) -> None:
 
 
 def _install() -> None:
-    from transformers.loss.loss_utils import ForCausalLMLoss
+    from transformers.loss import loss_utils
     from transformers.modeling_utils import PreTrainedModel
 
     mapped = PreTrainedModel.__dict__["loss_function"]
-    causal_lm = functools.wraps(ForCausalLMLoss)(
-        functools.partial(context_parallel_causal_lm_loss, ForCausalLMLoss))
+    exact = {loss_utils.ForCausalLMLoss: context_parallel_causal_lm_loss,
+             loss_utils.ForMaskedLMLoss: context_parallel_masked_lm_loss,
+             loss_utils.ForTokenClassification: context_parallel_token_classification_loss}
+    # Each of HF's losses once, so that a model's loss_function is one object.
+    installed = {fn: functools.wraps(fn)(functools.partial(exact[fn], fn)) if fn in exact
+                 else refused_under_context_parallelism(fn)
+                 for fn in set(loss_utils.LOSS_MAPPING.values())}
 
     def loss_function(self: Any) -> Callable[..., Any]:
         fn = mapped.fget(self)
         # A loss the user set on the model (model.loss_function = f) is theirs.
-        if fn is ForCausalLMLoss and "_loss_function" not in vars(self):
-            return causal_lm
-        return fn
+        if "_loss_function" in vars(self):
+            return fn
+        return installed.get(fn, fn)
 
     post_init = PreTrainedModel.post_init
 

@@ -29,7 +29,8 @@ from .sdpa_dispatch import CPDispatchMode, dispatcher_enabled
 from .sharding import shard_key, shard_key_of, shard_tensor
 from .unshard import unshard
 
-__all__ = ["SequenceShards", "active_handle", "sequence_shards", "labels_in_layout"]
+__all__ = ["SequenceShards", "active_handle", "layout_source", "sequence_shards",
+           "labels_in_layout"]
 
 
 def active_handle() -> Any:
@@ -83,6 +84,21 @@ class SequenceShards:
         return whole
 
 
+_REGION = "the cplib.context_parallel region"
+
+
+def layout_source() -> str | None:
+    """Where the layout in effect comes from, in words (None: no context
+    parallelism): what a loss or a model that cannot run sharded names as it
+    refuses."""
+    if active_handle() is not None:
+        return _REGION
+    record = _cp_options.shard_layout
+    if record is None or record.mesh is None:
+        return None
+    return f"the last _context_parallel_shard (with {record.balancer})"
+
+
 def sequence_shards(local_len: int) -> SequenceShards | None:
     """The layout in effect (None: no context parallelism); ``local_len``,
     this rank's logits' length, gives the length of equal shards."""
@@ -91,12 +107,10 @@ def sequence_shards(local_len: int) -> SequenceShards | None:
         seq_len = handle.config.seq_len
         if seq_len is None:  # equal shards
             seq_len = local_len * handle.mesh.size()
-        return SequenceShards(handle.mesh, handle.load_balancer, seq_len,
-                              "the cplib.context_parallel region")
-    record = _cp_options.shard_layout
-    if record is None or record.mesh is None:
+        return SequenceShards(handle.mesh, handle.load_balancer, seq_len, _REGION)
+    where, record = layout_source(), _cp_options.shard_layout
+    if where is None:
         return None
-    where = f"the last _context_parallel_shard (with {record.balancer})"
     if len(record.seq_lens) != 1:
         raise ValueError(f"cplib: {where} cut sequences of lengths {list(record.seq_lens)}; "
                          "shard the batch (ids, labels) in one call of its own")

@@ -99,3 +99,33 @@ def test_packed_position_ids_without_the_contexts_documents_raise(ranks):
     for attn in ("sdpa", "cplib"):
         got = ranks(2).run(_under_cp, "llama", attn, None, True)
         assert got[0] == got[1] and "packed documents, but" in got[0], got
+
+
+def _without_position_ids(use_cache: bool, mask: bool) -> str:
+    """The error's text for a model given no position_ids in a region (with
+    the default cache of a forward, or a 2-D mask, or neither)."""
+    import cplib
+
+    n = dist.get_world_size()
+    model = _model("llama", "sdpa")
+    ids = torch.randint(0, 64, (1, 16 * n), generator=torch.Generator().manual_seed(1))
+    buffers = [ids, ids.clone()] + ([torch.ones_like(ids)] if mask else [])
+    with torch.no_grad(), cplib.context_parallel(DeviceMesh("cpu", list(range(n))),
+                                                 buffers=buffers, buffer_seq_dims=[1] * len(buffers)):
+        try:
+            model(input_ids=buffers[0], labels=buffers[1], use_cache=use_cache,
+                  attention_mask=buffers[2] if mask else None)
+        except NotImplementedError as exc:
+            return str(exc)
+    return "no error"
+
+
+def test_missing_position_ids_raise_with_a_cache_or_a_mask(ranks):
+    """Before, the default cache (and a 2-D mask) kept transformers from
+    looking at the positions it numbered per shard: the rotary embeddings of
+    ranks past the first were another sequence's, silently."""
+    for use_cache, mask, text in ((True, False, "numbers each shard alone"),
+                                  (False, True, "numbers each shard alone"),
+                                  (False, False, "was not given position_ids")):
+        got = ranks(2).run(_without_position_ids, use_cache, mask)
+        assert got[0] == got[1] and text in got[0], (use_cache, mask, got)

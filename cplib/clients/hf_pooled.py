@@ -1,0 +1,69 @@
+"""Hugging Face models that pool one token of the sequence (``*ForSequenceClassification``,
+the image, video and audio classifiers built the same way, and
+``*ForMultipleChoice``), refused under context parallelism instead of classifying another token.
+
+Such a model picks one position of the whole sequence (the last one that is
+not padding, or the first, [CLS]) and classifies it. Under context
+parallelism each rank holds only its shard, so each picks a position of its
+own shard: every rank gets logits, none the right ones, with or without
+``labels=``. Their forward raises NotImplementedError while a layout is in
+effect (cplib/frontend/sequence.py ``layout_source``: the same on every rank),
+before the model computes anything. Installed, like the losses, whenever
+cplib's context parallelism starts while transformers is imported
+(on_start.py): each start wraps the classes imported since.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import sys
+import threading
+from typing import Any
+
+from ..frontend.sequence import layout_source
+
+__all__ = ["install_pooled_refusal"]
+
+# HF's names for its pooled heads (its LOSS_MAPPING keys, matched in the class name).
+_POOLED = re.compile(r"For((Sequence|Image|Video|Audio)Classification|MultipleChoice)$")
+_scanned: set[str] = set()  # modules whose classes are wrapped
+_lock = threading.Lock()  # threaded ranks start their contexts at once
+
+
+def _refusing(cls: type) -> None:
+    """``cls.forward`` (its own, or the one it inherits: Llama's comes from
+    GenericForSequenceClassification) behind the refusal, on ``cls`` alone."""
+    forward = cls.forward
+    if getattr(forward, "_cplib_refuses_pooled", False):
+        return
+
+    @functools.wraps(forward)
+    def pooled_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        where = layout_source()
+        if where is not None:
+            raise NotImplementedError(
+                f"cplib: {type(self).__name__} classifies one pooled token of the whole "
+                f"sequence, and under {where} each rank holds only its shard of it, so each "
+                "would classify a token of its own shard: run this model outside context "
+                "parallelism")
+        return forward(self, *args, **kwargs)
+
+    pooled_forward._cplib_refuses_pooled = True  # type: ignore[attr-defined]
+    cls.forward = pooled_forward
+
+
+def install_pooled_refusal() -> None:
+    """Wraps the forward of every pooled model class of the transformers
+    modules imported so far (each module once)."""
+    from transformers.modeling_utils import PreTrainedModel
+
+    with _lock:
+        for name, module in list(sys.modules.items()):
+            if not name.startswith("transformers.models.") or module is None or name in _scanned:
+                continue
+            _scanned.add(name)
+            for attr, cls in list(vars(module).items()):
+                if (isinstance(cls, type) and _POOLED.search(attr)
+                        and issubclass(cls, PreTrainedModel)):
+                    _refusing(cls)
