@@ -110,8 +110,9 @@ def _without_position_ids(use_cache: bool, mask: bool) -> str:
     model = _model("llama", "sdpa")
     ids = torch.randint(0, 64, (1, 16 * n), generator=torch.Generator().manual_seed(1))
     buffers = [ids, ids.clone()] + ([torch.ones_like(ids)] if mask else [])
-    with torch.no_grad(), cplib.context_parallel(DeviceMesh("cpu", list(range(n))),
-                                                 buffers=buffers, buffer_seq_dims=[1] * len(buffers)):
+    mesh = DeviceMesh("cpu", list(range(n)))
+    with torch.no_grad(), cplib.context_parallel(mesh, buffers=buffers,
+                                                 buffer_seq_dims=[1] * len(buffers)):
         try:
             model(input_ids=buffers[0], labels=buffers[1], use_cache=use_cache,
                   attention_mask=buffers[2] if mask else None)
