@@ -30,6 +30,20 @@ def native_error(exc: RuntimeError) -> Exception:
     return exc if cls is None else cls(message)
 
 
+def call_translating(func, args: tuple, kwargs: dict):
+    """``func(*args, **kwargs)`` for a torch function mode passing a call on:
+    a ``cplib_c`` op called from a compiled graph (its packet, not
+    _NativeOp) raises its error as the Python class it meant."""
+    if torch.compiler.is_dynamo_compiling():
+        return func(*args, **kwargs)
+    try:
+        return func(*args, **kwargs)
+    except RuntimeError as exc:
+        if not str(func).startswith("cplib_c."):
+            raise
+        raise native_error(exc) from None
+
+
 class _NativeOp:
     """One ``torch.ops.cplib_c`` op; calling it raises a kernel's error as
     its Python class (see native_error). Its overloads (``.default``) are

@@ -24,7 +24,7 @@ import torch
 import torch.nn.attention.flex_attention as fa
 from torch.overrides import TorchFunctionMode
 
-from ..comm.native import native_error
+from ..comm.native import call_translating
 from .allgather import flex_cp_allgather
 from .call import FlexCall, hop_outputs, is_graph_call, parse_hop_call
 from .call_checks import call_error, score_mod_fingerprint
@@ -33,7 +33,7 @@ from .ring import RingCall, ring_attention
 from .ring_ops import ring_begin, ring_end
 from .stand_in import real_mask
 
-__all__ = ["FlexCPMode"]
+__all__ = ["FlexCPMode", "refuse_flex_call"]
 
 _HOP = torch.ops.higher_order.flex_attention
 
@@ -53,16 +53,7 @@ class FlexCPMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is _HOP:
             return _cp_call(self, func, args, kwargs or {})
-        if torch.compiler.is_dynamo_compiling():
-            return func(*args, **(kwargs or {}))
-        try:
-            return func(*args, **(kwargs or {}))
-        except RuntimeError as exc:
-            # cplib's ops called from a compiled graph raise their errors as
-            # RuntimeError("ValueError: ..."): raised here as what they mean.
-            if not str(func).startswith("cplib_c."):
-                raise
-            raise native_error(exc) from None
+        return call_translating(func, args, kwargs or {})
 
 
 def _shard_of(mode: FlexCPMode, call: FlexCall):
@@ -111,7 +102,7 @@ def _cp_call(mode: FlexCPMode, hop, args: tuple, kwargs: dict):
     if error is None:
         error = call_error(call, shard, mode.ring, mode.group_name, mode.world, mode.rank)
     if error is not None:
-        return _raise_in_handshake(call, error, mode.group_name)
+        return _raise_in_handshake(call.query, call.key, call.value, error, mode.group_name)
     fields = _fields(call, shard, mask, mode.ring)
     if mode.ring:
         ring = RingCall(shard, call.score_mod, call.scale, call.enable_gqa, call.options)
@@ -125,12 +116,12 @@ def _cp_call(mode: FlexCPMode, hop, args: tuple, kwargs: dict):
 _ERROR_KINDS = {"ValueError": 1, "NotImplementedError": 2, "TypeError": 3, "IndexError": 4}
 
 
-def _raise_in_handshake(call: FlexCall, error: tuple[str, str], group_name: str):
+def _raise_in_handshake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        error: tuple[str, str], group_name: str):
     """A call that raises ``error`` on every rank, in its handshake, before
     any exchange (its outputs, never returned, keep the handshake in a graph)."""
-    q, v = call.query, call.value
     kind, message = error
-    token = ring_begin(q.detach(), call.key.detach(), v.detach(),
+    token = ring_begin(q.detach(), k.detach(), v.detach(),
                        {f"error: {message}": _ERROR_KINDS.get(kind, 5)}, group_name)
     out = ring_end(q.new_zeros((*q.shape[:3], v.shape[3])), token)
     lse = ring_end(q.new_zeros(q.shape[:3], dtype=torch.float32), token)
@@ -149,3 +140,18 @@ def _gathered(hop, call: FlexCall, mask, shard: FlexShard, fields: dict[str, int
         call.score_mod, shard.q_positions, shard.positions, score=True)
     mask_tuple = (mask if mask is not None else fa._create_empty_block_mask(q, k_full)).as_tuple()
     return hop(q, k_full, v_full, score_mod, mask_tuple, call.scale, call.kernel_options)
+
+
+def refuse_flex_call(group_name: str, where: str, args: tuple, kwargs: dict):
+    """A flex call under cplib's SDPA dispatch (``where``) that no
+    ``_ContextParallel(FLEX)`` module takes over: it would attend within this
+    rank's shard, so it raises NotImplementedError on every rank, in a
+    handshake over ``group_name``. (Raised while dynamo traces the call,
+    which flex does even eagerly, an exception would come out as dynamo's
+    own error; the handshake raises it when the graph runs, as itself.)"""
+    q, k, v = args[:3]  # flex_attention passes them so
+    return _raise_in_handshake(q, k, v, ("NotImplementedError", (
+        f"cplib: a flex_attention call in {where} would attend within this rank's shard of "
+        "the sequence (cplib routes SDPA calls there, not flex's): parallelize the module "
+        "that calls it with _ContextParallel(attention_type=FLEX), whose flex calls run over "
+        "the whole sequence, or call scaled_dot_product_attention")), group_name)

@@ -38,6 +38,7 @@ from torch.utils._pytree import tree_map
 from ..comm.handshake import agreed, share_error
 from ..comm.native import check_mesh, group_name_of, ops
 from .allgather import flex_cp_allgather
+from ..frontend.sdpa_dispatch import flex_modules_inside
 from .cp_mode import FlexCPMode
 from .plan import SHARD_ATTR
 from .stand_in import stand_in_for
@@ -133,7 +134,7 @@ def _flex_forward(forward: Any, mode: FlexCPMode, use_ring: Callable[[tuple, dic
 
     def run() -> Any:
         given = tree_map(_stand_in, (args, kwargs), is_leaf=lambda x: isinstance(x, BlockMask))
-        with mode:
+        with flex_modules_inside(), mode:
             return forward(*given[0], **given[1])
 
     if torch.compiler.is_dynamo_compiling():  # (is_compiling(): any thread's compile)

@@ -10,9 +10,10 @@ Hugging Face model. Everything else runs unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import types
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -23,7 +24,7 @@ from ..attention.args import backend_arg, check_inputs, scale_arg, window_arg
 from .documents import current_window, documents_stack
 from .dtensor_sdpa import disable_dtensor_sdpa, enable_dtensor_sdpa
 from ..comm.handshake import agreed, forward_error
-from ..comm.native import group_name_of
+from ..comm.native import call_translating, group_name_of
 from .options import RingConfig
 from ..ring.call import RingCall
 
@@ -37,12 +38,21 @@ __all__ = [
     "agreed_before_attention",
     "active_config",
     "max_over_cp_ranks",
+    "flex_modules_inside",
 ]
 
 T = TypeVar("T")
 
 _SDPA = torch._C._nn.scaled_dot_product_attention
 _MHA = F.multi_head_attention_forward
+_FLEX = torch.ops.higher_order.flex_attention
+
+
+def _graph_flex_call(args: tuple, kwargs: dict) -> bool:
+    """Flex's op called from a graph torch.compile made: its call was taken
+    over (or refused) when that graph was traced."""
+    mask = args[4] if len(args) > 4 else kwargs["block_mask"]
+    return isinstance(tuple(mask)[-1], torch.fx.GraphModule)
 _MHA_SIGNATURE = inspect.signature(_MHA)
 # Python-level functionals whose body calls SDPA (F.multi_head_attention_forward):
 # the mode re-enters them so that inner call is routed too; every other
@@ -249,10 +259,20 @@ class CPDispatchMode(TorchFunctionMode):
         # The ContextParallelHandle of a cplib.context_parallel region (its
         # mesh and layout: cplib/frontend/sequence.py reads it), None for a module's.
         self.handle = handle
+        # _ContextParallel(FLEX) forwards running inside this dispatch
+        # (flex_modules_inside): their flex calls, and the ones their ring
+        # makes, are theirs; any other flex call would stay within a shard.
+        self.flex_modules = 0
 
     def __torch_function__(self, func: Callable, types_: tuple, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if func is _FLEX and not self.flex_modules and not _graph_flex_call(args, kwargs):
+            from ..flex.cp_mode import refuse_flex_call
+
+            where = ("a cplib.context_parallel region" if self.handle is not None
+                     else "a module parallelized with _ContextParallel (SDPA)")
+            return refuse_flex_call(self.config.group_name, where, args, kwargs)
         if func is _SDPA:
             if self.handle is not None and documents_stack:
                 _refuse_module_documents()
@@ -266,7 +286,25 @@ class CPDispatchMode(TorchFunctionMode):
                 with self:
                     return _redispatch(func, types_, args, kwargs)
             return _call_with_patched_sdpa(self.config, func, args, kwargs)
-        return func(*args, **kwargs)
+        return call_translating(func, args, kwargs)
+
+
+@contextlib.contextmanager
+def flex_modules_inside() -> Iterator[None]:
+    """Around a ``_ContextParallel(FLEX)`` module's forward
+    (cplib/flex/hook.py): the SDPA dispatches it runs inside let flex calls
+    through meanwhile (the module's mode takes them over first, and hands
+    its ring's own calls on to them). A forward dynamo traces marks none:
+    such a module inside a region raises there."""
+    modes = [] if torch.compiler.is_dynamo_compiling() else [
+        m for m in _get_current_function_mode_stack() if isinstance(m, CPDispatchMode)]
+    for mode in modes:
+        mode.flex_modules += 1
+    try:
+        yield
+    finally:
+        for mode in modes:
+            mode.flex_modules -= 1
 
 
 def active_config() -> RingConfig | None:
