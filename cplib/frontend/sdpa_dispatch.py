@@ -294,10 +294,9 @@ def flex_modules_inside() -> Iterator[None]:
     """Around a ``_ContextParallel(FLEX)`` module's forward
     (cplib/flex/hook.py): the SDPA dispatches it runs inside let flex calls
     through meanwhile (the module's mode takes them over first, and hands
-    its ring's own calls on to them). A forward dynamo traces marks none:
-    such a module inside a region raises there."""
-    modes = [] if torch.compiler.is_dynamo_compiling() else [
-        m for m in _get_current_function_mode_stack() if isinstance(m, CPDispatchMode)]
+    its ring's own calls on to them). Dynamo traces this too (a whole
+    model compiled): the marks then hold while the graph is traced."""
+    modes = [m for m in _get_current_function_mode_stack() if isinstance(m, CPDispatchMode)]
     for mode in modes:
         mode.flex_modules += 1
     try:
