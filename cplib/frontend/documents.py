@@ -80,15 +80,18 @@ _UNSET = object()
 @contextlib.contextmanager
 def attention_window(window: int | tuple[int | None, int | None] | None
                      ) -> Generator[None, None, None]:
-    """Sliding window of the context-parallel SDPA calls made inside:
+    """Sliding window of the SDPA calls made inside (context-parallel or not):
     ``w`` or ``(left, right)`` (query i sees key j iff
     ``i - left <= j <= i + right`` in global positions; causal makes right 0;
     ``None`` on a side: no limit). ``attention_window(None)`` turns a
     context's default window off for these calls."""
+    from .one_process_sdpa import one_process_masks  # (it reads this module)
+
     window_arg(window)  # ValueError on a bad window, before anything runs
     _windows.append(window)
     try:
-        yield
+        with one_process_masks():  # the calls made outside context parallelism
+            yield
     finally:
         _windows.pop()
 

@@ -24,6 +24,7 @@ from ..attention.names import layout_of
 from .shard_layout import check_layout_read
 from .start_hooks import run_start_hooks
 from .documents import documents_stack as _documents
+from .one_process_sdpa import one_process_masks
 from .sdpa_dispatch import CPDispatchMode, agreed_before_attention, dispatcher_enabled
 from ..comm.native import check_mesh
 from ..ulysses.usp_layout import UspGroups, check_degrees, usp_groups
@@ -184,7 +185,8 @@ def attention_documents(cu_seqlens: torch.Tensor | None = None, *,
                         per_document: bool = False,
                         placement: bool = False) -> Generator[None, None, None]:
     """Packed documents for the SDPA calls of ``_ContextParallel`` modules
-    made inside: ``cu_seqlens`` (``[0, s1, ..., S]``, global) or the full,
+    made inside (and, with no context parallelism in effect, for every SDPA
+    call made inside, in this process): ``cu_seqlens`` (``[0, s1, ..., S]``, global) or the full,
     unsharded ``position_ids`` (restarting at 0 at each document), as
     ``context_parallel`` takes them; attention stays within each document.
     ``per_document=True``: the inputs were sharded head-tail inside every
@@ -204,7 +206,8 @@ def attention_documents(cu_seqlens: torch.Tensor | None = None, *,
     check_cu_seqlens("attention_documents", cu_seqlens, int(cu_seqlens[-1]))
     _documents.append((cu_seqlens.to("cpu", torch.long), bool(per_document), bool(placement)))
     try:
-        yield
+        with one_process_masks():  # the calls made outside context parallelism
+            yield
     finally:
         _documents.pop()
 
