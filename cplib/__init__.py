@@ -11,7 +11,8 @@ from .comm.handshake import register_group
 
 # The front end: torch's context-parallel API, sharding, documents.
 from .frontend.context_parallel import ContextParallelHandle, context_parallel
-from .frontend.documents import attention_window, cu_seqlens_from_position_ids
+from .frontend.attention_blocks import attention_documents, attention_window
+from .frontend.documents import cu_seqlens_from_position_ids
 from .frontend.options import (
     _CausalBehavior,
     _cp_options,
@@ -25,7 +26,7 @@ from .frontend.sdpa_dispatch import (
 )
 from .frontend.sharding import _context_parallel_shard, shard
 from .frontend.unshard import context_parallel_unshard, unshard
-from .frontend.style import _ContextParallel, attention_documents
+from .frontend.style import _ContextParallel
 
 # ring: ring attention and its sequence layouts (load balancers).
 from .ring.load_balancer import (

@@ -20,9 +20,12 @@ layout, or without a mask the layout of the last ``_context_parallel_shard``
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.nn.attention.flex_attention as fa
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from ..comm.native import call_translating
 from .allgather import flex_cp_allgather
@@ -33,7 +36,7 @@ from .ring import RingCall, ring_attention
 from .ring_ops import ring_begin, ring_end
 from .stand_in import real_mask
 
-__all__ = ["FlexCPMode", "refuse_flex_call"]
+__all__ = ["FlexCPMode", "LetsFlexModulesThrough", "flex_modules_inside", "refuse_flex_call"]
 
 _HOP = torch.ops.higher_order.flex_attention
 
@@ -155,3 +158,30 @@ def refuse_flex_call(group_name: str, where: str, args: tuple, kwargs: dict):
         "the sequence (cplib routes SDPA calls there, not flex's): parallelize the module "
         "that calls it with _ContextParallel(attention_type=FLEX), whose flex calls run over "
         "the whole sequence, or call scaled_dot_product_attention")), group_name)
+
+
+class LetsFlexModulesThrough:
+    """A torch function mode (cplib's SDPA dispatch, a layer above) that
+    refuses flex calls (refuse_flex_call) except while a
+    ``_ContextParallel(FLEX)`` forward runs inside it: ``flex_modules``
+    counts those."""
+
+    flex_modules: int = 0
+
+
+@contextlib.contextmanager
+def flex_modules_inside() -> Iterator[None]:
+    """Around a ``_ContextParallel(FLEX)`` module's forward (hook.py): the
+    modes it runs inside let flex calls through meanwhile (its FlexCPMode
+    takes them over first, and hands its ring's own calls on to them).
+    Dynamo traces this too (a whole model compiled): the marks then hold
+    while the graph is traced."""
+    modes = [m for m in _get_current_function_mode_stack()
+             if isinstance(m, LetsFlexModulesThrough)]
+    for mode in modes:
+        mode.flex_modules += 1
+    try:
+        yield
+    finally:
+        for mode in modes:
+            mode.flex_modules -= 1

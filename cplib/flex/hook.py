@@ -38,8 +38,7 @@ from torch.utils._pytree import tree_map
 from ..comm.handshake import agreed, share_error
 from ..comm.native import check_mesh, group_name_of, ops
 from .allgather import flex_cp_allgather
-from ..frontend.sdpa_dispatch import flex_modules_inside
-from .cp_mode import FlexCPMode
+from .cp_mode import FlexCPMode, flex_modules_inside
 from .plan import SHARD_ATTR
 from .stand_in import stand_in_for
 

@@ -1,19 +1,18 @@
-"""Packed documents and sliding windows for context-parallel SDPA: the
-batch's document boundaries from Hugging Face style ``position_ids``, and
-the per-call window (SDPA itself has no window argument)."""
+"""Packed documents and sliding windows for SDPA: the batch's document
+boundaries from Hugging Face style ``position_ids``, and the stacks of the
+``attention_window`` / ``attention_documents`` blocks in effect
+(attention_blocks.py; SDPA itself has no window argument)."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Generator
 from typing import Any
 
 import torch
 
-from ..attention.args import check_cu_seqlens, window_arg
+from ..attention.args import check_cu_seqlens
 
-__all__ = ["cu_seqlens_from_position_ids", "context_documents", "attention_window",
-           "current_window", "documents_stack"]
+__all__ = ["cu_seqlens_from_position_ids", "context_documents", "current_window",
+           "documents_stack", "windows_stack"]
 
 
 def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -70,32 +69,13 @@ def context_documents(cu_seqlens: torch.Tensor | None, position_ids: torch.Tenso
 # (cplib/frontend/sdpa_dispatch.py).
 documents_stack: list[tuple[torch.Tensor, bool, bool]] = []
 
-# The window of the SDPA calls made inside `attention_window` blocks; a stack
-# so blocks nest. Set and read on the caller's thread, at trace time under
-# torch.compile (the window becomes a constant of the graph).
-_windows: list[Any] = []
-_UNSET = object()
-
-
-@contextlib.contextmanager
-def attention_window(window: int | tuple[int | None, int | None] | None
-                     ) -> Generator[None, None, None]:
-    """Sliding window of the SDPA calls made inside (context-parallel or not):
-    ``w`` or ``(left, right)`` (query i sees key j iff
-    ``i - left <= j <= i + right`` in global positions; causal makes right 0;
-    ``None`` on a side: no limit). ``attention_window(None)`` turns a
-    context's default window off for these calls."""
-    from .one_process_sdpa import one_process_masks  # (it reads this module)
-
-    window_arg(window)  # ValueError on a bad window, before anything runs
-    _windows.append(window)
-    try:
-        with one_process_masks():  # the calls made outside context parallelism
-            yield
-    finally:
-        _windows.pop()
+# The window of the SDPA calls made inside `attention_window` blocks
+# (cplib/frontend/attention_blocks.py); a stack so blocks nest. Set and read
+# on the caller's thread, at trace time under torch.compile (the window
+# becomes a constant of the graph).
+windows_stack: list[Any] = []
 
 
 def current_window(default: Any) -> Any:
     """The innermost ``attention_window``, else ``default``."""
-    return _windows[-1] if _windows else default
+    return windows_stack[-1] if windows_stack else default

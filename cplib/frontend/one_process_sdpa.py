@@ -24,7 +24,8 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from ..attention.args import window_arg
 from .documents import current_window, documents_stack
-from .sdpa_dispatch import active_config, dispatcher_enabled
+from .sdpa_dispatch import (CALLS_SDPA, MHA, check_mha_weights, active_config, dispatcher_enabled,
+                            with_inner_sdpa)
 
 __all__ = ["OneProcessMasks", "one_process_masks", "masked_sdpa"]
 
@@ -37,8 +38,13 @@ class OneProcessMasks(TorchFunctionMode):
     def __torch_function__(self, func: Callable, types_: tuple, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func is _SDPA and active_config() is None and not dispatcher_enabled():
-            return masked_sdpa(*args, **kwargs)
+        if active_config() is None and not dispatcher_enabled():
+            if func is _SDPA:
+                return masked_sdpa(*args, **kwargs)
+            if func is MHA and (current_window(None) is not None or documents_stack):
+                check_mha_weights(args, kwargs, "cplib cannot give a window or documents")
+            if func in CALLS_SDPA:
+                return with_inner_sdpa(self, masked_sdpa, func, types_, args, kwargs)
         return func(*args, **kwargs)
 
 

@@ -10,10 +10,10 @@ Hugging Face model. Everything else runs unchanged.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import inspect
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -25,6 +25,8 @@ from .documents import current_window, documents_stack
 from .dtensor_sdpa import disable_dtensor_sdpa, enable_dtensor_sdpa
 from ..comm.handshake import agreed, forward_error
 from ..comm.native import call_translating, group_name_of
+from ..flex.call import is_graph_call
+from ..flex.cp_mode import LetsFlexModulesThrough, refuse_flex_call
 from .options import RingConfig
 from ..ring.call import RingCall
 
@@ -38,26 +40,22 @@ __all__ = [
     "agreed_before_attention",
     "active_config",
     "max_over_cp_ranks",
-    "flex_modules_inside",
+    "with_inner_sdpa",
+    "CALLS_SDPA",
+    "MHA",
+    "check_mha_weights",
 ]
 
 T = TypeVar("T")
 
 _SDPA = torch._C._nn.scaled_dot_product_attention
-_MHA = F.multi_head_attention_forward
+MHA = F.multi_head_attention_forward
 _FLEX = torch.ops.higher_order.flex_attention
-
-
-def _graph_flex_call(args: tuple, kwargs: dict) -> bool:
-    """Flex's op called from a graph torch.compile made: its call was taken
-    over (or refused) when that graph was traced."""
-    mask = args[4] if len(args) > 4 else kwargs["block_mask"]
-    return isinstance(tuple(mask)[-1], torch.fx.GraphModule)
-_MHA_SIGNATURE = inspect.signature(_MHA)
+_MHA_SIGNATURE = inspect.signature(MHA)
 # Python-level functionals whose body calls SDPA (F.multi_head_attention_forward):
 # the mode re-enters them so that inner call is routed too; every other
 # function runs as is (cheap, and simple for torch.compile to trace).
-_CALLS_SDPA = frozenset(
+CALLS_SDPA = frozenset(
     f for f in vars(F).values()
     if isinstance(f, types.FunctionType) and "scaled_dot_product_attention" in f.__code__.co_names
 )
@@ -228,13 +226,14 @@ def _routed_ulysses(config: RingConfig, q, k, v, is_causal: bool, scale, backend
     return out
 
 
-def _check_mha(args: tuple, kwargs: dict) -> None:
+def check_mha_weights(args: tuple, kwargs: dict, what: str = "context parallelism cannot shard"
+               ) -> None:
     bound = _MHA_SIGNATURE.bind(*args, **kwargs)
     bound.apply_defaults()
     if bound.arguments["need_weights"]:
         raise NotImplementedError(
             "cplib: nn.MultiheadAttention with need_weights=True computes attention without "
-            "SDPA, which context parallelism cannot shard; call it with need_weights=False"
+            f"SDPA, which {what}; call it with need_weights=False"
         )
 
 
@@ -249,7 +248,7 @@ def _refuse_module_documents() -> None:
         "cplib.context_parallel instead")
 
 
-class CPDispatchMode(TorchFunctionMode):
+class CPDispatchMode(LetsFlexModulesThrough, TorchFunctionMode):
     """While active, every SDPA call runs as context-parallel ring attention
     with ``config``."""
 
@@ -260,16 +259,17 @@ class CPDispatchMode(TorchFunctionMode):
         # mesh and layout: cplib/frontend/sequence.py reads it), None for a module's.
         self.handle = handle
         # _ContextParallel(FLEX) forwards running inside this dispatch
-        # (flex_modules_inside): their flex calls, and the ones their ring
-        # makes, are theirs; any other flex call would stay within a shard.
+        # (cplib/flex/cp_mode.py flex_modules_inside): their flex calls, and
+        # the ones their ring makes, are theirs; any other would stay within
+        # a shard.
         self.flex_modules = 0
 
     def __torch_function__(self, func: Callable, types_: tuple, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func is _FLEX and not self.flex_modules and not _graph_flex_call(args, kwargs):
-            from ..flex.cp_mode import refuse_flex_call
-
+        # A flex op called from a compiled graph was taken over (or refused)
+        # when that graph was traced (flex_attention passes its args so).
+        if func is _FLEX and not self.flex_modules and not is_graph_call(tuple(args[4])):
             where = ("a cplib.context_parallel region" if self.handle is not None
                      else "a module parallelized with _ContextParallel (SDPA)")
             return refuse_flex_call(self.config.group_name, where, args, kwargs)
@@ -277,33 +277,14 @@ class CPDispatchMode(TorchFunctionMode):
             if self.handle is not None and documents_stack:
                 _refuse_module_documents()
             return routed_sdpa(self.config, *args, **kwargs)
-        if func is _MHA:
+        if func is MHA:
             _agreed_in(self.config, "multi_head_attention_forward",
                        [a for a in args if isinstance(a, torch.Tensor)],
-                       lambda: _check_mha(args, kwargs))
-        if func in _CALLS_SDPA:
-            if _redispatch is not None:
-                with self:
-                    return _redispatch(func, types_, args, kwargs)
-            return _call_with_patched_sdpa(self.config, func, args, kwargs)
+                       lambda: check_mha_weights(args, kwargs))
+        if func in CALLS_SDPA:
+            return with_inner_sdpa(self, functools.partial(routed_sdpa, self.config), func,
+                                   types_, args, kwargs)
         return call_translating(func, args, kwargs)
-
-
-@contextlib.contextmanager
-def flex_modules_inside() -> Iterator[None]:
-    """Around a ``_ContextParallel(FLEX)`` module's forward
-    (cplib/flex/hook.py): the SDPA dispatches it runs inside let flex calls
-    through meanwhile (the module's mode takes them over first, and hands
-    its ring's own calls on to them). Dynamo traces this too (a whole
-    model compiled): the marks then hold while the graph is traced."""
-    modes = [m for m in _get_current_function_mode_stack() if isinstance(m, CPDispatchMode)]
-    for mode in modes:
-        mode.flex_modules += 1
-    try:
-        yield
-    finally:
-        for mode in modes:
-            mode.flex_modules -= 1
 
 
 def active_config() -> RingConfig | None:
@@ -327,15 +308,17 @@ def max_over_cp_ranks(t: torch.Tensor, config: RingConfig) -> None:
                                          group=_resolve_process_group(name))
 
 
-def _call_with_patched_sdpa(config: RingConfig, func: Callable, args: tuple,
-                            kwargs: dict) -> Any:
+def with_inner_sdpa(mode: TorchFunctionMode, sdpa: Callable, func: Callable, types_: tuple,
+                    args: tuple, kwargs: dict) -> Any:
+    """``func`` (a functional whose body calls SDPA: ``CALLS_SDPA``), called
+    from ``mode``'s handler, with its inner SDPA call going to ``sdpa``."""
+    if _redispatch is not None:  # torch >= 2.13: run it with the mode still active
+        with mode:
+            return _redispatch(func, types_, args, kwargs)
     # torch < 2.13: functions in torch.nn.functional call SDPA through the
     # module global, so patching it for this call routes their inner call.
-    def patched(*a: Any, **kw: Any) -> torch.Tensor:
-        return routed_sdpa(config, *a, **kw)
-
     saved = F.scaled_dot_product_attention
-    F.scaled_dot_product_attention = patched
+    F.scaled_dot_product_attention = sdpa
     try:
         return func(*args, **kwargs)
     finally:

@@ -4,9 +4,7 @@ torch's module-wrapper entry point."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Generator
 from enum import Enum
 from typing import Any
 
@@ -16,7 +14,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from ..attention.args import check_cu_seqlens, window_arg
+from ..attention.args import window_arg
 from ..flex.hook import flex_input_hook, register_flex_cp
 from ..comm.handshake import agreed, handshake, register_groups
 from .options import RingConfig, _cp_options, _RotateMethod, explicit_rotation, rotate_method_name
@@ -24,13 +22,12 @@ from ..attention.names import layout_of
 from .shard_layout import check_layout_read
 from .start_hooks import run_start_hooks
 from .documents import documents_stack as _documents
-from .one_process_sdpa import one_process_masks
 from .sdpa_dispatch import CPDispatchMode, agreed_before_attention, dispatcher_enabled
 from ..comm.native import check_mesh
 from ..ulysses.usp_layout import UspGroups, check_degrees, usp_groups
 from ..strategy.route import AutoStrategy, context_strategy, parse_strategy
 
-__all__ = ["_ContextParallel", "attention_documents"]
+__all__ = ["_ContextParallel"]
 
 
 class _ContextParallel(ParallelStyle):
@@ -177,39 +174,6 @@ def _flex_layout() -> torch.Tensor | None:
     layout = _cp_options.shard_layout
     balancer = None if layout is None else layout.load_balancer
     return None if balancer is None else balancer._generate_indices(restore=False)
-
-
-@contextlib.contextmanager
-def attention_documents(cu_seqlens: torch.Tensor | None = None, *,
-                        position_ids: torch.Tensor | None = None,
-                        per_document: bool = False,
-                        placement: bool = False) -> Generator[None, None, None]:
-    """Packed documents for the SDPA calls of ``_ContextParallel`` modules
-    made inside (and, with no context parallelism in effect, for every SDPA
-    call made inside, in this process): ``cu_seqlens`` (``[0, s1, ..., S]``, global) or the full,
-    unsharded ``position_ids`` (restarting at 0 at each document), as
-    ``context_parallel`` takes them; attention stays within each document.
-    ``per_document=True``: the inputs were sharded head-tail inside every
-    document (``AnyLengthPerDocumentLoadBalancer``, or
-    ``usp_load_balancer(..., cu_seqlens=...)`` with ``ulysses_degree``).
-    ``placement=True``: they were sharded with
-    ``DocumentPlacementLoadBalancer`` (ring only: ``ulysses_degree`` 1)."""
-    from .documents import cu_seqlens_from_position_ids
-
-    if (cu_seqlens is None) == (position_ids is None):
-        raise ValueError("cplib.attention_documents: pass cu_seqlens or position_ids (one)")
-    layout_of("attention_documents", per_document=per_document, placement=placement)
-    if position_ids is not None:
-        cu_seqlens = cu_seqlens_from_position_ids(position_ids)
-    if not isinstance(cu_seqlens, torch.Tensor):
-        cu_seqlens = torch.tensor(cu_seqlens)
-    check_cu_seqlens("attention_documents", cu_seqlens, int(cu_seqlens[-1]))
-    _documents.append((cu_seqlens.to("cpu", torch.long), bool(per_document), bool(placement)))
-    try:
-        with one_process_masks():  # the calls made outside context parallelism
-            yield
-    finally:
-        _documents.pop()
 
 
 def _sdpa_forward(forward: Any, group_name: str, world: int, groups: UspGroups, window: Any,

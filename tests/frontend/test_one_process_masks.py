@@ -86,3 +86,16 @@ def test_window_none_turns_an_outer_window_off_and_cross_attention_raises():
         F.scaled_dot_product_attention(q, k[:, :, :9], v[:, :, :9])
     with cplib.attention_documents(CU), pytest.raises(ValueError, match="cover 37 tokens"):
         F.scaled_dot_product_attention(q[:, :, :9], k[:, :, :9], v[:, :, :9])
+
+
+def test_multihead_attention_needing_weights_raises():
+    """nn.MultiheadAttention computes its weights without SDPA: no window."""
+    mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    x = torch.randn(1, S, 8)
+    with cplib.attention_window(3), pytest.raises(NotImplementedError, match="need_weights"):
+        mha(x, x, x)
+    with cplib.attention_window(3):
+        got, _ = mha(x, x, x, need_weights=False)
+    assert_close(got, mha(x, x, x, need_weights=False, attn_mask=~visible(S, causal=False,
+                                                                           window=3))[0],
+                 atol=1e-6, rtol=1e-5, what="MultiheadAttention in attention_window(3)")
