@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from harness import assert_close
+from client_cases import assert_rank_mean
 
 VOCAB = 64
 # HF takes the loss in float32 (logits.float()) even for a float64 model; the
@@ -89,14 +89,8 @@ def _check(s: int, load_balance, documents: bool, mode: str = "labels") -> int:
         loss.backward()
     what = f"S={s} n={n} load_balance={load_balance} docs={documents} {mode}"
     # num_items_in_batch: the caller (Trainer) multiplies by its process count.
-    scale = n if mode == "num_items" else 1
-    mean = loss.detach().clone()
-    dist.all_reduce(mean)
-    assert_close(mean * scale / n, want, what=f"{what}: mean loss", **TOL)
-    for name, p in model.named_parameters():
-        g = p.grad.clone()
-        dist.all_reduce(g)
-        assert_close(g * scale / n, want_grads[name], what=f"{what}: mean grad of {name}", **TOL)
+    assert_rank_mean(what, model, loss, (want, want_grads),
+                     scale=n if mode == "num_items" else 1, **TOL)
     return 1
 
 

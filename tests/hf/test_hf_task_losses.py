@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from harness import assert_close
+from client_cases import assert_rank_mean
 
 TOL = dict(atol=1e-6, rtol=1e-6)  # HF takes these losses in float32 (logits.float())
 
@@ -76,15 +76,9 @@ def _check(task: str, num_items: bool) -> int:
                                 buffer_seq_dims=[1, 1, 1], load_balance=True):
         loss = model(input_ids=ids, position_ids=pos, labels=labels, **kw).loss
         loss.backward()
-    scale = n if num_items else 1  # with it, the caller (Trainer) multiplies by n
-    what = f"{task} n={n} num_items={num_items}"
-    total = loss.detach().clone()
-    dist.all_reduce(total)
-    assert_close(total * scale / n, want, what=f"{what}: mean loss", **TOL)
-    for name, p in model.named_parameters():
-        g = p.grad.clone()
-        dist.all_reduce(g)
-        assert_close(g * scale / n, want_grads[name], what=f"{what}: mean grad of {name}", **TOL)
+    # With num_items_in_batch the caller (Trainer) multiplies by n.
+    assert_rank_mean(f"{task} n={n} num_items={num_items}", model, loss, (want, want_grads),
+                     scale=n if num_items else 1, **TOL)
     return 1
 
 

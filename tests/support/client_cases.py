@@ -90,6 +90,19 @@ def mean_grads(model) -> dict:
     return out
 
 
+def assert_rank_mean(what: str, model, loss: torch.Tensor, want: tuple, scale: int = 1,
+                     **tol) -> None:
+    """The CP ranks' mean loss and mean parameter gradients, times ``scale``
+    (the process count where the caller scales, as with num_items_in_batch),
+    against the one-process ``want`` (loss, gradients), element by element."""
+    from harness import assert_close
+
+    want_loss, want_grads = want
+    assert_close(mean_over_ranks(loss) * scale, want_loss, what=f"{what}: mean loss", **tol)
+    for name, g in mean_grads(model).items():
+        assert_close(g * scale, want_grads[name], what=f"{what}: mean grad of {name}", **tol)
+
+
 @contextlib.contextmanager
 def accelerate_ranks():
     """This rank process as a launcher would set it up for accelerate (the
