@@ -9,8 +9,10 @@ once (question answering) raise NotImplementedError on every rank
 (cplib/clients/hf_loss.py, hf_pooled.py).
 
 Before, on 2 gloo ranks (S = 32, a quarter of the labels -100, unevenly on
-the ranks): HF's own losses averaged each rank's shard, and the sequence
-classifier pooled each rank's last token: per-shard results, silently.
+the ranks): HF's own losses averaged each rank's shard (the mean loss off by
+2.8e-5 relative for ModernBERT's MLM, 4.3e-4 for Llama's token classifier),
+and the sequence classifier pooled each rank's last token: per-shard
+results, silently.
 """
 
 from __future__ import annotations
