@@ -36,8 +36,9 @@ offset) and raise together where it is not. Where transformers does not
 look (a 2-D mask, or a cache: the default of a training forward), the guard
 wraps ``masking_utils._preprocess_mask_arguments``, which every mask runs:
 one reduce of three integers, raising where every rank's positions count up
-by one from one common start (how transformers numbers a shard). ``attn_implementation="cplib"``
-(``import cplib.hf``) takes windows; any other registered function runs.
+by one from one common start (how transformers numbers a shard).
+``attn_implementation="cplib"`` (``import cplib.hf``) takes windows; any
+other registered function runs.
 The guard is installed whenever cplib's context parallelism starts while
 transformers is imported (cplib/frontend/start_hooks.py).
 """

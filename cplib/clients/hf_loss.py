@@ -159,8 +159,9 @@ def _wrap_router_loss(module: types.ModuleType | None) -> None:
                  functools.wraps(fn)(functools.partial(context_parallel_router_loss, fn)))
 
 
-def _models_modules() -> list[types.ModuleType]:
-    return [m for name, m in list(sys.modules.items())
+def model_modules() -> list[tuple[str, types.ModuleType]]:
+    """(name, module) of transformers' model modules imported so far."""
+    return [(name, m) for name, m in list(sys.modules.items())
             if name.startswith("transformers.models.") and m is not None]
 
 
@@ -208,7 +209,7 @@ def _install() -> None:
 
     _replace(PreTrainedModel, "loss_function", property(loss_function, mapped.fset))
     _replace(PreTrainedModel, "post_init", functools.wraps(post_init)(post_init_with_router_loss))
-    for module in _models_modules():  # models built before the install
+    for _, module in model_modules():  # models built before the install
         _wrap_router_loss(module)
 
 

@@ -1,6 +1,7 @@
-"""Hugging Face models that pool one token of the sequence (``*ForSequenceClassification``,
-the image, video and audio classifiers built the same way, and
-``*ForMultipleChoice``), refused under context parallelism instead of classifying another token.
+"""Hugging Face models that pool one token of the sequence
+(``*ForSequenceClassification``, the image, video and audio classifiers
+built the same way, and ``*ForMultipleChoice``), refused under context
+parallelism instead of classifying another token.
 
 Such a model picks one position of the whole sequence (the last one that is
 not padding, or the first, [CLS]) and classifies it. Under context
@@ -17,11 +18,11 @@ from __future__ import annotations
 
 import functools
 import re
-import sys
 import threading
 from typing import Any
 
 from ..frontend.sequence import layout_source
+from .hf_loss import model_modules
 
 __all__ = ["install_pooled_refusal"]
 
@@ -59,8 +60,8 @@ def install_pooled_refusal() -> None:
     from transformers.modeling_utils import PreTrainedModel
 
     with _lock:
-        for name, module in list(sys.modules.items()):
-            if not name.startswith("transformers.models.") or module is None or name in _scanned:
+        for name, module in model_modules():
+            if name in _scanned:
                 continue
             _scanned.add(name)
             for attr, cls in list(vars(module).items()):

@@ -145,14 +145,14 @@ def _gathered(hop, call: FlexCall, mask, shard: FlexShard, fields: dict[str, int
     return hop(q, k_full, v_full, score_mod, mask_tuple, call.scale, call.kernel_options)
 
 
-def refuse_flex_call(group_name: str, where: str, args: tuple, kwargs: dict):
+def refuse_flex_call(group_name: str, where: str, q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor):
     """A flex call under cplib's SDPA dispatch (``where``) that no
     ``_ContextParallel(FLEX)`` module takes over: it would attend within this
     rank's shard, so it raises NotImplementedError on every rank, in a
     handshake over ``group_name``. (Raised while dynamo traces the call,
     which flex does even eagerly, an exception would come out as dynamo's
     own error; the handshake raises it when the graph runs, as itself.)"""
-    q, k, v = args[:3]  # flex_attention passes them so
     return _raise_in_handshake(q, k, v, ("NotImplementedError", (
         f"cplib: a flex_attention call in {where} would attend within this rank's shard of "
         "the sequence (cplib routes SDPA calls there, not flex's): parallelize the module "

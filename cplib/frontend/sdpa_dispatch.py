@@ -272,7 +272,7 @@ class CPDispatchMode(LetsFlexModulesThrough, TorchFunctionMode):
         if func is _FLEX and not self.flex_modules and not is_graph_call(tuple(args[4])):
             where = ("a cplib.context_parallel region" if self.handle is not None
                      else "a module parallelized with _ContextParallel (SDPA)")
-            return refuse_flex_call(self.config.group_name, where, args, kwargs)
+            return refuse_flex_call(self.config.group_name, where, *args[:3])
         if func is _SDPA:
             if self.handle is not None and documents_stack:
                 _refuse_module_documents()
