@@ -45,11 +45,12 @@ import torch
 
 from ..frontend.sequence import labels_in_layout, layout_source, sequence_shards
 from ..loss import shifted, token_loss_sum
+from .hf_models import model_modules
 from .router_loss import caller_scales, context_parallel_router_loss
 
 __all__ = ["install_hf_losses", "uninstall_hf_losses", "context_parallel_causal_lm_loss",
            "context_parallel_masked_lm_loss", "context_parallel_token_classification_loss",
-           "refused_under_context_parallelism"]
+           "refused_under_context_parallelism", "loss_function_reads"]
 
 
 def _whole_sequence_loss(logits: torch.Tensor, given: torch.Tensor, what: str, shift: bool,
@@ -140,6 +141,15 @@ _replaced: dict[tuple[Any, str], Any] = {}
 # Threaded ranks start their contexts (and build their models) at once: one
 # install, and one wrap of a router loss, at a time.
 _lock = threading.RLock()
+# How many times this thread (a rank) has asked a model for its loss_function:
+# hf_own_loss.py tells a model that takes its loss through it from one that
+# computes its own.
+_asked = threading.local()
+
+
+def loss_function_reads() -> int:
+    """How many times this thread has read a model's ``loss_function``."""
+    return getattr(_asked, "count", 0)
 
 
 def _replace(owner: Any, name: str, new: Any) -> None:
@@ -157,12 +167,6 @@ def _wrap_router_loss(module: types.ModuleType | None) -> None:
             return
         _replace(module, "load_balancing_loss_func",
                  functools.wraps(fn)(functools.partial(context_parallel_router_loss, fn)))
-
-
-def model_modules() -> list[tuple[str, types.ModuleType]]:
-    """(name, module) of transformers' model modules imported so far."""
-    return [(name, m) for name, m in list(sys.modules.items())
-            if name.startswith("transformers.models.") and m is not None]
 
 
 def install_hf_losses(owner: str) -> None:
@@ -193,6 +197,7 @@ def _install() -> None:
                  for fn in set(loss_utils.LOSS_MAPPING.values())}
 
     def loss_function(self: Any) -> Callable[..., Any]:
+        _asked.count = loss_function_reads() + 1
         fn = mapped.fget(self)
         # A loss the user set on the model (model.loss_function = f) is theirs.
         if "_loss_function" in vars(self):

@@ -16,30 +16,20 @@ cplib's context parallelism starts while transformers is imported
 
 from __future__ import annotations
 
-import functools
 import re
-import threading
-from typing import Any
+from typing import Any, Callable
 
 from ..frontend.sequence import layout_source
-from .hf_loss import model_modules
+from .hf_models import NewModelClasses, guard_forward
 
 __all__ = ["install_pooled_refusal"]
 
 # HF's names for its pooled heads (its LOSS_MAPPING keys, matched in the class name).
 _POOLED = re.compile(r"For((Sequence|Image|Video|Audio)Classification|MultipleChoice)$")
-_scanned: set[str] = set()  # modules whose classes are wrapped
-_lock = threading.Lock()  # threaded ranks start their contexts at once
+_new_classes = NewModelClasses()
 
 
-def _refusing(cls: type) -> None:
-    """``cls.forward`` (its own, or the one it inherits: Llama's comes from
-    GenericForSequenceClassification) behind the refusal, on ``cls`` alone."""
-    forward = cls.forward
-    if getattr(forward, "_cplib_refuses_pooled", False):
-        return
-
-    @functools.wraps(forward)
+def _refusing(forward: Callable[..., Any]) -> Callable[..., Any]:
     def pooled_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         where = layout_source()
         if where is not None:
@@ -50,21 +40,14 @@ def _refusing(cls: type) -> None:
                 "parallelism")
         return forward(self, *args, **kwargs)
 
-    pooled_forward._cplib_refuses_pooled = True  # type: ignore[attr-defined]
-    cls.forward = pooled_forward
+    return pooled_forward
 
 
 def install_pooled_refusal() -> None:
-    """Wraps the forward of every pooled model class of the transformers
-    modules imported so far (each module once)."""
-    from transformers.modeling_utils import PreTrainedModel
+    """Guards the forward of every pooled model class of the transformers
+    modules imported since the last install."""
+    def refuse(name: str, cls: type) -> None:
+        if _POOLED.search(name):
+            guard_forward(cls, "_cplib_refuses_pooled", _refusing)
 
-    with _lock:
-        for name, module in model_modules():
-            if name in _scanned:
-                continue
-            _scanned.add(name)
-            for attr, cls in list(vars(module).items()):
-                if (isinstance(cls, type) and _POOLED.search(attr)
-                        and issubclass(cls, PreTrainedModel)):
-                    _refusing(cls)
+    _new_classes.visit(refuse)

@@ -143,6 +143,11 @@ def _check(shards: SequenceShards | None, logits: torch.Tensor, labels: torch.Te
             "unsharded tensor")
 
 
+# Runs eagerly inside a compiled model: traced, in the frame dynamo resumes
+# after a graph break in the loss, ``logits.shape[-2]`` raised "TypeError:
+# 'int' object is not subscriptable" (torch 2.13); the layout lookup and the
+# label gather are host work and collectives besides.
+@torch.compiler.disable
 def labels_in_layout(logits: torch.Tensor, labels: torch.Tensor,
                      what: str = "labels") -> tuple[SequenceShards | None, torch.Tensor]:
     """(the layout in effect, ``labels`` over the whole sequence); without

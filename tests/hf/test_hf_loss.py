@@ -57,7 +57,8 @@ def _single_process(model, ids, pos, labels, **kw):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _check(s: int, load_balance, documents: bool, mode: str = "labels") -> int:
+def _check(s: int, load_balance, documents: bool, mode: str = "labels",
+           compiled: bool = False) -> int:
     import cplib
 
     n = dist.get_world_size()
@@ -85,9 +86,11 @@ def _check(s: int, load_balance, documents: bool, mode: str = "labels") -> int:
             loss = model(input_ids=ids, position_ids=pos, labels=shifted, shift_labels=shifted,
                          use_cache=False, **kw).loss
         else:  # "labels" (a buffer, sharded) or "full labels" (not a buffer)
-            loss = model(input_ids=ids, position_ids=pos, labels=labels, use_cache=False).loss
+            # aot_eager: the dynamo trace is what failed, and it compiles in a third of the time.
+            run = torch.compile(model, backend="aot_eager") if compiled else model
+            loss = run(input_ids=ids, position_ids=pos, labels=labels, use_cache=False).loss
         loss.backward()
-    what = f"S={s} n={n} load_balance={load_balance} docs={documents} {mode}"
+    what = f"S={s} n={n} load_balance={load_balance} docs={documents} {mode} {compiled=}"
     # num_items_in_batch: the caller (Trainer) multiplies by its process count.
     assert_rank_mean(what, model, loss, (want, want_grads),
                      scale=n if mode == "num_items" else 1, **TOL)
@@ -129,6 +132,12 @@ def _check_all() -> int:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_hf_loss_mean_over_ranks_is_single_process(ranks, world_size):
     assert ranks(world_size).run(_check_all) == [7] * world_size
+
+
+def test_hf_loss_of_a_compiled_model_is_single_process(ranks):
+    """torch.compile(model): before, dynamo failed in the loss's layout lookup
+    (TypeError: 'int' object is not subscriptable, at logits.shape[-2])."""
+    assert ranks(2).run(_check, 32, True, False, "labels", True) == [1, 1]
 
 
 def _check_bad_labels() -> list[str]:
