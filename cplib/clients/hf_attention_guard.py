@@ -21,7 +21,8 @@ result without a word:
   this rank's positions only, so a document that starts at a shard border
   goes unseen and attention runs across it (whatever the implementation);
 * no ``position_ids`` at all: transformers numbers each shard from 0, so
-  the rotary positions of every rank past the first are another sequence's.
+  the rotary positions of every rank past the first are another sequence's
+  (with or without documents given to the context).
 
 Every model's attention layer looks its function up through
 ``AttentionInterface.get_interface`` when it runs; the guard wraps that
@@ -35,8 +36,10 @@ integers (whether every position is its global row index plus one common
 offset) and raise together where it is not. Where transformers does not
 look (a 2-D mask, or a cache: the default of a training forward), the guard
 wraps ``masking_utils._preprocess_mask_arguments``, which every mask runs:
-one reduce of three integers, raising where every rank's positions count up
-by one from one common start (how transformers numbers a shard).
+one reduce of four integers, raising where every rank's positions count up
+by one from one common start (how transformers numbers a shard), unless
+they are the positions of the documents given to the context; in a context
+given documents that check replaces the third.
 ``attn_implementation="cplib"`` (``import cplib.hf``) takes windows; any
 other registered function runs.
 The guard is installed whenever cplib's context parallelism starts while
@@ -128,26 +131,37 @@ def _check_unpacked(position_ids: torch.Tensor) -> None:
             "numbers each shard from 0; list them among the buffers and pass them.)")
 
 
+def _document_positions(cu_seqlens: torch.Tensor, seq_len: int,
+                        device: torch.device) -> torch.Tensor:
+    """Each position's index within its document, over the whole sequence."""
+    rows = torch.arange(seq_len, device=device)
+    cu = cu_seqlens.to(device)
+    return rows - cu[torch.searchsorted(cu, rows, right=True) - 1]
+
+
 def _check_numbered_globally(position_ids: torch.Tensor) -> None:
     """NotImplementedError on every CP rank when every rank's
     ``position_ids`` count up by one from one common start over its own
     shard: what transformers makes for a model given none (an arange over the
     shard, after the cached tokens). Positions over the whole sequence never
-    look like that on two ranks, unless documents (then given to the
-    context) each fill a shard."""
+    look like that on two ranks, unless documents given to the context each
+    fill a shard: then the documents' own positions do, and are let through."""
     config, shards = active_config(), sequence_shards(position_ids.shape[-1])
-    if shards is None or config is None or config.cu_seqlens is not None:
-        return
-    if shards.mesh.size() == 1:
+    if shards is None or config is None or shards.mesh.size() == 1:
         return
     local = position_ids.long()
     start = local[..., :1]
     steps = torch.arange(local.shape[-1], device=local.device)
     counts_up = ((local - start) == steps).all()
-    # [not counting up, max start, -min start]: max over ranks.
-    seen = torch.stack([(~counts_up).long(), start.max(), -start.min()])
+    not_the_documents = torch.ones((), dtype=torch.long, device=local.device)
+    if config.cu_seqlens is not None:
+        mine = shards.local(_document_positions(config.cu_seqlens, shards.seq_len, local.device))
+        if mine.shape[-1] == local.shape[-1]:
+            not_the_documents = (mine != local).any().long()
+    # [not counting up, max start, -min start, not the documents' positions]: max over ranks.
+    seen = torch.stack([(~counts_up).long(), start.max(), -start.min(), not_the_documents])
     max_over_cp_ranks(seen, config)
-    if int(seen[0]) == 0 and int(seen[1]) == -int(seen[2]):
+    if int(seen[0]) == 0 and int(seen[1]) == -int(seen[2]) and int(seen[3]) == 1:
         raise NotImplementedError(
             f"cplib: every rank's position_ids count {int(seen[1])}, {int(seen[1]) + 1}, ... "
             f"over its own shard of the {shards.seq_len}-token sequence: transformers numbers "
@@ -180,8 +194,12 @@ def _mask_arguments(preprocess: Callable) -> Callable:
 def _packed_search(find: Callable) -> Callable:
     @functools.wraps(find)
     def find_packed_sequence_indices(position_ids: torch.Tensor, *args: Any, **kwargs: Any):
-        if active_config() is not None and not torch.compiler.is_compiling():
-            _check_unpacked(position_ids)
+        config = active_config()
+        if config is not None and not torch.compiler.is_compiling():
+            # _check_unpacked looks for documents the context was not given;
+            # given them, what is left to catch is a numbering per shard.
+            (_check_unpacked if config.cu_seqlens is None else _check_numbered_globally)(
+                position_ids)
         return find(position_ids, *args, **kwargs)
 
     return find_packed_sequence_indices

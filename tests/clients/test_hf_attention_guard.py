@@ -130,3 +130,41 @@ def test_missing_position_ids_raise_with_a_cache_or_a_mask(ranks):
                                   (False, False, "was not given position_ids")):
         got = ranks(2).run(_without_position_ids, use_cache, mask)
         assert got[0] == got[1] and text in got[0], (use_cache, mask, got)
+
+
+def _documents_without_position_ids(bounds: list[int], use_cache: bool) -> str:
+    """A region given its documents (``position_ids=`` of the context) and a
+    model given none: the error's text, or the mean loss's error against one
+    process given the documents' positions."""
+    import cplib
+
+    n = dist.get_world_size()
+    model = _model("llama", "cplib")
+    ids = torch.randint(0, 64, (1, 16 * n), generator=torch.Generator().manual_seed(1))
+    pos = torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])])[None]
+    labels = ids.clone()
+    with torch.no_grad():
+        try:
+            with cplib.context_parallel(DeviceMesh("cpu", list(range(n))),
+                                        buffers=[ids, labels], buffer_seq_dims=[1, 1],
+                                        load_balance=False, position_ids=pos):
+                loss = model(input_ids=ids, labels=labels, use_cache=use_cache).loss
+        except NotImplementedError as exc:
+            return str(exc)
+        with cplib.attention_documents(position_ids=pos):
+            want = model(input_ids=ids, position_ids=pos, labels=labels, use_cache=False).loss
+    dist.all_reduce(loss)
+    return f"{abs(loss.item() / n - want.item()):.1e}"
+
+
+def test_missing_position_ids_raise_in_a_region_given_documents(ranks):
+    """Before, the region's documents switched the check off: with documents
+    of 10 and 22 tokens on 2 ranks, the second rank's rotary positions ran
+    0..15 instead of 6..21, and the mean loss missed one process's by 1.0e-4
+    (with the default cache and without), silently."""
+    for use_cache in (False, True):
+        got = ranks(2).run(_documents_without_position_ids, [0, 10, 32], use_cache)
+        assert got[0] == got[1] and "numbers each shard alone" in got[0], (use_cache, got)
+    # Documents that each fill a shard: transformers' numbering is theirs.
+    got = ranks(2).run(_documents_without_position_ids, [0, 16, 32], True)
+    assert float(got[0]) < 1e-6, got
