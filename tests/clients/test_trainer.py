@@ -7,8 +7,10 @@ reduction (DDP's mean) equal the one-process loss and gradients, for SDPA with
 cplib's losses installed by the switch alone or by ``import cplib.hf`` too,
 and for ``attn_implementation="cplib"``; and Trainer still sees
 ``ForCausalLMLoss`` in ``LOSS_MAPPING`` (it counts ``num_items_in_batch`` over
-the shifted labels). Before cplib 0.1's clients work, ``import cplib.hf`` gave
-twice the loss and gradients here."""
+the shifted labels); and with Trainer compiling the model
+(``torch_compile=True``). Before cplib 0.1's clients work, ``import cplib.hf``
+gave twice the loss and gradients here; before the compiled case's fix,
+dynamo failed in cplib's loss (TypeError: 'int' object is not subscriptable)."""
 
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ def _through_trainers_sdpa_check(model, prepare):
     return wrapped
 
 
-def _trainer_step(attn: str, with_cplib_hf: bool) -> dict:
+def _trainer_step(attn: str, with_cplib_hf: bool, compiled: bool) -> dict:
     import cplib
     from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 
@@ -72,15 +74,18 @@ def _trainer_step(attn: str, with_cplib_hf: bool) -> dict:
                 model, inputs, None if attn == "sdpa" else
                 lambda trainer: unittest.mock.patch.object(
                     trainer, "_prepare_context_parallel_inputs",
-                    _through_trainers_sdpa_check(model, trainer._prepare_context_parallel_inputs)))
+                    _through_trainers_sdpa_check(model, trainer._prepare_context_parallel_inputs)),
+                compiled=compiled)
             assert model.config._attn_implementation == attn
-            return check_against(f"Trainer {attn} cplib.hf={with_cplib_hf}", loss, grads, want)
+            return check_against(f"Trainer {attn} cplib.hf={with_cplib_hf} {compiled=}", loss,
+                                 grads, want)
     finally:
         cplib.unpatch_torch()
 
 
-@pytest.mark.parametrize("attn,with_cplib_hf", [("sdpa", False), ("sdpa", True),
-                                                ("cplib", True)])
-def test_trainer_step_equals_one_process(ranks, attn, with_cplib_hf):
-    errors = ranks(2).run(_trainer_step, attn, with_cplib_hf)
+@pytest.mark.parametrize("attn,with_cplib_hf,compiled", [
+    ("sdpa", False, False), ("sdpa", True, False), ("cplib", True, False),
+    ("sdpa", False, True)])
+def test_trainer_step_equals_one_process(ranks, attn, with_cplib_hf, compiled):
+    errors = ranks(2).run(_trainer_step, attn, with_cplib_hf, compiled)
     assert errors[0] == errors[1]
