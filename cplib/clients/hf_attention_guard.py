@@ -195,12 +195,19 @@ def _packed_search(find: Callable) -> Callable:
     @functools.wraps(find)
     def find_packed_sequence_indices(position_ids: torch.Tensor, *args: Any, **kwargs: Any):
         config = active_config()
-        if config is not None and not torch.compiler.is_compiling():
+        if config is None:
+            return find(position_ids, *args, **kwargs)
+        if not torch.compiler.is_compiling():
             # _check_unpacked looks for documents the context was not given;
             # given them, what is left to catch is a numbering per shard.
             (_check_unpacked if config.cu_seqlens is None else _check_numbered_globally)(
                 position_ids)
-        return find(position_ids, *args, **kwargs)
+        # Under context parallelism the documents are cplib's: the context's
+        # (every attention call takes them) or none (checked above).
+        # transformers, seeing one shard, would take a load-balanced shard's
+        # jump (0..7, 24..31) or a border for a document start, and build a
+        # 4-D mask that the ring refuses.
+        return None
 
     return find_packed_sequence_indices
 

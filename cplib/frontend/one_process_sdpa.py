@@ -24,6 +24,7 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from ..attention.args import window_arg
 from .documents import current_window, documents_stack
+from .mode_kept import AUTOGRAD_ENTRIES, autograd_with_mode
 from .sdpa_dispatch import (CALLS_SDPA, MHA, check_mha_weights, active_config, dispatcher_enabled,
                             with_inner_sdpa)
 
@@ -45,6 +46,8 @@ class OneProcessMasks(TorchFunctionMode):
                 check_mha_weights(args, kwargs, "cplib cannot give a window or documents")
             if func in CALLS_SDPA:
                 return with_inner_sdpa(self, masked_sdpa, func, types_, args, kwargs)
+        if func in AUTOGRAD_ENTRIES:  # a checkpointed block recomputes with the masks
+            return autograd_with_mode(self, func, types_, args, kwargs)
         return func(*args, **kwargs)
 
 

@@ -23,6 +23,7 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from ..attention.args import backend_arg, check_inputs, scale_arg, window_arg
 from .documents import current_window, documents_stack
 from .dtensor_sdpa import disable_dtensor_sdpa, enable_dtensor_sdpa
+from .mode_kept import AUTOGRAD_ENTRIES, autograd_with_mode, redispatch
 from ..comm.handshake import agreed, forward_error
 from ..comm.native import call_translating, group_name_of
 from ..flex.call import is_graph_call
@@ -59,9 +60,6 @@ CALLS_SDPA = frozenset(
     f for f in vars(F).values()
     if isinstance(f, types.FunctionType) and "scaled_dot_product_attention" in f.__code__.co_names
 )
-# torch >= 2.13 can run a Python-level function with the mode still active
-# (so its inner SDPA call is routed); older torch falls back to patching.
-_redispatch = getattr(torch.overrides, "redispatch_function", None)
 
 # The CUDA kernels that return a log-sum-exp: SDPBackend value -> (torch flag, ring name).
 _CUDA_BACKENDS = {1: ("flash", "flash"), 2: ("mem_efficient", "efficient"), 3: ("cudnn", "cudnn")}
@@ -284,6 +282,8 @@ class CPDispatchMode(LetsFlexModulesThrough, TorchFunctionMode):
         if func in CALLS_SDPA:
             return with_inner_sdpa(self, functools.partial(routed_sdpa, self.config), func,
                                    types_, args, kwargs)
+        if func in AUTOGRAD_ENTRIES:
+            return autograd_with_mode(self, func, types_, args, kwargs)
         return call_translating(func, args, kwargs)
 
 
@@ -312,9 +312,9 @@ def with_inner_sdpa(mode: TorchFunctionMode, sdpa: Callable, func: Callable, typ
                     args: tuple, kwargs: dict) -> Any:
     """``func`` (a functional whose body calls SDPA: ``CALLS_SDPA``), called
     from ``mode``'s handler, with its inner SDPA call going to ``sdpa``."""
-    if _redispatch is not None:  # torch >= 2.13: run it with the mode still active
+    if redispatch is not None:  # torch >= 2.13: run it with the mode still active
         with mode:
-            return _redispatch(func, types_, args, kwargs)
+            return redispatch(func, types_, args, kwargs)
     # torch < 2.13: functions in torch.nn.functional call SDPA through the
     # module global, so patching it for this call routes their inner call.
     saved = F.scaled_dot_product_attention

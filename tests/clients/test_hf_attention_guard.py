@@ -17,6 +17,8 @@ attention ran across the border (on SDPA and on "cplib" alike): loss off by
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -132,26 +134,30 @@ def test_missing_position_ids_raise_with_a_cache_or_a_mask(ranks):
         assert got[0] == got[1] and text in got[0], (use_cache, mask, got)
 
 
-def _documents_without_position_ids(bounds: list[int], use_cache: bool) -> str:
-    """A region given its documents (``position_ids=`` of the context) and a
-    model given none: the error's text, or the mean loss's error against one
-    process given the documents' positions."""
+def _in_a_region(attn: str, bounds: list[int] | None, load_balance: bool, use_cache: bool,
+                 model_positions: bool) -> str:
+    """The mean loss's error against one process, or the error's text, for a
+    region given the documents ``bounds`` (None: none) and a model given its
+    position_ids (``model_positions``) or not."""
     import cplib
 
     n = dist.get_world_size()
-    model = _model("llama", "cplib")
+    model = _model("llama", attn)
     ids = torch.randint(0, 64, (1, 16 * n), generator=torch.Generator().manual_seed(1))
-    pos = torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])])[None]
+    pos = torch.cat([torch.arange(b - a) for a, b in zip(bounds or [0, 16 * n],
+                                                          (bounds or [0, 16 * n])[1:])])[None]
     labels = ids.clone()
+    docs = {"position_ids": pos} if bounds else {}
     with torch.no_grad():
         try:
             with cplib.context_parallel(DeviceMesh("cpu", list(range(n))),
-                                        buffers=[ids, labels], buffer_seq_dims=[1, 1],
-                                        load_balance=False, position_ids=pos):
-                loss = model(input_ids=ids, labels=labels, use_cache=use_cache).loss
+                                        buffers=[ids, labels, pos], buffer_seq_dims=[1, 1, 1],
+                                        load_balance=load_balance, **docs):
+                given = {"position_ids": pos} if model_positions else {}
+                loss = model(input_ids=ids, labels=labels, use_cache=use_cache, **given).loss
         except NotImplementedError as exc:
             return str(exc)
-        with cplib.attention_documents(position_ids=pos):
+        with cplib.attention_documents(position_ids=pos) if bounds else contextlib.nullcontext():
             want = model(input_ids=ids, position_ids=pos, labels=labels, use_cache=False).loss
     dist.all_reduce(loss)
     return f"{abs(loss.item() / n - want.item()):.1e}"
@@ -163,8 +169,20 @@ def test_missing_position_ids_raise_in_a_region_given_documents(ranks):
     0..15 instead of 6..21, and the mean loss missed one process's by 1.0e-4
     (with the default cache and without), silently."""
     for use_cache in (False, True):
-        got = ranks(2).run(_documents_without_position_ids, [0, 10, 32], use_cache)
+        got = ranks(2).run(_in_a_region, "cplib", [0, 10, 32], False, use_cache, False)
         assert got[0] == got[1] and "numbers each shard alone" in got[0], (use_cache, got)
     # Documents that each fill a shard: transformers' numbering is theirs.
-    got = ranks(2).run(_documents_without_position_ids, [0, 16, 32], True)
+    got = ranks(2).run(_in_a_region, "cplib", [0, 16, 32], False, True, False)
     assert float(got[0]) < 1e-6, got
+
+
+def test_sdpa_without_a_cache_runs_on_load_balanced_shards_and_documents(ranks):
+    """``use_cache=False`` (what gradient checkpointing forces in training):
+    transformers looks for packed documents in this rank's position_ids, and
+    took a load-balanced shard's jump (0..7, 24..31), or the context's
+    documents seen from one shard, for document starts; it built a 4-D mask,
+    which the ring refuses (NotImplementedError). The documents are cplib's
+    under context parallelism: the context's, or none (checked)."""
+    for bounds, load_balance in ((None, True), ([0, 10, 32], True), ([0, 10, 32], False)):
+        got = ranks(2).run(_in_a_region, "sdpa", bounds, load_balance, False, True)
+        assert float(got[0]) < 1e-6, (bounds, load_balance, got)

@@ -7,10 +7,14 @@ reduction (DDP's mean) equal the one-process loss and gradients, for SDPA with
 cplib's losses installed by the switch alone or by ``import cplib.hf`` too,
 and for ``attn_implementation="cplib"``; and Trainer still sees
 ``ForCausalLMLoss`` in ``LOSS_MAPPING`` (it counts ``num_items_in_batch`` over
-the shifted labels); and with Trainer compiling the model
-(``torch_compile=True``). Before cplib 0.1's clients work, ``import cplib.hf``
-gave twice the loss and gradients here; before the compiled case's fix,
-dynamo failed in cplib's loss (TypeError: 'int' object is not subscriptable)."""
+the shifted labels); with Trainer compiling the model (``torch_compile=True``,
+on aot_eager: dynamo's trace is what is tested, in a third of inductor's
+time) and with gradient checkpointing. Before cplib 0.1's clients work,
+``import cplib.hf`` gave twice the loss and gradients here; before this
+wave's fixes, dynamo failed in cplib's loss (TypeError: 'int' object is not
+subscriptable), and gradient checkpointing raised a CheckpointError (its
+recomputation ran without cplib's dispatch: tests/frontend/
+test_checkpoint_in_region.py)."""
 
 from __future__ import annotations
 
@@ -56,7 +60,11 @@ def _through_trainers_sdpa_check(model, prepare):
     return wrapped
 
 
-def _trainer_step(attn: str, with_cplib_hf: bool, compiled: bool) -> dict:
+_OPTIONS = {"": {}, "compiled": dict(torch_compile=True, torch_compile_backend="aot_eager"),
+            "checkpointed": dict(gradient_checkpointing=True)}
+
+
+def _trainer_step(attn: str, with_cplib_hf: bool, options: str) -> dict:
     import cplib
     from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 
@@ -75,17 +83,17 @@ def _trainer_step(attn: str, with_cplib_hf: bool, compiled: bool) -> dict:
                 lambda trainer: unittest.mock.patch.object(
                     trainer, "_prepare_context_parallel_inputs",
                     _through_trainers_sdpa_check(model, trainer._prepare_context_parallel_inputs)),
-                compiled=compiled)
+                **_OPTIONS[options])
             assert model.config._attn_implementation == attn
-            return check_against(f"Trainer {attn} cplib.hf={with_cplib_hf} {compiled=}", loss,
+            return check_against(f"Trainer {attn} cplib.hf={with_cplib_hf} {options}", loss,
                                  grads, want)
     finally:
         cplib.unpatch_torch()
 
 
-@pytest.mark.parametrize("attn,with_cplib_hf,compiled", [
-    ("sdpa", False, False), ("sdpa", True, False), ("cplib", True, False),
-    ("sdpa", False, True)])
-def test_trainer_step_equals_one_process(ranks, attn, with_cplib_hf, compiled):
-    errors = ranks(2).run(_trainer_step, attn, with_cplib_hf, compiled)
+@pytest.mark.parametrize("attn,with_cplib_hf,options", [
+    ("sdpa", False, ""), ("sdpa", True, ""), ("cplib", True, ""), ("sdpa", False, "compiled"),
+    ("sdpa", False, "checkpointed")])
+def test_trainer_step_equals_one_process(ranks, attn, with_cplib_hf, options):
+    errors = ranks(2).run(_trainer_step, attn, with_cplib_hf, options)
     assert errors[0] == errors[1]

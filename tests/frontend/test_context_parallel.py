@@ -204,15 +204,17 @@ def test_sdpa_matrix_front_end_reference(ranks, world_size):
 def _check_dispatch_paths(redispatch: bool) -> None:
     use_ring("reference")
     _reset_options()
+    import cplib.frontend.mode_kept as mode_kept
     import cplib.frontend.sdpa_dispatch as dispatch
 
-    saved = dispatch._redispatch
-    if not redispatch:  # torch < 2.13: the MHA path patches F's SDPA for that call
-        dispatch._redispatch = None
+    saved = dispatch.redispatch
+    if not redispatch:  # torch < 2.13: the MHA path patches F's SDPA for that call,
+        # and a backward goes past autograd's torch-function check itself.
+        dispatch.redispatch = mode_kept.redispatch = None
     try:
         _dispatch_paths()
     finally:
-        dispatch._redispatch = saved
+        dispatch.redispatch = mode_kept.redispatch = saved
     assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention
 
 

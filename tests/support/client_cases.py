@@ -180,14 +180,12 @@ class Rows(torch.utils.data.Dataset):
 
 
 def trainer_step(model, inputs: dict[str, torch.Tensor], patch_trainer=None,
-                 cp_size: int = 2, compiled: bool = False) -> tuple[torch.Tensor, dict]:
+                 cp_size: int = 2, **training_args) -> tuple[torch.Tensor, dict]:
     """One HF Trainer step of ``model`` on ``inputs`` with context parallelism
-    (``parallelism_config=ParallelismConfig(cp_size=...)``, learning rate 0):
-    the loss Trainer backpropagates and the gradients after its reduction
-    (before the optimizer). ``patch_trainer(trainer)``, a context manager,
-    wraps the step; ``compiled``: Trainer compiles the model
-    (``torch_compile=True``, on aot_eager: dynamo's trace is what is tested,
-    in a third of inductor's time)."""
+    (``parallelism_config=ParallelismConfig(cp_size=...)``, learning rate 0,
+    and ``training_args``): the loss Trainer backpropagates and the gradients
+    after its reduction (before the optimizer). ``patch_trainer(trainer)``, a
+    context manager, wraps the step."""
     from accelerate.utils import ParallelismConfig
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -202,8 +200,7 @@ def trainer_step(model, inputs: dict[str, torch.Tensor], patch_trainer=None,
         output_dir=scratch_dir(), per_device_train_batch_size=inputs["input_ids"].shape[0],
         max_steps=1, learning_rate=0.0, max_grad_norm=0.0, use_cpu=True, report_to=[],
         save_strategy="no", logging_strategy="no", disable_tqdm=True,
-        parallelism_config=ParallelismConfig(cp_size=cp_size), torch_compile=compiled,
-        torch_compile_backend="aot_eager" if compiled else None)
+        parallelism_config=ParallelismConfig(cp_size=cp_size), **training_args)
     with cpu_parallelism_accepted():
         trainer = Trainer(model=model, args=args, train_dataset=Rows(inputs),
                           callbacks=[KeepGrads()])

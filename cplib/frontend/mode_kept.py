@@ -1,0 +1,96 @@
+"""Calls made from a torch function mode's handler that must still see the
+mode: the mode is popped while its handler runs.
+
+Autograd runs a backward, on the calling thread and on a device's thread
+alike, under the function-mode stack it was started with. A backward
+started from the handler of cplib's SDPA dispatch (``loss.backward()`` in a
+``cplib.context_parallel`` region goes through it) would therefore run
+without the dispatch, and a checkpointed block (``torch.utils.checkpoint``:
+HF's gradient checkpointing, torchtitan's activation checkpointing)
+recomputed in it would call plain SDPA: attention within the shard, wrong
+gradients with ``use_reentrant=True``, a CheckpointError without. Both
+modes (sdpa_dispatch.py, one_process_sdpa.py) start autograd through
+:func:`autograd_with_mode`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
+from torch.autograd.graph import _engine_run_backward
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["redispatch", "AUTOGRAD_ENTRIES", "autograd_with_mode"]
+
+# torch >= 2.13 can call a function past one handler, so that the function
+# runs with the mode active again; older torch has no such call.
+redispatch = getattr(torch.overrides, "redispatch_function", None)
+
+AUTOGRAD_ENTRIES = frozenset({torch.Tensor.backward, torch.autograd.backward,
+                              torch.autograd.grad})
+
+
+def _as_tuple(x: Any) -> tuple:
+    return (x,) if isinstance(x, (torch.Tensor, torch.autograd.graph.GradientEdge)) else tuple(x)
+
+
+def _run_backward(tensors: Any, grads: Any, retain_graph: bool | None, create_graph: bool,
+                  inputs: Any, allow_unused: bool, accumulate: bool) -> tuple:
+    """What torch.autograd.backward and .grad run once past their
+    ``__torch_function__`` check (torch < 2.13: that check would call the
+    handler again)."""
+    tensors = _as_tuple(tensors)
+    grads = _make_grads(tensors, _tensor_or_tensors_to_tuple(grads, len(tensors)),
+                        is_grads_batched=False)
+    return _engine_run_backward(tensors, grads,
+                                create_graph if retain_graph is None else retain_graph,
+                                create_graph, () if inputs is None else _as_tuple(inputs),
+                                allow_unused, accumulate_grad=accumulate)
+
+
+def _tensor_backward(self: torch.Tensor, gradient: Any = None, retain_graph: bool | None = None,
+                     create_graph: bool = False, inputs: Any = None) -> None:
+    _run_backward(self, gradient, retain_graph, create_graph, inputs, True, True)
+
+
+def _autograd_backward(tensors: Any, grad_tensors: Any = None, retain_graph: bool | None = None,
+                       create_graph: bool = False, grad_variables: Any = None,
+                       inputs: Any = None) -> None:
+    _run_backward(tensors, grad_tensors, retain_graph, create_graph, inputs, True, True)
+
+
+def _autograd_grad(outputs: Any, inputs: Any, grad_outputs: Any = None,
+                   retain_graph: bool | None = None, create_graph: bool = False,
+                   only_inputs: bool = True, allow_unused: bool | None = None,
+                   is_grads_batched: bool = False, materialize_grads: bool = False) -> tuple:
+    if is_grads_batched:
+        raise NotImplementedError(
+            "cplib: torch.autograd.grad(is_grads_batched=True) under cplib's SDPA dispatch "
+            f"needs torch >= 2.13 (this is {torch.__version__}) to keep the dispatch in the "
+            "backward")
+    inputs = _as_tuple(inputs)
+    result = _run_backward(outputs, grad_outputs, retain_graph, create_graph, inputs,
+                           materialize_grads if allow_unused is None else allow_unused, False)
+    if materialize_grads:  # as torch.autograd.grad fills them
+        result = tuple(torch.zeros_like(i, requires_grad=True) if g is None else g
+                       for g, i in zip(result, inputs))
+    return result
+
+
+_PAST_THE_CHECK: dict[Callable, Callable] = {
+    torch.Tensor.backward: _tensor_backward,
+    torch.autograd.backward: _autograd_backward,
+    torch.autograd.grad: _autograd_grad,
+}
+
+
+def autograd_with_mode(mode: TorchFunctionMode, func: Callable, types_: tuple, args: tuple,
+                       kwargs: dict) -> Any:
+    """``func`` (one of ``AUTOGRAD_ENTRIES``), called from ``mode``'s handler,
+    with ``mode`` in the stack that its backward runs under."""
+    with mode:
+        if redispatch is not None:
+            return redispatch(func, types_, args, kwargs)
+        return _PAST_THE_CHECK[func](*args, **kwargs)
