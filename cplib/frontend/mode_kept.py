@@ -10,7 +10,9 @@ HF's gradient checkpointing, torchtitan's activation checkpointing)
 recomputed in it would call plain SDPA: attention within the shard, wrong
 gradients with ``use_reentrant=True``, a CheckpointError without. Both
 modes (sdpa_dispatch.py, one_process_sdpa.py) start autograd through
-:func:`autograd_with_mode`.
+:func:`autograd_with_mode`; the ring's dispatch only once it has routed a
+call that :func:`may_be_recomputed` (a mode in the backward costs every
+Python-level torch call there a handler).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
 from torch.autograd.graph import _engine_run_backward
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["redispatch", "AUTOGRAD_ENTRIES", "autograd_with_mode"]
+__all__ = ["redispatch", "AUTOGRAD_ENTRIES", "autograd_with_mode", "may_be_recomputed"]
 
 # torch >= 2.13 can call a function past one handler, so that the function
 # runs with the mode active again; older torch has no such call.
@@ -30,6 +32,16 @@ redispatch = getattr(torch.overrides, "redispatch_function", None)
 
 AUTOGRAD_ENTRIES = frozenset({torch.Tensor.backward, torch.autograd.backward,
                               torch.autograd.grad})
+
+
+def may_be_recomputed() -> bool:
+    """Whether a call made now may run again in a backward:
+    torch.utils.checkpoint runs its forward without grad (reentrant) or under
+    its saved-tensor hooks (not reentrant). Host state, read eagerly only."""
+    if torch.compiler.is_compiling():  # a compiled graph recomputes inside itself
+        return False
+    return (not torch.is_grad_enabled()
+            or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None)
 
 
 def _as_tuple(x: Any) -> tuple:

@@ -23,7 +23,7 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from ..attention.args import backend_arg, check_inputs, scale_arg, window_arg
 from .documents import current_window, documents_stack
 from .dtensor_sdpa import disable_dtensor_sdpa, enable_dtensor_sdpa
-from .mode_kept import AUTOGRAD_ENTRIES, autograd_with_mode, redispatch
+from .mode_kept import AUTOGRAD_ENTRIES, autograd_with_mode, may_be_recomputed, redispatch
 from ..comm.handshake import agreed, forward_error
 from ..comm.native import call_translating, group_name_of
 from ..flex.call import is_graph_call
@@ -261,6 +261,9 @@ class CPDispatchMode(LetsFlexModulesThrough, TorchFunctionMode):
         # the ones their ring makes, are theirs; any other would stay within
         # a shard.
         self.flex_modules = 0
+        # Whether an attention call routed here may be recomputed in a backward
+        # (checkpointed): only then does a backward started here keep the mode.
+        self.recomputable = False
 
     def __torch_function__(self, func: Callable, types_: tuple, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
@@ -274,15 +277,17 @@ class CPDispatchMode(LetsFlexModulesThrough, TorchFunctionMode):
         if func is _SDPA:
             if self.handle is not None and documents_stack:
                 _refuse_module_documents()
+            self.recomputable = self.recomputable or may_be_recomputed()
             return routed_sdpa(self.config, *args, **kwargs)
         if func is MHA:
             _agreed_in(self.config, "multi_head_attention_forward",
                        [a for a in args if isinstance(a, torch.Tensor)],
                        lambda: check_mha_weights(args, kwargs))
         if func in CALLS_SDPA:
+            self.recomputable = self.recomputable or may_be_recomputed()
             return with_inner_sdpa(self, functools.partial(routed_sdpa, self.config), func,
                                    types_, args, kwargs)
-        if func in AUTOGRAD_ENTRIES:
+        if func in AUTOGRAD_ENTRIES and self.recomputable:
             return autograd_with_mode(self, func, types_, args, kwargs)
         return call_translating(func, args, kwargs)
 
