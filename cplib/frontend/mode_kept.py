@@ -1,5 +1,6 @@
 """Calls made from a torch function mode's handler that must still see the
-mode: the mode is popped while its handler runs.
+mode (the mode is popped while its handler runs): a functional whose body
+calls SDPA (:func:`with_inner_sdpa`), and autograd (:func:`autograd_with_mode`).
 
 Autograd runs a backward, on the calling thread and on a device's thread
 alike, under the function-mode stack it was started with. A backward
@@ -20,11 +21,13 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
 from torch.autograd.graph import _engine_run_backward
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["redispatch", "AUTOGRAD_ENTRIES", "autograd_with_mode", "may_be_recomputed"]
+__all__ = ["redispatch", "AUTOGRAD_ENTRIES", "autograd_with_mode", "may_be_recomputed",
+           "with_inner_sdpa"]
 
 # torch >= 2.13 can call a function past one handler, so that the function
 # runs with the mode active again; older torch has no such call.
@@ -106,3 +109,20 @@ def autograd_with_mode(mode: TorchFunctionMode, func: Callable, types_: tuple, a
         if redispatch is not None:
             return redispatch(func, types_, args, kwargs)
         return _PAST_THE_CHECK[func](*args, **kwargs)
+
+
+def with_inner_sdpa(mode: TorchFunctionMode, sdpa: Callable, func: Callable, types_: tuple,
+                    args: tuple, kwargs: dict) -> Any:
+    """``func`` (a functional whose body calls SDPA: ``CALLS_SDPA``), called
+    from ``mode``'s handler, with its inner SDPA call going to ``sdpa``."""
+    if redispatch is not None:  # torch >= 2.13: run it with the mode still active
+        with mode:
+            return redispatch(func, types_, args, kwargs)
+    # torch < 2.13: functions in torch.nn.functional call SDPA through the
+    # module global, so patching it for this call routes their inner call.
+    saved = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = sdpa
+    try:
+        return func(*args, **kwargs)
+    finally:
+        F.scaled_dot_product_attention = saved

@@ -24,9 +24,8 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from ..attention.args import window_arg
 from .documents import current_window, documents_stack
-from .mode_kept import AUTOGRAD_ENTRIES, autograd_with_mode
-from .sdpa_dispatch import (CALLS_SDPA, MHA, check_mha_weights, active_config, dispatcher_enabled,
-                            with_inner_sdpa)
+from .mode_kept import AUTOGRAD_ENTRIES, autograd_with_mode, with_inner_sdpa
+from .sdpa_dispatch import CALLS_SDPA, MHA, check_mha_weights, active_config, dispatcher_enabled
 
 __all__ = ["OneProcessMasks", "one_process_masks", "masked_sdpa"]
 

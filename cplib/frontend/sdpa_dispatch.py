@@ -23,7 +23,7 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from ..attention.args import backend_arg, check_inputs, scale_arg, window_arg
 from .documents import current_window, documents_stack
 from .dtensor_sdpa import disable_dtensor_sdpa, enable_dtensor_sdpa
-from .mode_kept import AUTOGRAD_ENTRIES, autograd_with_mode, may_be_recomputed, redispatch
+from .mode_kept import AUTOGRAD_ENTRIES, autograd_with_mode, may_be_recomputed, with_inner_sdpa
 from ..comm.handshake import agreed, forward_error
 from ..comm.native import call_translating, group_name_of
 from ..flex.call import is_graph_call
@@ -41,7 +41,6 @@ __all__ = [
     "agreed_before_attention",
     "active_config",
     "max_over_cp_ranks",
-    "with_inner_sdpa",
     "CALLS_SDPA",
     "MHA",
     "check_mha_weights",
@@ -311,23 +310,6 @@ def max_over_cp_ranks(t: torch.Tensor, config: RingConfig) -> None:
         if name is not None:
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX,
                                          group=_resolve_process_group(name))
-
-
-def with_inner_sdpa(mode: TorchFunctionMode, sdpa: Callable, func: Callable, types_: tuple,
-                    args: tuple, kwargs: dict) -> Any:
-    """``func`` (a functional whose body calls SDPA: ``CALLS_SDPA``), called
-    from ``mode``'s handler, with its inner SDPA call going to ``sdpa``."""
-    if redispatch is not None:  # torch >= 2.13: run it with the mode still active
-        with mode:
-            return redispatch(func, types_, args, kwargs)
-    # torch < 2.13: functions in torch.nn.functional call SDPA through the
-    # module global, so patching it for this call routes their inner call.
-    saved = F.scaled_dot_product_attention
-    F.scaled_dot_product_attention = sdpa
-    try:
-        return func(*args, **kwargs)
-    finally:
-        F.scaled_dot_product_attention = saved
 
 
 _enabled = [False]  # torch's API toggles the dispatcher process-wide

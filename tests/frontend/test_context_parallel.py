@@ -205,16 +205,15 @@ def _check_dispatch_paths(redispatch: bool) -> None:
     use_ring("reference")
     _reset_options()
     import cplib.frontend.mode_kept as mode_kept
-    import cplib.frontend.sdpa_dispatch as dispatch
 
-    saved = dispatch.redispatch
+    saved = mode_kept.redispatch
     if not redispatch:  # torch < 2.13: the MHA path patches F's SDPA for that call,
         # and a backward goes past autograd's torch-function check itself.
-        dispatch.redispatch = mode_kept.redispatch = None
+        mode_kept.redispatch = None
     try:
         _dispatch_paths()
     finally:
-        dispatch.redispatch = mode_kept.redispatch = saved
+        mode_kept.redispatch = saved
     assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention
 
 
