@@ -1,6 +1,7 @@
 """A hybrid model (tiny Qwen3-Next: Gated DeltaNet and attention layers, SDPA)
 under context parallelism in processes that never import ``cplib.hf``: HF
-Trainer through ``cplib.patch_torch()`` (the issue's one switch), and a plain
+Trainer through ``cplib.patch_torch()`` (the issue's one switch; with
+gradient checkpointing, whose recomputation carries the state too), and a plain
 ``cplib.context_parallel`` region with a loss of the user's own
 (``cplib.loss.cross_entropy``) or HF's (``labels=``). Either way the Gated DeltaNet layers carry
 their conv halo and recurrent state across the 2 gloo ranks: the mean over
@@ -88,9 +89,12 @@ def _trainer_with_the_switch() -> float:
             want = one_process(model, inputs)
             with pytest.raises(ValueError, match="linear_attention"):  # accelerate's refusal
                 trainer_step(model, inputs)
+            # With gradient checkpointing, as such models train: the recomputation
+            # in the backward carries the layers' state too.
             with hybrid_layer_types_accepted():
-                loss, grads = trainer_step(model, inputs)
-            return _check("Trainer, patch_torch, Qwen3-Next sdpa", loss, grads, want)
+                loss, grads = trainer_step(model, inputs, gradient_checkpointing=True)
+            return _check("Trainer, patch_torch, Qwen3-Next sdpa, checkpointed", loss, grads,
+                          want)
     finally:
         cplib.unpatch_torch()
 
