@@ -7,14 +7,16 @@ reduction (DDP's mean) equal the one-process loss and gradients, for SDPA with
 cplib's losses installed by the switch alone or by ``import cplib.hf`` too,
 and for ``attn_implementation="cplib"``; and Trainer still sees
 ``ForCausalLMLoss`` in ``LOSS_MAPPING`` (it counts ``num_items_in_batch`` over
-the shifted labels); with Trainer compiling the model (``torch_compile=True``,
-on aot_eager: dynamo's trace is what is tested, in a third of inductor's
-time) and with gradient checkpointing. Before cplib 0.1's clients work,
-``import cplib.hf`` gave twice the loss and gradients here; before this
-wave's fixes, dynamo failed in cplib's loss (TypeError: 'int' object is not
-subscriptable), and gradient checkpointing raised a CheckpointError (its
+the shifted labels); with gradient checkpointing, eager and with Trainer
+compiling the model (``torch_compile=True``, on aot_eager: dynamo's trace is
+what is tested, in a third of inductor's time). Before cplib 0.1's clients
+work, ``import cplib.hf`` gave twice the loss and gradients here. Before this
+session's fixes, gradient checkpointing raised a CheckpointError (its
 recomputation ran without cplib's dispatch: tests/frontend/
-test_checkpoint_in_region.py)."""
+test_checkpoint_in_region.py); compiled, dynamo failed in cplib's loss
+(TypeError: 'int' object is not subscriptable), and with that fixed the
+compiled checkpointed layers ran torch's SDPA on the shard alone (the loss
+off by 1.8e-3, silently: cplib/clients/hf_checkpointing.py)."""
 
 from __future__ import annotations
 
@@ -60,8 +62,9 @@ def _through_trainers_sdpa_check(model, prepare):
     return wrapped
 
 
-_OPTIONS = {"": {}, "compiled": dict(torch_compile=True, torch_compile_backend="aot_eager"),
-            "checkpointed": dict(gradient_checkpointing=True)}
+_OPTIONS = {"": {}, "checkpointed": dict(gradient_checkpointing=True),
+            "compiled, checkpointed": dict(torch_compile=True, torch_compile_backend="aot_eager",
+                                           gradient_checkpointing=True)}
 
 
 def _trainer_step(attn: str, with_cplib_hf: bool, options: str) -> dict:
@@ -92,8 +95,8 @@ def _trainer_step(attn: str, with_cplib_hf: bool, options: str) -> dict:
 
 
 @pytest.mark.parametrize("attn,with_cplib_hf,options", [
-    ("sdpa", False, ""), ("sdpa", True, ""), ("cplib", True, ""), ("sdpa", False, "compiled"),
-    ("sdpa", False, "checkpointed")])
+    ("sdpa", False, ""), ("sdpa", True, ""), ("cplib", True, ""), ("sdpa", False, "checkpointed"),
+    ("sdpa", False, "compiled, checkpointed")])
 def test_trainer_step_equals_one_process(ranks, attn, with_cplib_hf, options):
     errors = ranks(2).run(_trainer_step, attn, with_cplib_hf, options)
     assert errors[0] == errors[1]
