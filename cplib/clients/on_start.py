@@ -6,16 +6,14 @@ recurrent and conv layers carried across the ranks or refused
 and the refusal of HF's other losses (hf_loss.py), and the refusal of
 attention paths that would stay within a shard (hf_attention_guard.py), of
 models that pool one token (hf_pooled.py) and of labels given to a model
-that computes its loss itself (hf_own_loss.py); and checkpointed layers run
-eagerly in a compiled model (hf_checkpointing.py). Each install is
-idempotent and local."""
+that computes its loss itself (hf_own_loss.py). Each install is idempotent
+and local."""
 
 from __future__ import annotations
 
 import sys
 
 from .hf_attention_guard import install_attention_guard
-from .hf_checkpointing import install_checkpointing_outside_dynamo
 from .hf_hybrid import install_hybrid_layers
 from .hf_loss import install_hf_losses
 from .hf_own_loss import install_own_loss_refusal
@@ -25,7 +23,7 @@ __all__ = ["install_into_transformers"]
 
 
 def install_into_transformers() -> None:
-    """The six installs, once transformers' models are imported (before,
+    """The five installs, once transformers' models are imported (before,
     none of its models exists, and none is built without that import)."""
     if "transformers.modeling_utils" not in sys.modules:
         return
@@ -34,4 +32,3 @@ def install_into_transformers() -> None:
     install_attention_guard()
     install_pooled_refusal()
     install_own_loss_refusal()
-    install_checkpointing_outside_dynamo()

@@ -1,6 +1,7 @@
 """Calls made from a torch function mode's handler that must still see the
 mode (the mode is popped while its handler runs): a functional whose body
-calls SDPA (:func:`with_inner_sdpa`), and autograd (:func:`autograd_with_mode`).
+calls SDPA (:func:`with_inner_sdpa`), a higher-order op's body
+(:func:`body_with_mode`), and autograd (:func:`autograd_with_mode`).
 
 Autograd runs a backward, on the calling thread and on a device's thread
 alike, under the function-mode stack it was started with. A backward
@@ -26,8 +27,8 @@ from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
 from torch.autograd.graph import _engine_run_backward
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["redispatch", "AUTOGRAD_ENTRIES", "autograd_with_mode", "may_be_recomputed",
-           "with_inner_sdpa"]
+__all__ = ["redispatch", "AUTOGRAD_ENTRIES", "autograd_with_mode", "body_with_mode",
+           "may_be_recomputed", "with_inner_sdpa"]
 
 # torch >= 2.13 can call a function past one handler, so that the function
 # runs with the mode active again; older torch has no such call.
@@ -101,14 +102,39 @@ _PAST_THE_CHECK: dict[Callable, Callable] = {
 }
 
 
+def _redispatched_with(mode: TorchFunctionMode, func: Callable, types_: tuple, args: tuple,
+                       kwargs: dict) -> Any:
+    """``func`` past ``mode``'s handler, with ``mode`` active again (torch >= 2.13)."""
+    with mode:
+        return redispatch(func, types_, args, kwargs)
+
+
 def autograd_with_mode(mode: TorchFunctionMode, func: Callable, types_: tuple, args: tuple,
                        kwargs: dict) -> Any:
     """``func`` (one of ``AUTOGRAD_ENTRIES``), called from ``mode``'s handler,
     with ``mode`` in the stack that its backward runs under."""
+    if redispatch is not None:
+        return _redispatched_with(mode, func, types_, args, kwargs)
     with mode:
-        if redispatch is not None:
-            return redispatch(func, types_, args, kwargs)
         return _PAST_THE_CHECK[func](*args, **kwargs)
+
+
+def body_with_mode(mode: TorchFunctionMode, func: Callable, types_: tuple, args: tuple,
+                   kwargs: dict) -> Any:
+    """A higher-order op (``func``: a ``torch.utils.checkpoint`` that dynamo
+    traces, ...) called from ``mode``'s handler, its body run with ``mode``
+    active. Left to itself, dynamo traced a checkpointed layer's attention in
+    a compiled model as torch's SDPA on the shard, silently. It cannot trace
+    the body with the mode either (the op inside comes back to this handler),
+    so a graph break runs the user's call eagerly, under the mode: the
+    checkpointed layer leaves the graph, the functions it calls compile
+    anew; under ``fullgraph=True`` the break raises. torch < 2.13 hands such
+    ops to no mode (its body sees the mode anyway)."""
+    if redispatch is None:
+        return func(*args, **kwargs)
+    if torch.compiler.is_compiling():
+        torch._dynamo.graph_break()
+    return _redispatched_with(mode, func, types_, args, kwargs)
 
 
 def with_inner_sdpa(mode: TorchFunctionMode, sdpa: Callable, func: Callable, types_: tuple,
@@ -116,8 +142,7 @@ def with_inner_sdpa(mode: TorchFunctionMode, sdpa: Callable, func: Callable, typ
     """``func`` (a functional whose body calls SDPA: ``CALLS_SDPA``), called
     from ``mode``'s handler, with its inner SDPA call going to ``sdpa``."""
     if redispatch is not None:  # torch >= 2.13: run it with the mode still active
-        with mode:
-            return redispatch(func, types_, args, kwargs)
+        return _redispatched_with(mode, func, types_, args, kwargs)
     # torch < 2.13: functions in torch.nn.functional call SDPA through the
     # module global, so patching it for this call routes their inner call.
     saved = F.scaled_dot_product_attention

@@ -20,11 +20,12 @@ from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
+from torch._ops import HigherOrderOperator
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from ..attention.args import window_arg
 from .documents import current_window, documents_stack
-from .mode_kept import AUTOGRAD_ENTRIES, autograd_with_mode, with_inner_sdpa
+from .mode_kept import AUTOGRAD_ENTRIES, autograd_with_mode, body_with_mode, with_inner_sdpa
 from .sdpa_dispatch import CALLS_SDPA, MHA, check_mha_weights, active_config, dispatcher_enabled
 
 __all__ = ["OneProcessMasks", "one_process_masks", "masked_sdpa"]
@@ -47,6 +48,8 @@ class OneProcessMasks(TorchFunctionMode):
                 return with_inner_sdpa(self, masked_sdpa, func, types_, args, kwargs)
         if func in AUTOGRAD_ENTRIES:  # a checkpointed block recomputes with the masks
             return autograd_with_mode(self, func, types_, args, kwargs)
+        if isinstance(func, HigherOrderOperator):  # a compiled checkpoint's body
+            return body_with_mode(self, func, types_, args, kwargs)
         return func(*args, **kwargs)
 
 

@@ -16,7 +16,7 @@ recomputation ran without cplib's dispatch: tests/frontend/
 test_checkpoint_in_region.py); compiled, dynamo failed in cplib's loss
 (TypeError: 'int' object is not subscriptable), and with that fixed the
 compiled checkpointed layers ran torch's SDPA on the shard alone (the loss
-off by 1.8e-3, silently: cplib/clients/hf_checkpointing.py)."""
+off by 1.8e-3, silently: cplib/frontend/mode_kept.py body_with_mode)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@ of attention inside a ``cplib.context_parallel`` region, and inside an
 ``attention_window`` block outside context parallelism: the recomputation in
 the backward runs through cplib's dispatch too, so the gradients are one
 process's (cplib/frontend/mode_kept.py), whichever way autograd is started
-(``loss.backward()``, ``torch.autograd.backward``, ``torch.autograd.grad``).
+(``loss.backward()``, ``torch.autograd.backward``, ``torch.autograd.grad``),
+and compiled (the checkpoint's body traced through the dispatch too).
 
 Before, on 2 gloo ranks (S = 32, fp64): the dispatch, popped while it
 handled ``loss.backward()``, was missing from the stack autograd ran the
@@ -61,18 +62,23 @@ def _checkpointed_in_region(reentrant: bool, entry: str, old_torch: bool) -> int
         mode_kept.redispatch = saved
 
 
-def _checkpointed(reentrant: bool, entry: str) -> int:
+def _checkpointed_block(x: torch.Tensor, w: torch.Tensor, reentrant: bool) -> torch.Tensor:
+    if reentrant:  # its input needs a gradient for the checkpoint to run a backward
+        x = x * torch.ones((), dtype=x.dtype, requires_grad=True)
+    return checkpoint(_block, x, w, use_reentrant=reentrant)
+
+
+def _checkpointed(reentrant: bool, entry: str, compiled: bool = False) -> int:
     import cplib
 
     x, w = _weights()
     want = _grad_of(_block(x, w).pow(2).sum(), w, "backward")
     n = dist.get_world_size()
+    run = (torch.compile(_checkpointed_block, backend="aot_eager") if compiled
+           else _checkpointed_block)
     with cplib.context_parallel(DeviceMesh("cpu", list(range(n))), buffers=[x],
                                 buffer_seq_dims=[2]):
-        # The input needs a gradient for the reentrant checkpoint to run a backward.
-        out = checkpoint(_block, x * torch.ones((), dtype=x.dtype, requires_grad=True), w,
-                         use_reentrant=reentrant)
-        got = _grad_of(out.pow(2).sum(), w, entry)
+        got = _grad_of(run(x, w, reentrant).pow(2).sum(), w, entry)
     dist.all_reduce(got)  # each rank's loss is its shard's part of the sum
     assert_close(got, want, what=f"dw, {reentrant=}, {entry}", **TOL)
     return 1
@@ -88,6 +94,14 @@ def test_checkpointed_attention_in_a_region_has_one_process_gradients(ranks, wor
             [1] * world_size
 
 
+def test_compiled_checkpointed_attention_in_a_region_has_one_process_gradients(ranks):
+    """torch.compile traces the checkpoint as a higher-order op, which it
+    hands to the region's dispatch; before, the dispatch, popped meanwhile,
+    left the body to torch's SDPA on the shard: dW off by 21.8, silently.
+    Now the checkpoint runs eagerly under the dispatch (a graph break)."""
+    assert ranks(2).run(_checkpointed, False, "backward", True) == [1, 1]
+
+
 def test_checkpointed_attention_in_an_attention_window_block():
     import cplib
 
@@ -95,10 +109,10 @@ def test_checkpointed_attention_in_an_attention_window_block():
     mask = torch.ones(32, 32, dtype=torch.bool).tril().triu(-5)  # (5, 0): 5 keys back
     want = F.scaled_dot_product_attention(x @ w, x, x, attn_mask=mask).pow(2).sum()
     want = torch.autograd.grad(want, [w])[0]
+    compiled = torch.compile(_checkpointed_block, backend="aot_eager")
     with cplib.attention_window((5, 0)):
-        for reentrant in (True, False):
-            out = checkpoint(_block, x * torch.ones((), dtype=x.dtype, requires_grad=True), w,
-                             use_reentrant=reentrant)
-            out.pow(2).sum().backward()
-            assert_close(w.grad, want, what=f"dw, {reentrant=}", **TOL)
+        for run, reentrant in ((_checkpointed_block, True), (_checkpointed_block, False),
+                               (compiled, False)):
+            run(x, w, reentrant).pow(2).sum().backward()
+            assert_close(w.grad, want, what=f"dw, {reentrant=}, {run is compiled=}", **TOL)
             w.grad = None
