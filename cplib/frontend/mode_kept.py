@@ -128,12 +128,12 @@ def body_with_mode(mode: TorchFunctionMode, func: Callable, types_: tuple, args:
     the body with the mode either (the op inside comes back to this handler),
     so a graph break runs the user's call eagerly, under the mode: the
     checkpointed layer leaves the graph, the functions it calls compile
-    anew; under ``fullgraph=True`` the break raises. torch < 2.13 hands such
-    ops to no mode (its body sees the mode anyway)."""
-    if redispatch is None:
-        return func(*args, **kwargs)
+    anew; under ``fullgraph=True`` the break raises. An eager call on torch
+    < 2.13 (no redispatch) runs as before, the mode popped."""
     if torch.compiler.is_compiling():
         torch._dynamo.graph_break()
+    if redispatch is None:
+        return func(*args, **kwargs)
     return _redispatched_with(mode, func, types_, args, kwargs)
 
 
