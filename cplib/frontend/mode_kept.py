@@ -41,9 +41,11 @@ AUTOGRAD_ENTRIES = frozenset({torch.Tensor.backward, torch.autograd.backward,
 def may_be_recomputed() -> bool:
     """Whether a call made now may run again in a backward:
     torch.utils.checkpoint runs its forward without grad (reentrant) or under
-    its saved-tensor hooks (not reentrant). Host state, read eagerly only."""
-    if torch.compiler.is_compiling():  # a compiled graph recomputes inside itself
-        return False
+    its saved-tensor hooks (not reentrant). Traced, it may be a function an
+    eager checkpoint calls (body_with_mode), whose hooks a trace cannot read:
+    yes."""
+    if torch.compiler.is_compiling():
+        return True
     return (not torch.is_grad_enabled()
             or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None)
 
