@@ -74,34 +74,59 @@ def test_other_backends_keep_their_kernel_for_one_by_one_blocks(backend):
     assert (forward, backward) == ([backend], [backend]), (forward, backward)
 
 
-def _efficient_head_dims(head_dim: int, dtype: torch.dtype, masked: bool):
-    """The head dims the efficient kernels received (forward, backward) for
-    one probed block of ``head_dim``, and the probe's results."""
+PROFILED = {torch.bfloat16: "c10::BFloat16", torch.float16: "c10::Half", torch.float32: "float"}
+
+
+def _efficient_inputs(head_dim: int, dtype: torch.dtype, masked: bool):
+    """The (head dim, dtype) pairs of q, k, v (and grad_out) that the
+    efficient kernels received, forward and backward, for one probed block of
+    ``head_dim`` in ``dtype``, and the probe's results."""
     q = torch.empty(1, 4, 48, head_dim, device="meta", dtype=dtype)
     k = torch.empty(1, 2, 48, head_dim, device="meta", dtype=dtype)
     with torch.profiler.profile(record_shapes=True) as prof:
         results = ops._cuda_glue_probe(q, k, k, "efficient", True, masked, True, None)
-    dims = {}
+    seen = {}
     for e in prof.events():
         if e.name in ("aten::_scaled_dot_product_efficient_attention",
                       "aten::_scaled_dot_product_efficient_attention_backward"):
             backward = e.name in BACKWARD  # (grad_out, q, k, v, ...), else (q, k, v, ...)
-            shapes = e.input_shapes[:4] if backward else e.input_shapes[:3]
-            dims.setdefault("backward" if backward else "forward", set()).update(
-                s[-1] for s in shapes)
-    return dims, q, results
+            n = 4 if backward else 3
+            seen.setdefault("backward" if backward else "forward", set()).update(
+                (s[-1], t) for s, t in zip(e.input_shapes[:n], e.input_dtypes[:n]))
+    return seen, q, results
+
+
+def _check_results(q, results, head_dim):
+    out, lse, dq, dk, dv = results
+    assert out.shape == q.shape and dq.shape == q.shape and dk.shape == dv.shape
+    assert dk.shape[-1] == head_dim
+    assert {t.dtype for t in (out, dq, dk, dv)} == {q.dtype}
 
 
 # The efficient kernels refuse rows that are not 16-byte aligned ("query is
 # not correctly aligned (strideM)": bf16 head dim 36, the ring's masked tiles
 # on an H200): such head dims are zero-padded at the call, as for flash.
-@pytest.mark.parametrize("masked", [False, True], ids=["plain", "masked"])
 @pytest.mark.parametrize("head_dim,dtype,seen", [
     (36, torch.bfloat16, 40), (36, torch.float16, 40), (36, torch.float32, 36),
     (20, torch.float32, 20), (64, torch.bfloat16, 64)], ids=["bf16-36", "fp16-36", "fp32-36",
                                                              "fp32-20", "bf16-64"])
-def test_efficient_pads_unaligned_head_dims(head_dim, dtype, seen, masked):
-    dims, q, (out, lse, dq, dk, dv) = _efficient_head_dims(head_dim, dtype, masked)
-    assert dims == {"forward": {seen}, "backward": {seen}}, dims
-    assert out.shape == q.shape and dq.shape == q.shape and dk.shape == dv.shape
-    assert dk.shape[-1] == head_dim
+def test_efficient_pads_unaligned_head_dims(head_dim, dtype, seen):
+    inputs, q, results = _efficient_inputs(head_dim, dtype, masked=False)
+    want = {(seen, PROFILED[dtype])}
+    assert inputs == {"forward": want, "backward": want}, inputs
+    _check_results(q, results, head_dim)
+
+
+# A masked fp16/bf16 tile whose head dim is no multiple of 8 is one no fused
+# kernel takes, so SDPA computes it in fp32 (its math path); the ring's masked
+# tiles run the efficient kernel in fp32 there (a padded bf16 one gave dq
+# about 2x SDPA's error on an H200), and return the tile's dtype.
+@pytest.mark.parametrize("head_dim,dtype,seen", [
+    (36, torch.bfloat16, (36, "float")), (36, torch.float16, (36, "float")),
+    (36, torch.float32, (36, "float")), (20, torch.float32, (20, "float")),
+    (64, torch.bfloat16, (64, "c10::BFloat16"))],
+    ids=["bf16-36", "fp16-36", "fp32-36", "fp32-20", "bf16-64"])
+def test_masked_tiles_with_unaligned_half_head_dims_run_in_fp32(head_dim, dtype, seen):
+    inputs, q, results = _efficient_inputs(head_dim, dtype, masked=True)
+    assert inputs == {"forward": {seen}, "backward": {seen}}, inputs
+    _check_results(q, results, head_dim)

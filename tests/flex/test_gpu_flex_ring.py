@@ -5,10 +5,16 @@ backward graph. Two ways a model compiles flex:
 
 * the whole CP model under ``torch.compile(fullgraph=True)``;
 * the module holding ``torch.compile(flex_attention)`` (as torchtitan's),
-  the rest eager: each ring step runs compiled, and the peak memory of
-  forward and backward stays under what one unfused step of each rank
-  holds at once (its (L x L) fp32 score block per batch and head), which
-  a step run eagerly on CUDA materialises.
+  the rest eager: each ring step runs compiled.
+
+Both ways, the memory that forward and backward add on top of the ranks'
+inputs and masks stays under what one unfused step of each rank holds at
+once (its (L x L) fp32 score block per batch and head), which a step run
+eagerly on CUDA materialises. The device's memory statistics are
+process-global: the main thread reads and resets them while every rank
+thread waits (``MainThreadPauses``), once the ranks hold their inputs and
+masks (built with the whole sequence's tensors, which are not the
+attention's memory), and again after the forward.
 
 Out, lse and the gradients of q, k, v within 1.5x the error of the same
 single-device fp32 call against float64 truth: the same compiled flex on
@@ -21,6 +27,8 @@ runs the same bodies on the CPU (aot_eager, S=512, no memory bound), so CI
 reaches them."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
@@ -58,24 +66,98 @@ def _cp(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         seq_dim=2, attention_type=cplib._ContextParallel.AttentionType.FLEX))
 
 
-def _rank_rows(how: str, S: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+class MainThreadPauses:
+    """Points at which every rank thread waits while the main thread acts.
+    Each pause is two trips of a pair of barriers (arrive, leave) shared by
+    the ranks and the main thread; ``abort`` breaks them, so that a failing
+    rank leaves nobody waiting."""
+
+    def __init__(self, ranks: int):
+        self._arrive, self._leave = (threading.Barrier(ranks + 1) for _ in range(2))
+
+    def rank_waits(self) -> None:
+        sync()  # the rank's kernels are done before the main thread measures
+        self._arrive.wait()
+        self._leave.wait()
+
+    def main_acts(self, act):
+        self._arrive.wait()
+        try:
+            return act()
+        finally:
+            self._leave.wait()
+
+    def abort(self) -> None:
+        self._arrive.abort()
+        self._leave.abort()
+
+
+def _rank_rows(how: str, S: int, inputs: list[torch.Tensor],
+               pauses: MainThreadPauses) -> list[torch.Tensor]:
     """One rank thread: its rows of out, lse, dq, dk, dv (on the CPU).
-    Sharded with cplib.shard and create_cp_block_mask, which set no option."""
-    n, dev = dist.get_world_size(), DEVICE
-    mesh = DeviceMesh(dev.type, list(range(n)))
-    lb = cplib._HeadTailLoadBalancer(S, n, dev)
-    mask = cplib.create_cp_block_mask(causal, 1, 1, S, S, mesh, lb)
-    q, k, v, cot, cot_lse = cplib.shard(mesh, [t.to(dev) for t in inputs], [2] * 5, lb)
-    for t in (q, k, v):
-        t.requires_grad_(True)
-    if how == "model":
-        model = torch.compile(_cp(Model(), mesh), backend=BACKEND, fullgraph=True)
-        out, aux = model(q, k, v, block_mask=mask, return_aux=AuxRequest(lse=True))
-    else:
-        out, aux = _cp(HoldsCompiledFlex(), mesh)(q, k, v, block_mask=mask)
-    torch.autograd.backward([out, aux.lse], [cot, cot_lse])
-    sync()
-    return [t.detach().cpu() for t in (out, aux.lse, q.grad, k.grad, v.grad)]
+    Sharded with cplib.shard and create_cp_block_mask, which set no option.
+    Pauses once it holds its inputs and mask, and once after the forward."""
+    try:
+        n, dev = dist.get_world_size(), DEVICE
+        mesh = DeviceMesh(dev.type, list(range(n)))
+        lb = cplib._HeadTailLoadBalancer(S, n, dev)
+        mask = cplib.create_cp_block_mask(causal, 1, 1, S, S, mesh, lb)
+        q, k, v, cot, cot_lse = cplib.shard(mesh, inputs, [2] * 5, lb)
+        for t in (q, k, v):
+            t.requires_grad_(True)
+        model = (torch.compile(_cp(Model(), mesh), backend=BACKEND, fullgraph=True)
+                 if how == "model" else _cp(HoldsCompiledFlex(), mesh))
+        kwargs = dict(return_aux=AuxRequest(lse=True)) if how == "model" else {}
+        pauses.rank_waits()
+        out, aux = model(q, k, v, block_mask=mask, **kwargs)
+        pauses.rank_waits()
+        torch.autograd.backward([out, aux.lse], [cot, cot_lse])
+        sync()
+        return [t.detach().cpu() for t in (out, aux.lse, q.grad, k.grad, v.grad)]
+    except BaseException:
+        pauses.abort()
+        raise
+
+
+def _measured_run(how: str, S: int, inputs: list[torch.Tensor]):
+    """The ranks' rows, and the device memory that forward and backward
+    added on top of what the ranks held before (bytes; forward alone,
+    forward and backward; None off CUDA). The ranks run in a driver thread
+    so that the main thread can act at their pauses."""
+    pauses, outcome = MainThreadPauses(WORLD), {}
+    device_inputs = [t.to(DEVICE) for t in inputs]  # shared, read-only
+
+    def drive():
+        try:
+            outcome["rows"] = run_threaded(WORLD, _rank_rows, how, S, device_inputs, pauses)
+        except BaseException as exc:  # re-raised in the main thread
+            outcome["error"] = exc
+            pauses.abort()
+
+    def start():
+        if ON_CUDA:
+            torch.cuda.reset_peak_memory_stats(DEVICE)
+            return torch.cuda.memory_allocated(DEVICE)
+        return None
+
+    def peak():
+        sync()
+        return torch.cuda.max_memory_allocated(DEVICE) if ON_CUDA else None
+
+    driver = threading.Thread(target=drive)
+    driver.start()
+    try:
+        base = pauses.main_acts(start)
+        forward = pauses.main_acts(peak)
+    except threading.BrokenBarrierError:  # a rank failed: its error is the outcome
+        base = forward = None
+    finally:
+        driver.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    if base is None:
+        return outcome["rows"], None
+    return outcome["rows"], (forward - base, peak() - base)
 
 
 def _single_device(inputs: list[torch.Tensor], S: int) -> list[torch.Tensor]:
@@ -100,11 +182,7 @@ def _check(how: str, S: int) -> None:
         HoldsCompiledFlex.flex = torch.compile(fa.flex_attention, backend=BACKEND,
                                                fullgraph=True)
         single = _single_device(inputs, S)
-        if ON_CUDA:
-            sync()
-            torch.cuda.reset_peak_memory_stats(DEVICE)
-            base = torch.cuda.memory_allocated(DEVICE)
-        rows = run_threaded(WORLD, _rank_rows, how, S, inputs)
+        rows, added = _measured_run(how, S, inputs)
     failures = []  # every check runs, whichever fails
     for i, (name, want, base_out) in enumerate(zip(NAMES, truth, single)):
         got = torch.cat([r[i] for r in rows], dim=2)[:, :, restore]
@@ -114,9 +192,10 @@ def _check(how: str, S: int) -> None:
     if ON_CUDA:
         L = S // WORLD
         unfused_step = WORLD * 4 * L * L * 4  # every rank's fp32 (L x L) scores, 4 heads
-        extra = torch.cuda.max_memory_allocated(DEVICE) - base
-        if not extra < unfused_step:
-            failures.append(f"{how}: peak {extra / 2**20:.0f} MiB >= one unfused step's "
+        forward, both = added
+        if not both < unfused_step:
+            failures.append(f"{how}: forward and backward added {both / 2**20:.1f} MiB "
+                            f"(the forward {forward / 2**20:.1f} MiB) >= one unfused step's "
                             f"{unfused_step / 2**20:.0f} MiB")
     assert not failures, "\n".join(failures)
 
