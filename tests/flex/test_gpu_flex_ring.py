@@ -7,14 +7,17 @@ backward graph. Two ways a model compiles flex:
 * the module holding ``torch.compile(flex_attention)`` (as torchtitan's),
   the rest eager: each ring step runs compiled.
 
-Both ways, the memory that forward and backward add on top of the ranks'
-inputs and masks stays under what one unfused step of each rank holds at
-once (its (L x L) fp32 score block per batch and head), which a step run
-eagerly on CUDA materialises. The device's memory statistics are
-process-global: the main thread reads and resets them while every rank
-thread waits (``MainThreadPauses``), once the ranks hold their inputs and
-masks (built with the whole sequence's tensors, which are not the
-attention's memory), and again after the forward.
+Both ways, the memory that a training step's forward and backward add on
+top of the ranks' inputs and masks stays under what one unfused step of
+each rank holds at once (its (L x L) fp32 score block per batch and head),
+which a step run eagerly on CUDA materialises. The step measured is the
+second: on an H200 (2026-11-28) the first forward, which compiles, added
+133 MiB (above the 128 MiB bound) for either way of compiling, though the
+ring's own buffers come to about 12 MiB a rank; a second step keeps what
+compiling and a thread's first kernels allocate out of the figure.
+The device's memory statistics are process-global: the main thread reads
+and resets them while every rank thread waits (``MainThreadPauses``),
+before the second forward and after it.
 
 Out, lse and the gradients of q, k, v within 1.5x the error of the same
 single-device fp32 call against float64 truth: the same compiled flex on
@@ -96,7 +99,8 @@ def _rank_rows(how: str, S: int, inputs: list[torch.Tensor],
                pauses: MainThreadPauses) -> list[torch.Tensor]:
     """One rank thread: its rows of out, lse, dq, dk, dv (on the CPU).
     Sharded with cplib.shard and create_cp_block_mask, which set no option.
-    Pauses once it holds its inputs and mask, and once after the forward."""
+    A first forward and backward compiles; the second is measured: the rank
+    pauses before its forward and after it."""
     try:
         n, dev = dist.get_world_size(), DEVICE
         mesh = DeviceMesh(dev.type, list(range(n)))
@@ -108,10 +112,15 @@ def _rank_rows(how: str, S: int, inputs: list[torch.Tensor],
         model = (torch.compile(_cp(Model(), mesh), backend=BACKEND, fullgraph=True)
                  if how == "model" else _cp(HoldsCompiledFlex(), mesh))
         kwargs = dict(return_aux=AuxRequest(lse=True)) if how == "model" else {}
-        pauses.rank_waits()
-        out, aux = model(q, k, v, block_mask=mask, **kwargs)
-        pauses.rank_waits()
-        torch.autograd.backward([out, aux.lse], [cot, cot_lse])
+        out = aux = None
+        for measured in (False, True):
+            if measured:
+                q.grad = k.grad = v.grad = out = aux = None
+                pauses.rank_waits()
+            out, aux = model(q, k, v, block_mask=mask, **kwargs)
+            if measured:
+                pauses.rank_waits()
+            torch.autograd.backward([out, aux.lse], [cot, cot_lse])
         sync()
         return [t.detach().cpu() for t in (out, aux.lse, q.grad, k.grad, v.grad)]
     except BaseException:
