@@ -121,6 +121,14 @@ def autograd_with_mode(mode: TorchFunctionMode, func: Callable, types_: tuple, a
         return _PAST_THE_CHECK[func](*args, **kwargs)
 
 
+# What fullgraph=True reports when it meets such an op (dynamo's error quotes it).
+_EAGER_BODY = ("cplib: a higher-order op (such as torch.utils.checkpoint) inside a "
+               "context_parallel region or an attention_window block runs eagerly, so that "
+               "the attention in its body goes through cplib; torch.compile(fullgraph=True) "
+               "cannot hold it in one graph: compile without fullgraph=True, or compile the "
+               "function inside the checkpoint instead")
+
+
 def body_with_mode(mode: TorchFunctionMode, func: Callable, types_: tuple, args: tuple,
                    kwargs: dict) -> Any:
     """A higher-order op (``func``: a ``torch.utils.checkpoint`` that dynamo
@@ -133,7 +141,7 @@ def body_with_mode(mode: TorchFunctionMode, func: Callable, types_: tuple, args:
     anew; under ``fullgraph=True`` the break raises. An eager call on torch
     < 2.13 (no redispatch) runs as before, the mode popped."""
     if torch.compiler.is_compiling():
-        torch._dynamo.graph_break()
+        torch._dynamo.graph_break(msg=_EAGER_BODY)
     if redispatch is None:
         return func(*args, **kwargs)
     return _redispatched_with(mode, func, types_, args, kwargs)

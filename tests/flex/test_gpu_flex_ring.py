@@ -146,6 +146,8 @@ def _measured_run(how: str, S: int, inputs: list[torch.Tensor]):
     def start():
         if ON_CUDA:
             torch.cuda.reset_peak_memory_stats(DEVICE)
+            # Python stacks of the step's allocations, for the failure message.
+            torch.cuda.memory._record_memory_history(stacks="python", max_entries=100_000)
             return torch.cuda.memory_allocated(DEVICE)
         return None
 
@@ -162,11 +164,30 @@ def _measured_run(how: str, S: int, inputs: list[torch.Tensor]):
         base = forward = None
     finally:
         driver.join()
+        if ON_CUDA:
+            largest = _largest_allocations(torch.cuda.memory._snapshot(DEVICE))
+            torch.cuda.memory._record_memory_history(enabled=None)
     if "error" in outcome:
         raise outcome["error"]
     if base is None:
         return outcome["rows"], None
-    return outcome["rows"], (forward - base, peak() - base)
+    return outcome["rows"], (forward - base, peak() - base, largest)
+
+
+def _largest_allocations(snapshot: dict, count: int = 4) -> str:
+    """The ``count`` largest allocations the recorded history holds, each
+    with the innermost Python frames that made it."""
+    try:
+        events = [e for trace in snapshot["device_traces"] for e in trace
+                  if e["action"] == "alloc"]
+        lines = []
+        for e in sorted(events, key=lambda e: -e["size"])[:count]:
+            frames = [f"{'/'.join(f['filename'].split('/')[-2:])}:{f['line']} {f['name']}"
+                      for f in e["frames"] if f["filename"].endswith(".py")][:3]
+            lines.append(f"{e['size'] / 2**20:.1f} MiB at {' < '.join(frames) or '?'}")
+        return "; ".join(lines)
+    except (KeyError, TypeError) as exc:  # a format this torch does not write
+        return f"(no breakdown: {exc!r})"
 
 
 def _single_device(inputs: list[torch.Tensor], S: int) -> list[torch.Tensor]:
@@ -201,11 +222,11 @@ def _check(how: str, S: int) -> None:
     if ON_CUDA:
         L = S // WORLD
         unfused_step = WORLD * 4 * L * L * 4  # every rank's fp32 (L x L) scores, 4 heads
-        forward, both = added
+        forward, both, largest = added
         if not both < unfused_step:
             failures.append(f"{how}: forward and backward added {both / 2**20:.1f} MiB "
                             f"(the forward {forward / 2**20:.1f} MiB) >= one unfused step's "
-                            f"{unfused_step / 2**20:.0f} MiB")
+                            f"{unfused_step / 2**20:.0f} MiB; largest allocations: {largest}")
     assert not failures, "\n".join(failures)
 
 

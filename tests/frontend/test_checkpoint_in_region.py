@@ -116,3 +116,15 @@ def test_checkpointed_attention_in_an_attention_window_block():
             run(x, w, reentrant).pow(2).sum().backward()
             assert_close(w.grad, want, what=f"dw, {reentrant=}, {run is compiled=}", **TOL)
             w.grad = None
+
+
+def test_fullgraph_names_why_a_checkpoint_leaves_the_graph():
+    """fullgraph=True cannot hold the checkpoint that runs eagerly under the
+    dispatch: dynamo's error carries cplib's reason and what to do."""
+    import cplib
+
+    x, w = _weights()
+    compiled = torch.compile(_checkpointed_block, backend="aot_eager", fullgraph=True)
+    with cplib.attention_window((5, 0)), pytest.raises(torch._dynamo.exc.Unsupported) as raised:
+        compiled(x, w, False)
+    assert "compile without fullgraph=True" in str(raised.value), raised.value
