@@ -266,6 +266,10 @@ class CPDispatchMode(LetsFlexModulesThrough, TorchFunctionMode):
         # (checkpointed): only then does a backward started here keep the mode.
         self.recomputable = False
 
+    def _note_attention_call(self) -> None:
+        """An attention call is routed here: may a backward recompute it?"""
+        self.recomputable = self.recomputable or may_be_recomputed()
+
     def __torch_function__(self, func: Callable, types_: tuple, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -278,14 +282,14 @@ class CPDispatchMode(LetsFlexModulesThrough, TorchFunctionMode):
         if func is _SDPA:
             if self.handle is not None and documents_stack:
                 _refuse_module_documents()
-            self.recomputable = self.recomputable or may_be_recomputed()
+            self._note_attention_call()
             return routed_sdpa(self.config, *args, **kwargs)
         if func is MHA:
             _agreed_in(self.config, "multi_head_attention_forward",
                        [a for a in args if isinstance(a, torch.Tensor)],
                        lambda: check_mha_weights(args, kwargs))
         if func in CALLS_SDPA:
-            self.recomputable = self.recomputable or may_be_recomputed()
+            self._note_attention_call()
             return with_inner_sdpa(self, functools.partial(routed_sdpa, self.config), func,
                                    types_, args, kwargs)
         if isinstance(func, HigherOrderOperator) and func is not _FLEX:

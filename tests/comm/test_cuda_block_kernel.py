@@ -86,13 +86,14 @@ def _efficient_inputs(head_dim: int, dtype: torch.dtype, masked: bool):
     with torch.profiler.profile(record_shapes=True) as prof:
         results = ops._cuda_glue_probe(q, k, k, "efficient", True, masked, True, None)
     seen = {}
-    for e in prof.events():
-        if e.name in ("aten::_scaled_dot_product_efficient_attention",
-                      "aten::_scaled_dot_product_efficient_attention_backward"):
-            backward = e.name in BACKWARD  # (grad_out, q, k, v, ...), else (q, k, v, ...)
+    # The kineto events: torch 2.11's FunctionEvent has no input dtypes.
+    for e in prof.profiler.kineto_results.events():
+        if e.name() in ("aten::_scaled_dot_product_efficient_attention",
+                        "aten::_scaled_dot_product_efficient_attention_backward"):
+            backward = e.name() in BACKWARD  # (grad_out, q, k, v, ...), else (q, k, v, ...)
             n = 4 if backward else 3
             seen.setdefault("backward" if backward else "forward", set()).update(
-                (s[-1], t) for s, t in zip(e.input_shapes[:n], e.input_dtypes[:n]))
+                (s[-1], t) for s, t in zip(e.shapes()[:n], e.dtypes()[:n]))
     return seen, q, results
 
 
