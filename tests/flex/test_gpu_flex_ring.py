@@ -176,15 +176,20 @@ def _measured_run(how: str, S: int, inputs: list[torch.Tensor]):
 
 def _largest_allocations(snapshot: dict, count: int = 4) -> str:
     """The ``count`` largest allocations the recorded history holds, each
-    with the innermost Python frames that made it."""
+    with the two innermost Python frames that made it and the innermost of
+    cplib's and of the tests' (compiled code's frames are inductor's files)."""
     try:
         events = [e for trace in snapshot["device_traces"] for e in trace
                   if e["action"] == "alloc"]
         lines = []
         for e in sorted(events, key=lambda e: -e["size"])[:count]:
-            frames = [f"{'/'.join(f['filename'].split('/')[-2:])}:{f['line']} {f['name']}"
-                      for f in e["frames"] if f["filename"].endswith(".py")][:3]
-            lines.append(f"{e['size'] / 2**20:.1f} MiB at {' < '.join(frames) or '?'}")
+            frames = [(f["filename"], f"{'/'.join(f['filename'].split('/')[-2:])}:{f['line']} "
+                                      f"{f['name']}")
+                      for f in e["frames"] if f["filename"].endswith(".py")]
+            ours = [next((label for name, label in frames if key in name), None)
+                    for key in ("/cplib/", "/tests/")]
+            shown = list(dict.fromkeys([label for _, label in frames[:2]] + [f for f in ours if f]))
+            lines.append(f"{e['size'] / 2**20:.1f} MiB at {' < '.join(shown) or '?'}")
         return "; ".join(lines)
     except (KeyError, TypeError) as exc:  # a format this torch does not write
         return f"(no breakdown: {exc!r})"
