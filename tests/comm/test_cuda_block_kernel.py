@@ -121,7 +121,7 @@ def test_efficient_pads_unaligned_head_dims(head_dim, dtype, seen):
 # A masked fp16/bf16 tile whose head dim is no multiple of 8 is one no fused
 # kernel takes, so SDPA computes it in fp32 (its math path); the ring's masked
 # tiles run the efficient kernel in fp32 there (a padded bf16 one gave dq
-# about 2x SDPA's error on an H200), and return the tile's dtype.
+# 2.0-2.2x SDPA's error on an H200), and return the tile's dtype.
 @pytest.mark.parametrize("head_dim,dtype,seen", [
     (36, torch.bfloat16, (36, "float")), (36, torch.float16, (36, "float")),
     (36, torch.float32, (36, "float")), (20, torch.float32, (20, "float")),

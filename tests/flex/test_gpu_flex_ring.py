@@ -12,9 +12,10 @@ top of the ranks' inputs and masks stays under what one unfused step of
 each rank holds at once (its (L x L) fp32 score block per batch and head),
 which a step run eagerly on CUDA materialises. The step measured is the
 second: on an H200 (2026-11-28) the first forward, which compiles, added
-133 MiB (above the 128 MiB bound) for either way of compiling, though the
-ring's own buffers come to about 12 MiB a rank; a second step keeps what
-compiling and a thread's first kernels allocate out of the figure.
+133 MiB (above the 128 MiB bound) for either way of compiling, where by
+their sizes the ring's own buffers come to about 12 MiB a rank; a second
+step keeps what compiling and a thread's first kernels allocate out of the
+figure.
 The device's memory statistics are process-global: the main thread reads
 and resets them while every rank thread waits (``MainThreadPauses``),
 before the second forward and after it.
