@@ -77,14 +77,17 @@ def test_other_backends_keep_their_kernel_for_one_by_one_blocks(backend):
 PROFILED = {torch.bfloat16: "c10::BFloat16", torch.float16: "c10::Half", torch.float32: "float"}
 
 
-def _efficient_inputs(head_dim: int, dtype: torch.dtype, masked: bool):
+def _efficient_inputs(head_dim: int, dtype: torch.dtype, masked: bool,
+                      in_masked_call: bool = False, backend: str = "efficient"):
     """The (head dim, dtype) pairs of q, k, v (and grad_out) that the
-    efficient kernels received, forward and backward, for one probed block of
-    ``head_dim`` in ``dtype``, and the probe's results."""
+    efficient kernels received, forward and backward, for one probed causal
+    block of ``head_dim`` in ``dtype`` (``masked``: a block with a mask;
+    ``in_masked_call``: of a call with documents, a window or positions), and
+    the probe's results."""
     q = torch.empty(1, 4, 48, head_dim, device="meta", dtype=dtype)
     k = torch.empty(1, 2, 48, head_dim, device="meta", dtype=dtype)
     with torch.profiler.profile(record_shapes=True) as prof:
-        results = ops._cuda_glue_probe(q, k, k, "efficient", True, masked, True, None)
+        results = ops._cuda_glue_probe(q, k, k, backend, True, masked, True, None, in_masked_call)
     seen = {}
     # The kineto events: torch 2.11's FunctionEvent has no input dtypes.
     for e in prof.profiler.kineto_results.events():
@@ -118,16 +121,26 @@ def test_efficient_pads_unaligned_head_dims(head_dim, dtype, seen):
     _check_results(q, results, head_dim)
 
 
-# A masked fp16/bf16 tile whose head dim is no multiple of 8 is one no fused
-# kernel takes, so SDPA computes it in fp32 (its math path); the ring's masked
-# tiles run the efficient kernel in fp32 there (a padded bf16 one gave dq
-# 2.0-2.2x SDPA's error on an H200), and return the tile's dtype.
-@pytest.mark.parametrize("head_dim,dtype,seen", [
+# A masked fp16/bf16 call (documents, a window, positions) whose head dim is
+# no multiple of 8 is one no fused kernel takes, so SDPA computes it in fp32
+# (its math path). Every block of such a ring call, a plain causal one
+# (flash's, else) too, runs the efficient kernel in fp32 (padded and in bf16,
+# dq was 1.6-2.2x SDPA's error on an H200), and returns the block's dtype.
+UNALIGNED_MASKED_CALLS = [
     (36, torch.bfloat16, (36, "float")), (36, torch.float16, (36, "float")),
     (36, torch.float32, (36, "float")), (20, torch.float32, (20, "float")),
-    (64, torch.bfloat16, (64, "c10::BFloat16"))],
-    ids=["bf16-36", "fp16-36", "fp32-36", "fp32-20", "bf16-64"])
-def test_masked_tiles_with_unaligned_half_head_dims_run_in_fp32(head_dim, dtype, seen):
-    inputs, q, results = _efficient_inputs(head_dim, dtype, masked=True)
-    assert inputs == {"forward": {seen}, "backward": {seen}}, inputs
+    (64, torch.bfloat16, (64, "c10::BFloat16"))]
+
+
+@pytest.mark.parametrize("masked", [True, False], ids=["masked-block", "causal-block"])
+@pytest.mark.parametrize("head_dim,dtype,seen", UNALIGNED_MASKED_CALLS,
+                         ids=["bf16-36", "fp16-36", "fp32-36", "fp32-20", "bf16-64"])
+def test_blocks_of_unaligned_half_masked_calls_run_in_fp32(head_dim, dtype, seen, masked):
+    # "flash": what the ring picks for a plain causal block of such a call.
+    inputs, q, results = _efficient_inputs(head_dim, dtype, masked, in_masked_call=True,
+                                           backend="efficient" if masked else "flash")
+    if masked or dtype != torch.float32 and head_dim % 8:
+        assert inputs == {"forward": {seen}, "backward": {seen}}, inputs
+    else:  # flash keeps the block
+        assert inputs == {}, inputs
     _check_results(q, results, head_dim)

@@ -44,6 +44,30 @@ bool pads(const BlockConfig& cfg, const Tensor& q, const Tensor& v, bool masked)
   return !masked && cfg.backend != kBackendEfficient;
 }
 
+// A masked fp16/bf16 call whose head dim is not a multiple of 8 (the
+// efficient kernel's row alignment in half precision) is one no fused SDPA
+// kernel takes (flash and cuDNN take no mask), so
+// scaled_dot_product_attention computes it on its math path, in fp32. The
+// ring's blocks of such a call, padded to a multiple of 8 and run in bf16,
+// gave dq 1.6-2.2x that single-device error (head dim 36, an H200,
+// 2026-11-28). Every block of it (its plain causal ones too) runs the
+// efficient kernel in fp32 instead, rounded once at the end.
+bool computes_in_fp32(const BlockConfig& cfg, const Tensor& q, const Tensor& v) {
+  constexpr int64_t kHalfAlign = 8;
+  return cfg.cuda && cfg.masked_call && q.scalar_type() != ScalarType::Float &&
+         q.scalar_type() != ScalarType::Double &&
+         (q.size(3) % kHalfAlign != 0 || v.size(3) % kHalfAlign != 0);
+}
+
+BlockConfig fp32_config(const BlockConfig& cfg) {
+  BlockConfig c = cfg;
+  c.backend = kBackendEfficient;
+  c.masked_call = false;
+  return c;
+}
+
+Tensor fp32(const Tensor& t) { return t.defined() ? aten::to(t, ScalarType::Float) : t; }
+
 BlockResult forward_kernel(const BlockConfig& cfg, const Tensor& q, const Tensor& k,
                            const Tensor& v, bool causal, const Tensor& mask) {
   if (cfg.cuda && mask.defined()) return block_forward_cuda_masked(cfg, q, k, v, mask);
@@ -66,6 +90,11 @@ std::tuple<Tensor, Tensor, Tensor> backward_kernel(const BlockConfig& cfg, const
 
 BlockResult block_forward(const BlockConfig& cfg, const Tensor& q, const Tensor& k, const Tensor& v,
                           bool causal, const Tensor& mask) {
+  if (computes_in_fp32(cfg, q, v)) {
+    BlockResult r = block_forward(fp32_config(cfg), fp32(q), fp32(k), fp32(v), causal, fp32(mask));
+    r.out = aten::to(r.out, q.scalar_type());
+    return r;
+  }
   if (!pads(cfg, q, v, mask.defined())) return forward_kernel(cfg, q, k, v, causal, mask);
   const int64_t d = std::max(q.size(3), v.size(3));
   BlockResult r = forward_kernel(cfg, aten::pad_last(q, d), aten::pad_last(k, d),
@@ -78,6 +107,12 @@ std::tuple<Tensor, Tensor, Tensor> block_backward(const BlockConfig& cfg, const 
                                                   const Tensor& q, const Tensor& k, const Tensor& v,
                                                   const Tensor& out, const Tensor& lse, bool causal,
                                                   const Tensor& mask) {
+  if (computes_in_fp32(cfg, q, v)) {
+    auto [gq, gk, gv] = block_backward(fp32_config(cfg), fp32(grad_out), fp32(q), fp32(k), fp32(v),
+                                       fp32(out), lse, causal, fp32(mask));
+    return {aten::to(gq, q.scalar_type()), aten::to(gk, k.scalar_type()),
+            aten::to(gv, v.scalar_type())};
+  }
   if (!pads(cfg, q, v, mask.defined()))
     return backward_kernel(cfg, grad_out, q, k, v, out, lse, causal, mask);
   const int64_t d = std::max(q.size(3), v.size(3));

@@ -27,6 +27,10 @@ struct BlockConfig {
   // The CUDA block kernels (block_cuda*.cpp): q on a CUDA device, or meta
   // tensors in the guard (ring/cuda_glue_probe.cpp).
   bool cuda = false;
+  // The call's visibility is one that scaled_dot_product_attention would be
+  // given as an attn_mask (documents, a window, explicit positions), whatever
+  // each block of it needs: decides the blocks' precision (block.cpp).
+  bool masked_call = false;
 };
 
 struct BlockResult {

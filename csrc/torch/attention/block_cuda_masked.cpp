@@ -30,30 +30,10 @@ Tensor as_bias(const Tensor& mask, const Tensor& q, const Tensor& k) {
   return aten::expand(aten::narrow(aligned, 1, 0, lk), {q.size(0), q.size(1), lq, k.size(2)});
 }
 
-// A masked half-precision tile whose head dim is not a multiple of 8 (the
-// efficient kernel's row alignment in fp16/bf16): no fused SDPA kernel takes
-// it (flash and cuDNN take no mask), so scaled_dot_product_attention runs its
-// math path, which computes in fp32. Padded to 40 and run in bf16, such a tile
-// gave dq 2.0-2.2x that single-device error (head dim 36, an H200,
-// 2026-11-28): the tile runs the efficient kernel in fp32 instead (36 is
-// aligned there) and rounds once, at the end.
-bool in_fp32(const Tensor& q, const Tensor& v) {
-  constexpr int64_t kHalfAlign = 8;
-  return q.scalar_type() != ScalarType::Float &&
-         (q.size(3) % kHalfAlign != 0 || v.size(3) % kHalfAlign != 0);
-}
-
-Tensor fp32(const Tensor& t) { return aten::to(t, ScalarType::Float); }
-
 }  // namespace
 
 BlockResult block_forward_cuda_masked(const BlockConfig& cfg, const Tensor& q, const Tensor& k,
                                       const Tensor& v, const Tensor& mask) {
-  if (in_fp32(q, v)) {
-    const ScalarType dtype = q.scalar_type();
-    BlockResult r = block_forward_cuda_masked(cfg, fp32(q), fp32(k), fp32(v), fp32(mask));
-    return {aten::to(r.out, dtype), r.lse};
-  }
   auto [out, lse] = efficient_cuda(q, k, v, as_bias(mask, q, k), /*causal=*/false, cfg.scale);
   return {out, aten::narrow(lse, 2, 0, q.size(2))};
 }
@@ -61,12 +41,6 @@ BlockResult block_forward_cuda_masked(const BlockConfig& cfg, const Tensor& q, c
 std::tuple<Tensor, Tensor, Tensor> block_backward_cuda_masked(
     const BlockConfig& cfg, const Tensor& grad_out, const Tensor& q, const Tensor& k,
     const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& mask) {
-  if (in_fp32(q, v)) {
-    auto [gq, gk, gv] = block_backward_cuda_masked(cfg, fp32(grad_out), fp32(q), fp32(k), fp32(v),
-                                                   fp32(out), lse, fp32(mask));
-    return {aten::to(gq, q.scalar_type()), aten::to(gk, k.scalar_type()),
-            aten::to(gv, v.scalar_type())};
-  }
   const Tensor seed = philox_placeholder(q), offset = philox_placeholder(q);
   return efficient_cuda_backward(seq_major(grad_out), q, k, v, as_bias(mask, q, k), seq_major(out),
                                  efficient_lse_padded(lse), seed, offset,

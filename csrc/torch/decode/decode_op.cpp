@@ -156,6 +156,7 @@ std::tuple<Tensor, Tensor> decode_sdpa(Tensor q, Tensor k, Tensor v, std::string
     const Tensor qg = aten::reshape(q, {B, Hkv, G * T, q.size(3)});
     const Tensor mg = mask.defined() && G > 1 ? aten::repeat(mask, {G, 1}) : mask;
     cfg.groups = 1;
+    cfg.masked_call = mask.defined();
     attention::BlockResult r = attention::block_forward(cfg, qg, k, v, /*causal=*/false, mg);
     Tensor o = aten::reshape(r.out, {B, H, T, Dv}), l = aten::reshape(r.lse, {B, H, T});
     if (mask.defined()) {

@@ -13,6 +13,8 @@
 // CPU-only machines, for every backend.
 // `backend`: by name (ring_call.h); "auto" resolves as the ring does.
 // `masked`: the windows/documents path (an all-zero additive mask).
+// `in_masked_call`: the block belongs to a call with documents, a window or
+// positions (masked implies it), which decides its precision (block.cpp).
 // Without `backward`, dq/dk/dv come back empty.
 #include "attention/block.h"
 #include "attention/checks.h"
@@ -42,7 +44,7 @@ Config probe_config(const Tensor& q, const Tensor& k, const Tensor& v, int64_t b
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> cuda_glue_probe(
     const Tensor& q, const Tensor& k, const Tensor& v, const std::string& backend_name,
-    bool is_causal, bool masked, bool backward, std::optional<double> scale) {
+    bool is_causal, bool masked, bool backward, std::optional<double> scale, bool in_masked_call) {
   const int64_t backend = attention::backend_code("_cuda_glue_probe", backend_name);
   aten::NoGradGuard no_grad;
   CPLIB_CHECK_VALUE(
@@ -50,7 +52,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> cuda_glue_probe(
       "cplib._cuda_glue_probe: q (B, Hq, Lq, D), k/v (B, Hkv, Lk, D/Dv) with Hkv "
       "dividing Hq");
   const bool causal = is_causal && !masked;
-  const Config cfg = probe_config(q, k, v, backend, causal, scale);
+  Config cfg = probe_config(q, k, v, backend, causal, scale);
+  cfg.masked_call = masked || in_masked_call;
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2), Dv = v.size(3);
   // K|V as a block arrives: one flat buffer, k then v.
   const Packing pack(k, v);
@@ -95,8 +98,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> cuda_glue_probe(
 STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
   m.def(
       "_cuda_glue_probe(Tensor q, Tensor k, Tensor v, str backend, bool is_causal, bool masked, "
-      "bool backward, float? scale=None) -> (Tensor out, Tensor lse, Tensor dq, Tensor dk, "
-      "Tensor dv)");
+      "bool backward, float? scale=None, bool in_masked_call=False) -> (Tensor out, Tensor lse, "
+      "Tensor dq, Tensor dk, Tensor dv)");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, Meta, m) {

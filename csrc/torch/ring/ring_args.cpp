@@ -207,6 +207,9 @@ Config check_args(const char* op, const Tensor& q, const Tensor& k, const Tensor
   cfg.layout = call.layout;
   cfg.rotate = call.rotate;
   check_extras(op, cfg, q, k, call);
+  // What one process would give SDPA as attn_mask (the any-length padding
+  // is not: that call is plain causal or full).
+  cfg.masked_call = call.cu_seqlens.has_value() || call.window.has_value() || call.has_positions();
   return cfg;
 }
 
