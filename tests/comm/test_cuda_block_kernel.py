@@ -139,7 +139,7 @@ def test_blocks_of_unaligned_half_masked_calls_run_in_fp32(head_dim, dtype, seen
     # "flash": what the ring picks for a plain causal block of such a call.
     inputs, q, results = _efficient_inputs(head_dim, dtype, masked, in_masked_call=True,
                                            backend="efficient" if masked else "flash")
-    if masked or dtype != torch.float32 and head_dim % 8:
+    if masked or (dtype != torch.float32 and head_dim % 8):
         assert inputs == {"forward": {seen}, "backward": {seen}}, inputs
     else:  # flash keeps the block
         assert inputs == {}, inputs

@@ -113,7 +113,6 @@ def _rank_rows(how: str, S: int, inputs: list[torch.Tensor],
         model = (torch.compile(_cp(Model(), mesh), backend=BACKEND, fullgraph=True)
                  if how == "model" else _cp(HoldsCompiledFlex(), mesh))
         kwargs = dict(return_aux=AuxRequest(lse=True)) if how == "model" else {}
-        out = aux = None
         for measured in (False, True):
             if measured:
                 q.grad = k.grad = v.grad = out = aux = None
