@@ -21,7 +21,10 @@ import math
 
 import torch
 
-__all__ = ["check_key_padding", "key_padding_inputs"]
+__all__ = ["bias_columns", "check_key_padding", "key_padding_inputs"]
+
+# CUDA's fused kernels take head dims in multiples of this.
+_CUDA_HEAD_DIM_ALIGN = 8
 
 
 def check_key_padding(op: str, attn_mask, k: torch.Tensor) -> tuple[int, ...]:
@@ -66,6 +69,15 @@ def _bias(op: str, attn_mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     return bias / scale
 
 
+def bias_columns(head_dim: int, device_type: str) -> int:
+    """Columns added to q and k (the first carries the bias, the rest are
+    zeros): one, or on CUDA as many as take the head dim to the next
+    multiple of 8 (at least one), so that the fused kernels take it."""
+    if device_type != "cuda":
+        return 1
+    return _CUDA_HEAD_DIM_ALIGN - head_dim % _CUDA_HEAD_DIM_ALIGN
+
+
 def key_padding_inputs(op: str, attn_mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                        v: torch.Tensor, scale: float | None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, int]:
@@ -74,8 +86,7 @@ def key_padding_inputs(op: str, attn_mask: torch.Tensor, q: torch.Tensor, k: tor
     v; differentiable in q, k and v."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     bias = _bias(op, attn_mask, q, k, scale)
-    # One coordinate on CPU; CUDA kernels want head dims in multiples of 8.
-    extra = 1 if q.device.type != "cuda" else 8 - q.shape[-1] % 8
+    extra = bias_columns(q.shape[-1], q.device.type)
     qb, hq, lq = q.shape[:3]
     kb, hkv, lk = k.shape[:3]
     q_tail = torch.zeros(qb, hq, lq, extra, dtype=q.dtype, device=q.device)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.overrides import _get_current_function_mode_stack
 
 from ..diffusers.plans import applied_cp_plans
 from ..comm.handshake import agreed, handshake, register_groups, values_hash
@@ -23,7 +24,7 @@ from ..comm.native import check_mesh
 from .sharding import keep_shards_for_backward, shard_tensor
 from .start_hooks import run_start_hooks
 from .unshard import unshard
-from ..ulysses.usp_layout import UspLoadBalancer, ulysses_layout, usp_groups
+from ..ulysses.usp_layout import ulysses_layout, usp_groups
 from ..strategy.route import AutoStrategy, parse_strategy, strategy_entry
 
 __all__ = ["context_parallel", "ContextParallelHandle"]
@@ -71,14 +72,21 @@ def _agree_on_call(group_name: str, buffers: list, seq_dims: list, no_restore: l
               fields)
 
 
+def _buffers_sharded_now() -> list[torch.Tensor]:
+    """The buffers that the enclosing context_parallel regions hold sharded."""
+    return [b for mode in _get_current_function_mode_stack()
+            if isinstance(mode, CPDispatchMode) for b in mode.buffers]
+
+
 def _ring_config(groups, group_name: str, world_size: int, plan: ContextPlan, window: Any,
                  strategy: Any) -> RingConfig:
     """The configuration of the attention calls inside a context."""
     seq_len, balancer = plan.seq_len, plan.balancer
-    # The ring infers S from equal shards; uneven ones (or documents) need it.
+    # The ring infers S from equal shards of two equal head-tail chunks each;
+    # uneven shards, or chunks (S not a multiple of 2 x the ring's size: equal
+    # shards of an odd length, or USP's ring shards), or documents need it.
     uneven = seq_len is not None and shard_lengths(seq_len, world_size, balancer) is not None
-    # USP: odd ring shards cut in equal pieces are uneven for the ring's head-tail.
-    uneven = uneven or (isinstance(balancer, UspLoadBalancer) and plan.balanced
+    uneven = uneven or (plan.balanced and seq_len is not None
                         and seq_len % (2 * plan.ring_degree) != 0)
     return RingConfig(groups.ring_group or group_name, world_size, plan.layout,
                       rotate_method_name(plan.rotate), world_size // plan.ring_degree,
@@ -174,9 +182,11 @@ def context_parallel(
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     # 1. Every check before the handshake, whose all-gather comes before any
     # other collective (usp_groups); an error on one rank raises on all.
+    enclosing = _buffers_sharded_now()
+
     def plan(u: int = ulysses_degree, rotate=rotate_method, balance=load_balance) -> ContextPlan:
         return plan_context(buffers, world_size, buffer_seq_dims, no_restore_buffers, rotate,
-                            balance, u, cu_seqlens, position_ids, window, modules)
+                            balance, u, cu_seqlens, position_ids, window, modules, enclosing)
 
     modules = [] if modules is None else list(modules)
     # 2. Every rank agrees on the plan and the call; strategy="auto" may choose more.
@@ -215,7 +225,7 @@ def context_parallel(
                 swapped += 1
         _cp_options.enable_load_balance = planned.balanced  # as torch does, for code that reads it
         handle = ContextParallelHandle(mesh, config, balancer, auto)
-        with CPDispatchMode(config, handle), ulysses_layout(ulysses_degree), \
+        with CPDispatchMode(config, handle, tuple(buffers)), ulysses_layout(ulysses_degree), \
                 keep_shards_for_backward(shards), applied_cp_plans(mesh, modules):
             yield handle
     finally:

@@ -25,8 +25,9 @@ __all__ = ["ContextPlan", "plan_context"]
 
 
 def _validate(buffers: list, seq_dims: list, no_restore: list, world_size: int,
-              load_balance: bool | None, ring_degree: int) -> bool:
-    """All argument checks, from shapes alone (identical on every rank).
+              load_balance: bool | None, ring_degree: int, enclosing: list) -> bool:
+    """All argument checks, from shapes alone (identical on every rank), and
+    against the buffers that enclosing contexts hold sharded (``enclosing``).
     Returns whether the head-tail layout (over ``ring_degree`` positions) is used."""
     if len(buffers) != len(seq_dims):
         raise ValueError(
@@ -42,6 +43,11 @@ def _validate(buffers: list, seq_dims: list, no_restore: list, world_size: int,
             )
         if any(b is other for other in buffers[:i]):
             raise ValueError(f"cplib.context_parallel: buffer {i} is listed twice")
+        if any(b is other for other in enclosing):
+            raise ValueError(
+                f"cplib.context_parallel: buffer {i} (shape {tuple(b.shape)}) is already "
+                "sharded by an enclosing context_parallel; a nested one would shard its "
+                "shard again: give each buffer to one context")
     for t in no_restore:
         if not any(t is b for b in buffers):
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -91,12 +97,13 @@ class ContextPlan:
 
 def plan_context(buffers: list[torch.Tensor], world_size: int, buffer_seq_dims, no_restore_buffers,
           rotate_method, load_balance, ulysses_degree: int, cu_seqlens, position_ids, window,
-          modules) -> ContextPlan:
+          modules, enclosing: list[torch.Tensor]) -> ContextPlan:
     """Step 1 of ``context_parallel``, on every rank before any collective:
     every argument checked (ValueError naming it), and the layout chosen: the
     sequence dims, the buffers not to restore, the rotation, the ring degree,
     the layout of the shards, the global length, the documents, the window
-    and the load balancer with its indices."""
+    and the load balancer with its indices. ``enclosing``: the buffers that
+    enclosing contexts hold sharded, none of which may be sharded again."""
     seq_dims = [] if buffer_seq_dims is None else list(buffer_seq_dims)
     no_restore = [] if no_restore_buffers is None else list(no_restore_buffers)
     rotate = parse_rotate_method(_cp_options.rotate_method if rotate_method is None
@@ -117,7 +124,7 @@ def plan_context(buffers: list[torch.Tensor], world_size: int, buffer_seq_dims, 
     balanced = _validate(buffers, seq_dims, no_restore, world_size,
                          True if per_document or placement
                          else (False if modules else load_balance),
-                         ring_degree)
+                         ring_degree, enclosing)
     seq_len = buffers[0].shape[seq_dims[0]] if buffers else None
     # Buffers of different lengths (text and image tokens) have no one
     # global length: the attention ops then learn every rank's rows.

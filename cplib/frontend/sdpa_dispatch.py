@@ -251,12 +251,13 @@ class CPDispatchMode(LetsFlexModulesThrough, TorchFunctionMode):
     """While active, every SDPA call runs as context-parallel ring attention
     with ``config``."""
 
-    def __init__(self, config: RingConfig, handle: Any = None):
+    def __init__(self, config: RingConfig, handle: Any = None, buffers: tuple = ()):
         super().__init__()
         self.config = config
         # The ContextParallelHandle of a cplib.context_parallel region (its
-        # mesh and layout: cplib/frontend/sequence.py reads it), None for a module's.
-        self.handle = handle
+        # mesh and layout: cplib/frontend/sequence.py reads it), None for a
+        # module's; the buffers that region holds sharded (a nested one refuses them).
+        self.handle, self.buffers = handle, buffers
         # _ContextParallel(FLEX) forwards running inside this dispatch
         # (cplib/flex/cp_mode.py flex_modules_inside): their flex calls, and
         # the ones their ring makes, are theirs; any other would stay within

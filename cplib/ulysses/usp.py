@@ -83,6 +83,20 @@ def usp_sdpa(
                          per_document)
 
 
+def _check_both_groups(op: str, ulysses_group, ring_group) -> None:
+    """ValueError for a missing group: ``usp_groups`` gives None for the ring
+    group when the Ulysses degree is the world size, and for the Ulysses
+    group when it is 1 (the same on every rank)."""
+    missing = (("ulysses_group", ulysses_group, "the Ulysses degree is 1",
+                "cplib.ring_sdpa over ring_group"),
+               ("ring_group", ring_group, "the Ulysses degree is the world size",
+                "cplib.ulysses_sdpa over ulysses_group"))
+    for name, group, when, instead in missing:
+        if group is None:
+            raise ValueError(f"cplib.{op}: {name} is None (usp_groups gives None there when "
+                             f"{when}): that is not USP; call {instead}")
+
+
 def usp_attention(q, k, v, ulysses_group: GroupLike, ring_group: GroupLike, is_causal: bool,
                   load_balanced: bool, scale: float | None, rotate: str, backend: str | None,
                   attn_mask, need_lse: bool, sinks=None, cu_seqlens=None, window=None,
@@ -90,6 +104,7 @@ def usp_attention(q, k, v, ulysses_group: GroupLike, ring_group: GroupLike, is_c
     """:func:`usp_sdpa`; without ``need_lse`` the lse is not exchanged back
     (None)."""
     op = "usp_sdpa"
+    _check_both_groups(op, ulysses_group, ring_group)
     uname, rname = group_name_of(ulysses_group), group_name_of(ring_group)
     if attn_mask is not None:
         from ..attention.key_padding import key_padding_inputs

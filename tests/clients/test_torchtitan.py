@@ -10,7 +10,10 @@ gloo ranks against one process:
   over the ranks (its FSDP divides by 1) equal one process's. On CPU the
   test runs torchtitan's compiled calls eagerly
   (``torch.compiler.set_stance("force_eager")``) with torch's "no flex
-  backward on CPU" guard lifted, as the flex tests do;
+  backward on CPU" guard lifted, as the flex tests do. The same with
+  torchtitan's full and selective activation checkpointing of every block,
+  on the all-gather and, its FlexAttention modules parallelized with
+  ``_ContextParallel(seq_dim=1, FLEX)``, on the flex ring;
 * its ``ScaledDotProductAttention`` module with ``apply_cp_to_forward``,
   which wraps q, k, v as sequence-sharded DTensors and relies on
   ``_enable_context_parallel_dispatcher()`` routing their SDPA (torch's has no
@@ -26,7 +29,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import parallelize_module
 
+from cplib.flex.ring_ops import ring_bytes_received
 from harness import assert_close
 
 pytest.importorskip("torchtitan", reason="requirements/clients-nodeps.txt (make build installs it)")
@@ -71,7 +76,12 @@ def _loss(pred: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor) -> torc
     return cross_entropy_loss(pred, labels) / valid  # torchtitan: local sum / global count
 
 
-def _llama3_step() -> dict:
+def _llama3_step(checkpointing: str | None = None, ring: bool = False) -> dict:
+    """``checkpointing``: torchtitan's activation checkpointing of every
+    block ("full" or "selective"), applied after CP as its parallelize does.
+    ``ring``: its FlexAttention modules parallelized with
+    ``_ContextParallel(seq_dim=1, FLEX)`` (the flex ring) instead of
+    ``apply_cp_to_forward`` (the all-gather)."""
     import cplib
     from flex_cases import cpu_flex_grads
 
@@ -94,11 +104,22 @@ def _llama3_step() -> dict:
             want = _loss(ref(inputs, positions, masks), labels, valid)
             want.backward()
             mesh = DeviceMesh("cpu", list(range(dist.get_world_size())))
-            api.apply_cp_to_forward([b.attention.inner_attention for b in model.layers.values()],
-                                    mesh)
+            inner = [b.attention.inner_attention for b in model.layers.values()]
+            if ring:
+                for module in inner:
+                    parallelize_module(module, mesh, cplib._ContextParallel(
+                        seq_dim=1, attention_type=cplib._ContextParallel.AttentionType.FLEX))
+            else:
+                api.apply_cp_to_forward(inner, mesh)
+            if checkpointing is not None:
+                from torchtitan.distributed import activation_checkpoint as ac
+
+                policy = {"full": ac.FullAC, "selective": ac.SelectiveAC}[checkpointing]
+                policy(policy.Config()).apply(model)
             inputs, labels, extra = api.prepare_context_parallel_input(
                 inputs, labels, {"positions": positions, "attention_masks": masks}, mesh,
                 torch.device("cpu"), "headtail")
+            ring_bytes_received(reset=True)
             loss = _loss(model(inputs, extra["positions"], extra["attention_masks"]), labels,
                          valid)
             loss.backward()
@@ -109,13 +130,27 @@ def _llama3_step() -> dict:
             grad = p.grad.clone()
             dist.all_reduce(grad)
             assert_close(grad, q.grad, atol=1e-6, rtol=0, what=f"torchtitan grad of {name}")
-        return {"loss": abs(total - want).item()}
+        return {"loss": abs(total - want).item(), "ring bytes": ring_bytes_received()}
     finally:
+        # torchtitan's checkpointing switches dynamo's LRU cache off for the
+        # process (its default is on): this rank process runs other tests.
+        torch._C._dynamo.eval_frame._set_lru_cache(True)
         cplib.unpatch_torch()
 
 
 def test_torchtitan_llama3_cp_step_equals_one_process(ranks):
-    ranks(2).run(_llama3_step)
+    assert all(r["ring bytes"] == 0 for r in ranks(2).run(_llama3_step)), "not the all-gather"
+
+
+@pytest.mark.parametrize("checkpointing,ring", [("full", False), ("full", True),
+                                                 ("selective", True)])
+def test_torchtitan_activation_checkpointing_equals_one_process(ranks, checkpointing, ring):
+    """torchtitan's FullAC and SelectiveAC (which saves flex's outputs and
+    recomputes the rest, the ring's exchanges included) on its CP Llama 3,
+    on the all-gather and on the flex ring: the loss and every gradient
+    equal one process's."""
+    got = ranks(2).run(_llama3_step, checkpointing, ring)
+    assert all((r["ring bytes"] > 0) == ring for r in got), got
 
 
 def _sdpa_module(balancer: str | None, rotation: str) -> int:

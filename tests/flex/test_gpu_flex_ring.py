@@ -13,9 +13,12 @@ each rank holds at once (its (L x L) fp32 score block per batch and head),
 which a step run eagerly on CUDA materialises. The step measured is the
 second: on an H200 (2026-11-28) the first forward, which compiles, added
 133 MiB (above the 128 MiB bound) for either way of compiling, where by
-their sizes the ring's own buffers come to about 12 MiB a rank; a second
-step keeps what compiling and a thread's first kernels allocate out of the
-figure.
+their sizes the ring's own buffers come to about 12 MiB a rank. A likely
+cause, read in torch 2.11's source and not measured: inductor tunes its
+kernels at their first launch, and each tuning allocates a buffer the size
+of the device's L2 cache (50 MiB on an H100) to flush it between timings,
+one per rank thread at once. A second step keeps what compiling, tuning
+and a thread's first kernels allocate out of the figure.
 The device's memory statistics are process-global: the main thread reads
 and resets them while every rank thread waits (``MainThreadPauses``),
 before the second forward and after it.

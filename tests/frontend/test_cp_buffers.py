@@ -157,6 +157,18 @@ def _check_bad_inputs() -> list[str]:
                 "seq_dim 4 is out of range"),
         _expect(NotImplementedError, lambda: enter(rotate_method="ring"), "'ring'"),
     ]
+    # A nested context given a buffer that the enclosing one holds sharded
+    # would shard the shard (before, silently: attention over a quarter of
+    # the sequence at N=2); one given other buffers enters.
+    z = torch.arange(8 * n).view(1, 8 * n)
+    with context_parallel(mesh, buffers=[y, z], buffer_seq_dims=[2, 1]):
+        msgs.append(_expect(ValueError, lambda: enter(buffers=[x, z], buffer_seq_dims=[2, 1]),
+                            r"buffer 1 \(shape \(1, 8\)\) is already sharded by an enclosing "
+                            "context_parallel"))
+        assert z.shape == (1, 8)
+        with context_parallel(mesh, buffers=[x], buffer_seq_dims=[2]):
+            assert x.shape[2] == s // n
+    assert z.shape == (1, 8 * n) and torch.equal(z[0], torch.arange(8 * n)) and x.shape[2] == s
     mesh2d = init_device_mesh("cpu", (1, n), mesh_dim_names=("dp", "cp"))
     msgs.append(_expect(ValueError, lambda: _enter2d(mesh2d, y), r'1-D device mesh.*mesh\["cp"\]'))
     # Nothing was sharded and the group still works.
@@ -187,5 +199,5 @@ def _enter2d(mesh2d, y):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_bad_input_value_errors_on_every_rank(ranks, world_size):
     msgs = ranks(world_size).run(_check_bad_inputs)
-    assert len(msgs) == world_size and all(len(m) == 8 for m in msgs)
+    assert len(msgs) == world_size and all(len(m) == 9 for m in msgs)
     assert all(m == msgs[0] for m in msgs)

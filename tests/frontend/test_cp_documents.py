@@ -63,6 +63,18 @@ def _check_window_and_uneven(n_unused: int = 0) -> int:
                 assert_close(a, b, atol=1e-10, rtol=1e-10,
                              what=f"{name} lb={lb} window={window} default={default}")
             checks += 1
+    # Equal shards of an odd length (S = 7N): head-tail's two chunks per rank
+    # are then unequal, which the ring learns from the length (it once
+    # refused: "load_balanced needs even local lengths").
+    s = 7 * n
+    q, k, v, cot = (torch.randn(1, 2, s, 8, generator=g, dtype=torch.float64) for _ in range(4))
+    ref = masked_reference(q, k, v, cot, visible(s, causal=True))
+    bufs = [t.clone() for t in (q, k, v, cot)]
+    with context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2] * 4, load_balance=True) as cp:
+        got = sharded_fwd_bwd(cp, bufs, functools.partial(_causal_sdpa, None))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, (ref[0],) + ref[2:]):
+        assert_close(a, b, atol=1e-10, rtol=1e-10, what=f"{name} S={s}, odd equal shards")
+    checks += 1
     # shard / unshard / context_parallel_unshard round trips at uneven lengths
     x = torch.arange(2 * (5 * n + 1)).view(2, 5 * n + 1)
     for lb in (None, cplib.AnyLengthHeadTailLoadBalancer(5 * n + 1, n, "cpu")):
@@ -78,7 +90,7 @@ def _check_window_and_uneven(n_unused: int = 0) -> int:
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_window_per_call_and_uneven_sharding(ranks, world_size):
-    assert ranks(world_size).run(_check_window_and_uneven) == [8] * world_size
+    assert ranks(world_size).run(_check_window_and_uneven) == [9] * world_size
 
 
 def _check_bad_documents() -> int:

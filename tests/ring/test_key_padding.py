@@ -7,12 +7,15 @@ NotImplementedError."""
 
 from __future__ import annotations
 
+import unittest.mock
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 import cplib
+from cplib.attention import key_padding
 from cplib.attention.layout import shard_positions
 from cplib.ulysses.usp_layout import usp_groups
 from harness import assert_close
@@ -99,6 +102,29 @@ def _check_ring() -> int:
     return checks
 
 
+def _check_cuda_bias_columns() -> list[int]:
+    """The CUDA route's wider bias tail (head dims padded to a multiple of 8)
+    on the CPU: bias_columns answers as for CUDA tensors, so q and k carry
+    the bias in one column and zeros in the rest, as they do on a GPU."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    s = 8 * n
+    cuda_rule = key_padding.bias_columns
+
+    def ring(*a, **kw):
+        return cplib.ring_sdpa(*a, dist.group.WORLD, **kw)
+
+    used = []
+
+    def as_on_cuda(head_dim: int, _device_type: str) -> int:
+        used.append(cuda_rule(head_dim, "cuda"))
+        return used[-1]
+
+    with unittest.mock.patch.object(key_padding, "bias_columns", as_on_cuda):
+        _case(ring, s, shard_positions(s, n, rank, True), "additive", 7,
+              f"ring N={n}, CUDA's bias columns", causal=True, load_balanced=True)
+    return sorted(set(used))
+
+
 def _check_ulysses_usp() -> int:
     rank, n = dist.get_rank(), dist.get_world_size()
     mesh = DeviceMesh("cpu", list(range(n)))
@@ -161,6 +187,15 @@ def _check_bad_masks() -> int:
 
 def test_key_padding_ring_every_rotation(ranks):
     assert ranks(2).run(_check_ring) == [18, 18]
+
+
+def test_bias_columns_pad_cuda_head_dims_to_multiples_of_8():
+    assert [key_padding.bias_columns(d, "cuda") for d in (8, 36, 63, 64, 72)] == [8, 4, 1, 8, 8]
+    assert {key_padding.bias_columns(d, dev) for d in (8, 36) for dev in ("cpu", "meta")} == {1}
+
+
+def test_key_padding_with_cuda_bias_columns(ranks):
+    assert ranks(2).run(_check_cuda_bias_columns) == [[8], [8]]  # D = 8: eight more
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -81,6 +81,13 @@ def _usp_same_group(rank, g):
     cplib.usp_sdpa(*qkv(rank), g, g, is_causal=True)
 
 
+def _usp_pure_ulysses_groups(rank, g):
+    from cplib.ulysses.usp_layout import usp_groups
+
+    groups = usp_groups(g, 2)  # 2 ranks, U = 2: pure Ulysses, no ring group
+    cplib.usp_sdpa(*qkv(rank), groups.ulysses_group, groups.ring_group)
+
+
 def _usp_one_bad_scale(rank, g):
     from cplib.ulysses.usp_layout import usp_groups
 
@@ -197,6 +204,9 @@ OPS_CASES = [
     ("ulysses/disagree/length", 2, _ulysses_on(1, is_causal=True, length=6), ValueError,
      "disagree on q.size(2) (rank 0: 8, rank 1: 6)"),
     ("usp/same/one-group-twice", 2, _usp_same_group, ValueError, "share 2 ranks"),
+    ("usp/same/no-ring-group", 2, _usp_pure_ulysses_groups, ValueError,
+     "ring_group is None (usp_groups gives None there when the Ulysses degree is the world "
+     "size): that is not USP; call cplib.ulysses_sdpa"),
     ("usp/one/scale", 4, _usp_one_bad_scale, ValueError, "scale=nan"),
     # flex_cp_allgather
     ("flex/same/complex", 2, _flex_on(None, dtype=torch.complex64), ValueError,
