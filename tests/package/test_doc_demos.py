@@ -1,8 +1,7 @@
 """Every page's demo, run as a user runs it: each code block of README.md
 and docs/*.md that opens with ``# name.py: torchrun --standalone
---nproc-per-node N name.py`` is saved as that file and launched so, on gloo (its ranks started as
-torchrun starts them).
-It must exit 0, and leave no process group alive after its
+--nproc-per-node N name.py`` is saved as that file and run so, on gloo (its
+N ranks started as torchrun starts them). It must exit 0, and leave no process group alive after its
 ``destroy_process_group()``: a group that a global still holds (a mesh, a
 context's handle, a cache) can abort the interpreter at exit ("terminate
 called without an active exception", seen in 2 of 10 runs of the README's
@@ -66,20 +65,23 @@ def _launch(script, ranks: int) -> tuple[str, str]:
                 + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                 WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks))
-    procs = [subprocess.Popen([sys.executable, str(script)], cwd=script.parent, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env=dict(base, RANK=str(r), LOCAL_RANK=str(r)))
-             for r in range(ranks)]
-    results = []
+    # Files, not pipes: a rank blocked on a full pipe would stall the others.
+    logs = [(script.parent / f"rank{r}.out", script.parent / f"rank{r}.err")
+            for r in range(ranks)]
+    procs = []
     try:
-        for p in procs:
-            out, err = p.communicate(timeout=300)
-            results.append((p.returncode, out, err))
+        for r, (out, err) in enumerate(logs):
+            with open(out, "w") as o, open(err, "w") as e:
+                procs.append(subprocess.Popen([sys.executable, str(script)], cwd=script.parent,
+                                              stdout=o, stderr=e,
+                                              env=dict(base, RANK=str(r), LOCAL_RANK=str(r))))
+        codes = [p.wait(timeout=300) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+    results = [(code, out.read_text(), err.read_text()) for code, (out, err) in zip(codes, logs)]
     stdout = "".join(out for _, out, _ in results)
     output = "".join(f"--- rank {r} (exit {code}):\n{out}{err[-3000:]}"
                      for r, (code, out, err) in enumerate(results))
