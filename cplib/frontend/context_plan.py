@@ -104,6 +104,9 @@ def plan_context(buffers: list[torch.Tensor], world_size: int, buffer_seq_dims, 
     the layout of the shards, the global length, the documents, the window
     and the load balancer with its indices. ``enclosing``: the buffers that
     enclosing contexts hold sharded, none of which may be sharded again."""
+    if buffer_seq_dims is None and buffers:
+        raise ValueError(f"cplib.context_parallel: buffer_seq_dims is None but there are "
+                         f"{len(buffers)} buffers; give one sequence dim per buffer")
     seq_dims = [] if buffer_seq_dims is None else list(buffer_seq_dims)
     no_restore = [] if no_restore_buffers is None else list(no_restore_buffers)
     rotate = parse_rotate_method(_cp_options.rotate_method if rotate_method is None

@@ -147,6 +147,8 @@ def _check_bad_inputs() -> list[str]:
                                           buffer_seq_dims=[2]), r"buffer 0 .* requires grad"),
         _expect(ValueError, lambda: enter(buffers=[y, x], buffer_seq_dims=[2]),
                 "buffer_seq_dims has 1 entries but there are 2 buffers"),
+        _expect(ValueError, lambda: enter(buffers=[y, x]),
+                "buffer_seq_dims is None but there are 2 buffers"),
         _expect(ValueError, lambda: enter(buffers=[y], buffer_seq_dims=[2],
                                           no_restore_buffers={x}),
                 r"subset of buffers; a tensor of shape \(1, 2, %d, 4\)" % s),
@@ -199,5 +201,5 @@ def _enter2d(mesh2d, y):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_bad_input_value_errors_on_every_rank(ranks, world_size):
     msgs = ranks(world_size).run(_check_bad_inputs)
-    assert len(msgs) == world_size and all(len(m) == 9 for m in msgs)
+    assert len(msgs) == world_size and all(len(m) == 10 for m in msgs)
     assert all(m == msgs[0] for m in msgs)
