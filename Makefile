@@ -44,7 +44,7 @@ $(VPY):
 	@echo "creating $(VENV)"
 	@$(PYTHON) -m venv $(VENV)
 
-# The clients (accelerate, torchtitan: tests/clients/) come last: torchtitan
+# The clients (accelerate, torchtitan: tests/integrations/) come last: torchtitan
 # without its declared dependencies (requirements/clients.txt says why).
 $(DEPS): requirements-dev.txt requirements/torch-default.txt requirements/clients.txt \
          requirements/clients-nodeps.txt | $(VPY)

@@ -63,9 +63,10 @@ from .decode.op import decode_sdpa
 # merge: partial attention results merged in place.
 from .merge.op import merge_partial_
 
-# clients: torch's context-parallel names replaced by cplib's where accelerate,
-# HF Trainer and torchtitan import them.
-from .clients.patch import patch_torch, unpatch_torch
+# integrations: torch's context-parallel names replaced by cplib's where
+# accelerate, HF Trainer and torchtitan import them; cplib's reach into
+# transformers (cplib/integrations/, one registry of every replacement).
+from .integrations.torch_names import patch_torch, unpatch_torch
 from . import loss  # noqa: F401  (cplib.loss.cross_entropy: a loss of your own under CP)
 
 # conv: halo-exchange convolution and its DTensor handlers.
@@ -73,15 +74,10 @@ from .conv.dtensor import disable_dtensor_conv, enable_dtensor_conv
 from .conv.seq_halo import seq_halo
 from .conv.tp_conv import tp_conv
 
-# hybrid: recurrent and conv layers of hybrid models. transformers' hybrid
-# layers, causal-LM/router losses and attention lookup are intercepted
-# whenever context parallelism starts (with or without cplib.hf or the
-# switch): never a per-shard recurrence, loss or attention.
+# hybrid: recurrent and conv layers of hybrid models (transformers' are
+# reached through cplib/integrations/transformers/, installed whenever context
+# parallelism starts: never a per-shard recurrence, loss or attention).
 from .hybrid import recurrence_exchange
-from .clients.on_start import install_into_transformers as _install_into_transformers
-from .frontend.start_hooks import on_context_parallel_start as _on_context_parallel_start
-
-_on_context_parallel_start(_install_into_transformers)
 
 # Public names for what torch keeps private (same objects).
 LoadBalancer = _LoadBalancer

@@ -24,13 +24,15 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ..comm.native import ops
+from ..integrations import registry
 from .tp_conv import _local_out_shape
 
 __all__ = ["enable_dtensor_conv", "disable_dtensor_conv"]
 
 aten = torch.ops.aten
 _OPS = (aten.convolution.default, aten.convolution_backward.default)
-_saved: dict[Any, Any] = {}
+# The registry's owner of the handlers enable_dtensor_conv() puts in DTensor's table.
+OWNER = "dtensor_conv"
 
 
 def _contiguous_stride(shape: list[int]) -> tuple[int, ...]:
@@ -162,21 +164,13 @@ def _dispatcher():
 
 def enable_dtensor_conv() -> None:
     """Routes convolutions on DTensor inputs to cplib's halo-exchange op
-    (replacing torch's ``_tp_conv`` handlers) until ``disable_dtensor_conv``."""
+    (replacing torch's ``_tp_conv`` handlers, through cplib's patch
+    registry) until ``disable_dtensor_conv``."""
     handlers = _dispatcher()._custom_op_handlers
     for op, fn in zip(_OPS, (_convolution_handler, _convolution_backward_handler)):
-        if handlers.get(op) is not fn:
-            _saved.setdefault(op, handlers.get(op))
-            handlers[op] = fn
+        registry.replace(OWNER, handlers, op, lambda _, fn=fn: fn)
 
 
 def disable_dtensor_conv() -> None:
     """Restores the handlers that were active before ``enable_dtensor_conv``."""
-    handlers = _dispatcher()._custom_op_handlers
-    for op in _OPS:
-        if op in _saved:
-            prev = _saved.pop(op)
-            if prev is None:
-                handlers.pop(op, None)
-            else:
-                handlers[op] = prev
+    registry.restore(OWNER)

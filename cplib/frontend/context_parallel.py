@@ -22,7 +22,7 @@ from .options import (RingConfig, _cp_options, _RotateMethod, explicit_rotation,
 from .sdpa_dispatch import CPDispatchMode
 from ..comm.native import check_mesh
 from .sharding import keep_shards_for_backward, shard_tensor
-from .start_hooks import run_start_hooks
+from ..integrations import on_context_parallel_start
 from .unshard import unshard
 from ..ulysses.usp_layout import ulysses_layout, usp_groups
 from ..strategy.route import AutoStrategy, parse_strategy, strategy_entry
@@ -173,7 +173,7 @@ def context_parallel(
     the block exits gets the right gradients.
     """
     group = check_mesh(mesh, register=False)
-    run_start_hooks()  # local: hybrid layers intercepted (start_hooks.py)
+    on_context_parallel_start()  # local: cplib's interception of transformers in place
     # The handshake's CPU side group on NCCL (a collective, the first time
     # only) before the first handshake, which then runs on it in host memory
     # (and no warning says the group has none).

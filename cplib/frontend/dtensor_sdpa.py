@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..comm.handshake import agreed
 from ..comm.native import check_mesh, ops
+from ..integrations import registry
 from .options import _cp_options, rotate_method_name
 from .shard_layout import check_layout_read
 
@@ -45,9 +46,8 @@ _BACKWARD = {
     aten._scaled_dot_product_efficient_attention_backward.default: "efficient",
     aten._scaled_dot_product_cudnn_attention_backward.default: "cudnn",
 }
-_MISSING = object()
-# What DTensor's dispatcher had for those ops before enable_dtensor_sdpa().
-_replaced: dict[Any, Any] = {}
+# The registry's owner of the handlers enable_dtensor_sdpa() puts in DTensor's table.
+OWNER = "dtensor_sdpa"
 
 
 def _bound(op: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -170,21 +170,14 @@ def _backward_handler(op: Any, args: tuple, kwargs: dict) -> tuple:
 
 
 def enable_dtensor_sdpa() -> None:
-    """Routes the fused SDPA ops of sequence-sharded DTensors to the ring."""
+    """Routes the fused SDPA ops of sequence-sharded DTensors to the ring
+    (DTensor's handler table, through cplib's patch registry)."""
     handlers = DTensor._op_dispatcher._custom_op_handlers
     for table, handler in ((_FORWARD, _forward_handler), (_BACKWARD, _backward_handler)):
         for op in table:
-            if op not in _replaced:
-                _replaced[op] = handlers.get(op, _MISSING)
-            handlers[op] = handler
+            registry.replace(OWNER, handlers, op, lambda _, h=handler: h)
 
 
 def disable_dtensor_sdpa() -> None:
     """Puts DTensor's own handlers for those ops back."""
-    handlers = DTensor._op_dispatcher._custom_op_handlers
-    for op, old in _replaced.items():
-        if old is _MISSING:
-            handlers.pop(op, None)
-        else:
-            handlers[op] = old
-    _replaced.clear()
+    registry.restore(OWNER)

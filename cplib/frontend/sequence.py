@@ -1,18 +1,26 @@
 """Where a batch's sequence lives under context parallelism, for the losses
-that read labels beside this rank's logits (cplib/loss.py,
-cplib/clients/hf_loss.py, cplib/clients/router_loss.py).
+that read labels beside this rank's logits (cplib/loss.py and the
+transformers integration's losses) and the layers that read the sequence in
+order (hybrid models).
 
-The layout in effect is the innermost ``cplib.context_parallel`` region's, or
-else the one the last ``_context_parallel_shard`` recorded (the
-``_ContextParallel`` module path: torchtitan, ``parallelize_module``). Labels
-given whole are used as they are; labels of this rank's shard length are
-gathered back over the group (one all-gather of integers) so that they can be
-shifted across shard borders. Every check reads shapes and the layout only,
-and its error is raised on every rank before any collective.
+The layout in effect comes from an explicit scope, never from a value a
+past call recorded (DESIGN.md section 15): the innermost
+``cplib.context_parallel`` region's, else that of a :func:`sharded_scope`
+(on the ``_ContextParallel`` module path: a transformers model's forward
+given tensors that ``_context_parallel_shard`` cut, which carry their
+layout), else, for a loss, the layout its own labels were cut in. Outside
+all three a computation is the one-process one. Labels given whole are used
+as they are; labels of this rank's shard length are gathered back over the
+group (one all-gather of integers) so that they can be shifted across shard
+borders. Every check reads shapes and the layout only, and its error is
+raised on every rank before any collective.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,13 +32,12 @@ from torch.overrides import _get_current_function_mode_stack
 from ..comm.handshake import agreed
 from ..comm.native import check_mesh
 from ..ring.load_balancer import shard_lengths
-from .options import _cp_options
-from .sdpa_dispatch import CPDispatchMode, dispatcher_enabled
-from .sharding import shard_key, shard_key_of, shard_tensor
+from .sdpa_dispatch import CPDispatchMode
+from .sharding import shard_key, shard_tensor, sharded_as
 from .unshard import unshard
 
 __all__ = ["SequenceShards", "active_handle", "layout_source", "sequence_shards",
-           "labels_in_layout"]
+           "labels_in_layout", "sharded_scope", "layout_in_scope", "shards_of"]
 
 
 def active_handle() -> Any:
@@ -86,6 +93,38 @@ class SequenceShards:
 
 _REGION = "the cplib.context_parallel region"
 
+# The layout of the module-path scope this thread (a rank) is in: set for the
+# duration of a forward given shards that carry their layout
+# (transformers' models: cplib/integrations/transformers/scope.py).
+_scope: contextvars.ContextVar[SequenceShards | None] = contextvars.ContextVar(
+    "cplib_sharded_scope", default=None)
+
+
+def shards_of(t: Any) -> SequenceShards | None:
+    """The layout ``t`` was cut in by ``_context_parallel_shard`` or
+    ``cplib.shard`` (None: not one of their outputs)."""
+    tag = sharded_as(t)
+    if tag is None:
+        return None
+    mesh, load_balancer, seq_len, source = tag
+    return SequenceShards(mesh, load_balancer, seq_len, f"the {seq_len}-token sequence that "
+                          f"{source} cut (its shards carry the layout)")
+
+
+@contextlib.contextmanager
+def sharded_scope(shards: SequenceShards) -> Iterator[None]:
+    """Code inside runs under ``shards``' layout (unless a region is open)."""
+    token = _scope.set(shards)
+    try:
+        yield
+    finally:
+        _scope.reset(token)
+
+
+def layout_in_scope() -> SequenceShards | None:
+    """The module-path scope's layout (None: none open)."""
+    return _scope.get()
+
 
 def layout_source() -> str | None:
     """Where the layout in effect comes from, in words (None: no context
@@ -93,10 +132,8 @@ def layout_source() -> str | None:
     refuses."""
     if active_handle() is not None:
         return _REGION
-    record = _cp_options.shard_layout
-    if record is None or record.mesh is None:
-        return None
-    return f"the last _context_parallel_shard (with {record.balancer})"
+    shards = _scope.get()
+    return None if shards is None else shards.source
 
 
 def sequence_shards(local_len: int) -> SequenceShards | None:
@@ -108,13 +145,7 @@ def sequence_shards(local_len: int) -> SequenceShards | None:
         if seq_len is None:  # equal shards
             seq_len = local_len * handle.mesh.size()
         return SequenceShards(handle.mesh, handle.load_balancer, seq_len, _REGION)
-    where, record = layout_source(), _cp_options.shard_layout
-    if where is None:
-        return None
-    if len(record.seq_lens) != 1:
-        raise ValueError(f"cplib: {where} cut sequences of lengths {list(record.seq_lens)}; "
-                         "shard the batch (ids, labels) in one call of its own")
-    return SequenceShards(record.mesh, record.load_balancer, record.seq_lens[0], where)
+    return _scope.get()
 
 
 def _check(shards: SequenceShards | None, logits: torch.Tensor, labels: torch.Tensor,
@@ -130,8 +161,9 @@ def _check(shards: SequenceShards | None, logits: torch.Tensor, labels: torch.Te
         raise ValueError(
             f"cplib: logits have {logits.shape[-2]} positions, but this rank's shard of the "
             f"{shards.seq_len}-token sequence of {shards.source} has {local}")
-    tag = shard_key_of(labels)
-    if length == local and shards.seq_len != local and tag is not None and tag != shards.key():
+    tag = shards_of(labels)
+    if length == local and shards.seq_len != local and tag is not None \
+            and tag.key() != shards.key():
         raise ValueError(
             f"cplib: {what} were sharded by cplib in another layout than {shards.source}; "
             "shard them with the inputs (the same mesh, load balancer and length)")
@@ -151,19 +183,17 @@ def _check(shards: SequenceShards | None, logits: torch.Tensor, labels: torch.Te
 def labels_in_layout(logits: torch.Tensor, labels: torch.Tensor,
                      what: str = "labels") -> tuple[SequenceShards | None, torch.Tensor]:
     """(the layout in effect, ``labels`` over the whole sequence); without
-    context parallelism (None, labels). Bad input (shapes; labels of another
-    length or sharded in another layout; sharded labels where no layout is in
-    effect) raises ValueError on every rank, before any collective."""
+    context parallelism (None, labels). The layout is the scope's
+    (:func:`sequence_shards`), else the one ``labels`` were cut in
+    (:func:`shards_of`). Bad input (shapes; labels of another length or
+    sharded in another layout) raises ValueError on every rank, before any
+    collective."""
     shards = sequence_shards(logits.shape[-2]) if logits.dim() >= 2 else None
+    if shards is None:
+        shards = shards_of(labels)
 
     def check() -> None:
         _check(shards, logits, labels, what)
-        if shards is None and (shard_key_of(labels) is not None or dispatcher_enabled()):
-            raise ValueError(
-                f"cplib: {what} look sharded (cplib.shard cut them, or the context-parallel "
-                "dispatcher is on), but no layout is in effect: compute the loss inside the "
-                "cplib.context_parallel region, or shard the batch with "
-                "_context_parallel_shard(mesh, [ids, labels], ...)")
 
     group = None if shards is None else shards.group.group_name
     agreed("loss", group, [logits, labels], check)

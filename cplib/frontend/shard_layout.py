@@ -1,6 +1,6 @@
 """The layout of the last ``_context_parallel_shard``, which the SDPA calls
-of ``_ContextParallel`` modules check how they would read their inputs
-against (head-tail if a load balancer was given, as torch; per document or
+of ``_ContextParallel`` modules, inside their forward, check how they would
+read their inputs against (head-tail if a load balancer was given, as torch; per document or
 in the placement under ``attention_documents``; the module's Ulysses
 degree): inputs read in another layout than the one they were sharded in
 would give a wrong result without a word."""
@@ -24,12 +24,9 @@ class ShardLayout(NamedTuple):
     balancer: str  # its class name, for the errors
     cu_seqlens: tuple[int, ...] | None  # the documents it was made for, where known
     ulysses_degree: int  # the USP degree it lays out for (1: the ring's layouts)
-    # What _context_parallel_shard cut, for losses that read labels in the
-    # same layout (cplib/frontend/sequence.py): its mesh, load balancer and the
-    # sequence lengths of its buffers.
-    mesh: object = None
+    # The load balancer itself, for FLEX calls without a BlockMask inside a
+    # _ContextParallel module's forward (their positions: style.py).
     load_balancer: object = None
-    seq_lens: tuple[int, ...] = ()
 
 
 def shard_layout_of(load_balancer: object | None) -> ShardLayout:

@@ -28,7 +28,6 @@ from ..ring.load_balancer import _LoadBalancer, rearrange, shard_lengths
 from ..comm.handshake import agreed, handshake
 from ..comm.native import check_mesh
 from .options import _cp_options
-from .start_hooks import run_start_hooks
 
 __all__ = ["_context_parallel_shard", "shard"]
 
@@ -130,10 +129,18 @@ def shard_key(group_name: str, world_size: int, seq_len: int,
     return (group_name, world_size, seq_len, perm)
 
 
-def shard_key_of(t: torch.Tensor) -> tuple | None:
-    """The :func:`shard_key` of the layout :func:`shard` cut ``t`` in (None:
-    not one of its outputs, or a copy of one)."""
-    return getattr(t, "_cplib_shard_key", None)
+# The attribute :func:`shard` sets on each shard it returns: (mesh, load
+# balancer, the buffer's sequence length, who cut it). The sharded tensors
+# carry their own layout (DESIGN.md section 15): on the module path, where no
+# region says what is context parallel, a loss or a model given one of them
+# reads the layout there, and nothing is recorded for later calls to match.
+SHARDED_ATTR = "_cplib_sharded"
+
+
+def sharded_as(t: Any) -> tuple | None:
+    """(mesh, load_balancer, seq_len, source) of the layout :func:`shard` cut
+    ``t`` in (None: not one of its outputs, or a copy of one)."""
+    return getattr(t, SHARDED_ATTR, None) if isinstance(t, torch.Tensor) else None
 
 
 def _shard_block_mask(mesh: DeviceMesh, mask: Any, load_balancer: _LoadBalancer | None) -> Any:
@@ -162,7 +169,7 @@ def keep_shards_for_backward(shards: list[torch.Tensor]):
 
 def shard(mesh: DeviceMesh, buffers: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
           seq_dims: Sequence[int] | Mapping[str, int],
-          load_balancer: _LoadBalancer | None = None) -> Any:
+          load_balancer: _LoadBalancer | None = None, *, _source: str = "cplib.shard") -> Any:
     """Returns this rank's shard of every buffer (same container structure).
 
     ``load_balancer`` (e.g. ``_HeadTailLoadBalancer(S, N, device)``) rearranges
@@ -205,8 +212,8 @@ def shard(mesh: DeviceMesh, buffers: Sequence[torch.Tensor] | Mapping[str, torch
     for i, b, d in tensors:
         lengths = shard_lengths(b.shape[d], n, load_balancer)
         out[i] = shard_tensor(b, d, rank, n, indices, lengths)
-        # Which layout cut it, for the losses' check (shard_key_of).
-        out[i]._cplib_shard_key = shard_key(group.group_name, n, b.shape[d], indices)
+        # Which layout cut it (sharded_as): what a loss or a model given it reads.
+        setattr(out[i], SHARDED_ATTR, (mesh, load_balancer, b.shape[d], _source))
     for i, b in enumerate(flat):
         if block_mask is not None and isinstance(b, block_mask):
             out[i] = _shard_block_mask(mesh, b, load_balancer)
@@ -218,15 +225,14 @@ def _context_parallel_shard(mesh: DeviceMesh, buffers: Any, seq_dims: Any,
     """torch's ``_context_parallel_shard``: shards like :func:`shard` and, as
     torch does, records in ``_cp_options.enable_load_balance`` whether a load
     balancer was used, which ``_ContextParallel`` SDPA modules then follow
-    (and in ``_cp_options.shard_layout`` its layout, which they check how they
-    read their inputs against: cplib/frontend/shard_layout.py)."""
+    (and in ``_cp_options.shard_layout`` its kind, which they check how they
+    read their inputs against inside their forward: shard_layout.py). The
+    layout a loss or a model reads travels on the shards (:func:`sharded_as`)."""
     from .shard_layout import shard_layout_of
+    from ..integrations import on_context_parallel_start
 
-    run_start_hooks()  # local: hybrid layers intercepted (start_hooks.py)
-    result = shard(mesh, buffers, seq_dims, load_balancer)
-    flat, _ = tree_flatten(buffers)
-    lengths = tuple(sorted({b.shape[d] for b, d in zip(flat, tree_flatten(seq_dims)[0])}))
+    on_context_parallel_start()  # local: cplib's interception of transformers in place
+    result = shard(mesh, buffers, seq_dims, load_balancer, _source="_context_parallel_shard")
     _cp_options.enable_load_balance = load_balancer is not None
-    _cp_options.shard_layout = shard_layout_of(load_balancer)._replace(
-        mesh=mesh, load_balancer=load_balancer, seq_lens=lengths)
+    _cp_options.shard_layout = shard_layout_of(load_balancer)._replace(load_balancer=load_balancer)
     return result

@@ -1,54 +1,47 @@
-"""Hugging Face models under cplib: ``import cplib.hf`` registers
-``attn_implementation="cplib"`` with ``transformers.AttentionInterface``
-(and a mask function with ``AttentionMaskInterface``, so that no S x S mask
-is built for it).
+"""``import cplib.hf``: the switch to ``attn_implementation="cplib"`` for
+Hugging Face models.
+
+It registers cplib's attention function with ``transformers.AttentionInterface``
+and its mask function with ``AttentionMaskInterface`` (so that no S x S mask
+is built for it), through cplib's patch registry (owner ``"cplib.hf"``), and
+installs the transformers integration (cplib/integrations/transformers/: the
+losses over the whole sequence, hybrid layers, guards; docs/hf.md).
 
 A model built or switched with it (``from_config(cfg,
 attn_implementation="cplib")``, ``model.set_attn_implementation("cplib")``)
-computes every layer's attention
-
-* inside ``cplib.context_parallel(...)`` with cplib's ring (or USP with
-  ``ulysses_degree``) on the local shards, with the layer's sliding window,
-  sinks (gpt-oss), scaling, GQA and head dims (MLA), the context's
-  documents (``position_ids=`` / ``cu_seqlens=``) and a 2-D padding
-  ``attention_mask`` listed among the context's buffers (seq dim 1);
-* outside any context as exact single-device attention with the same
-  semantics (so one model object works either way), padding masks included.
-
-and ``model(..., labels=labels).loss`` inside a context shifts the labels
-over the whole sequence and normalises by the global count of valid labels,
-and MoE routers' load-balancing loss covers the whole sequence
-(cplib/clients/hf_loss.py, installed here and by ``cplib.patch_torch()``):
-the mean over the CP ranks of the loss, and of the parameter gradients, is
-the single-process value.
-
-Hybrid models (Qwen3-Next, Qwen3.5, Kimi Linear, Falcon-H1, Granite 4,
-LFM2, ...): inside a context their recurrent and conv layers run exactly or
-raise NotImplementedError naming the layer (cplib/clients/hf_hybrid.py, the
-list in hybrid_families.py; installed here, by ``cplib.patch_torch()`` and
-whenever context parallelism starts); outside one they are transformers' own.
-
-Importing ``cplib`` alone does not import transformers; this module does.
+computes every layer's attention inside ``cplib.context_parallel(...)`` with
+cplib's ring (or USP with ``ulysses_degree``) over the whole sequence, and
+outside any context as its own eager path would; a family that cannot run
+it refuses the setting by name. Everything this package knows about
+transformers lives in cplib/integrations/transformers/; this module is the
+switch only. Importing ``cplib`` alone does not import transformers; this
+module does.
 """
 
 from __future__ import annotations
 
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
+from ..integrations import registry
+from ..integrations.transformers import install as _install_integration
+from ..integrations.transformers.attention import cplib_attention_forward, cplib_mask
 
-from ._attention import cplib_attention_forward, cplib_mask
-from ..clients.hf_loss import install_hf_losses
-from ..clients.hf_hybrid import install_hybrid_layers
-
-__all__ = ["cplib_attention_forward", "cplib_mask", "ATTN_IMPLEMENTATION"]
+__all__ = ["cplib_attention_forward", "cplib_mask", "ATTN_IMPLEMENTATION", "install"]
 
 ATTN_IMPLEMENTATION = "cplib"
+OWNER = "cplib.hf"
 
-AttentionInterface.register(ATTN_IMPLEMENTATION, cplib_attention_forward)
-AttentionMaskInterface.register(ATTN_IMPLEMENTATION, cplib_mask)
-# model(..., labels=labels).loss under context parallelism: labels shifted
-# over the whole sequence, the loss normalised by the global count, the
-# router loss over every token (cplib/clients/hf_loss.py).
-install_hf_losses("cplib.hf")
-# Hybrid models: their recurrent and conv layers exact or refused under CP (hybrid.py).
-install_hybrid_layers()
+
+def install() -> None:
+    """Registers ``attn_implementation="cplib"`` and installs the
+    integration (what importing this module does; again after
+    ``cplib.integrations.uninstall()``)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    registry.replace(OWNER, AttentionInterface._global_mapping, ATTN_IMPLEMENTATION,
+                     lambda _: cplib_attention_forward)
+    registry.replace(OWNER, AttentionMaskInterface._global_mapping, ATTN_IMPLEMENTATION,
+                     lambda _: cplib_mask)
+    _install_integration(import_transformers=True)
+
+
+install()

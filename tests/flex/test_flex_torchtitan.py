@@ -16,7 +16,7 @@ tests.
 torchtitan's ``apply_cp_to_forward`` all-gathers K/V itself
 (``flex_cp_allgather`` by name) before the module's forward, so it runs
 the all-gather, on cplib's names equal to one process too
-(tests/clients/test_torchtitan.py); the ring is this module path."""
+(tests/integrations/test_torchtitan.py); the ring is this module path."""
 
 from __future__ import annotations
 

@@ -101,7 +101,7 @@ def _scan() -> dict[str, set[str]]:
 
 
 def test_every_sequence_mixer_of_transformers_is_listed():
-    from cplib.clients.hybrid_families import FAMILIES
+    from cplib.integrations.transformers.hybrid_families import FAMILIES
 
     listed = {(f, m.name) for f, mixers in FAMILIES.items() for m in mixers}
     found = {(family, name) for family, names in _scan().items() for name in names}
@@ -121,7 +121,7 @@ ATTENTION_REFUSED = {"inkling": "position_bias", "inkling2": "position_bias"}
 def _family_under_cp(family: str) -> str:
     """"exact", or "refused <what the error names>"; asserts either way."""
     import cplib
-    from cplib.clients.hybrid_families import FAMILIES
+    from cplib.integrations.transformers.hybrid_families import FAMILIES
 
     n = dist.get_world_size()
     model = tiny_model(family)
@@ -151,7 +151,7 @@ def _family_under_cp(family: str) -> str:
 
 
 def _all_families() -> dict[str, str]:
-    from cplib.clients.hybrid_families import FAMILIES
+    from cplib.integrations.transformers.hybrid_families import FAMILIES
 
     return {family: _family_under_cp(family) for family in FAMILIES}
 

@@ -1,4 +1,4 @@
-"""What the client tests (tests/clients/) share: the tiny models and batch
+"""What the client tests (tests/integrations/) share: the tiny models and batch
 (a Llama of 2 layers, hidden 64; a third of one row's labels -100), the
 one-process reference, the comparison of the CP ranks' mean against it, and
 the work-arounds for what the clients refuse on CPU (accelerate's

@@ -169,10 +169,10 @@ def test_own_model_with_a_hybrid_layer_in_a_region(ranks_without_cplib_hf):
     assert ranks_without_cplib_hf(_own_model_in_a_region) == [1, 1]
 
 
-def test_clients_never_import_cplib_hf():
+def test_integrations_never_import_cplib_hf():
     """``cplib.hf``'s import is the ``attn_implementation="cplib"`` switch;
     what ``patch_torch()`` and the context's start install lives in
-    cplib/clients/, which ``cplib.hf`` imports, never the reverse."""
+    cplib/integrations/, which ``cplib.hf`` imports, never the reverse."""
     import importlib.util
     import os
 
@@ -182,6 +182,6 @@ def test_clients_never_import_cplib_hf():
     cycles = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cycles)
     graph = cycles.import_graph(os.path.join(root, "cplib"), "cplib")
-    upward = [(m, t) for m, targets in graph.items() if m.startswith("cplib.clients")
+    upward = [(m, t) for m, targets in graph.items() if m.startswith("cplib.integrations")
               for t in targets if t == "cplib.hf" or t.startswith("cplib.hf.")]
     assert upward == []

@@ -21,10 +21,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..comm.handshake import agreed
-from ..comm.native import check_mesh
-from ..frontend.options import _cp_options
-from ..frontend.sequence import active_handle
+from ...comm.handshake import agreed
+from ...comm.native import check_mesh
+from ...frontend.sequence import active_handle, layout_in_scope
 
 __all__ = ["context_parallel_router_loss", "caller_scales"]
 
@@ -32,7 +31,7 @@ __all__ = ["context_parallel_router_loss", "caller_scales"]
 # num_items_in_batch: Hugging Face's sign that the caller scales the loss by
 # its number of processes (Trainer does), so the router loss, added to it in
 # the same forward, must leave that factor to the caller too. Set by
-# cplib/clients/hf_loss.py, which runs first in every MoE forward with labels.
+# losses.py, which runs first in every MoE forward with labels.
 caller_scales: contextvars.ContextVar[bool] = contextvars.ContextVar("cplib_caller_scales",
                                                                       default=False)
 
@@ -60,11 +59,13 @@ class _GatherRows(torch.autograd.Function):
 
 
 def _cp_mesh() -> Any:
+    """The mesh of the scope in effect (a region, or a model's forward given
+    shards: cplib/frontend/sequence.py); None outside context parallelism."""
     handle = active_handle()
     if handle is not None:
         return handle.mesh
-    record = _cp_options.shard_layout
-    return None if record is None else record.mesh
+    shards = layout_in_scope()
+    return None if shards is None else shards.mesh
 
 
 def _row_mask(rows: list[int], longest: int, mask: torch.Tensor | None,

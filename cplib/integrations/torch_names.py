@@ -4,11 +4,13 @@ look them up, run cplib's.
 accelerate (``Accelerator.prepare()``), HF Trainer (through accelerate) and
 torchtitan (at import) take ``context_parallel``, ``set_rotate_method``, the
 load balancers, the dispatcher switches and ``flex_cp_allgather`` from torch's
-modules by name. The switch sets those module attributes to cplib's objects,
-so every later ``from torch.distributed.tensor.experimental... import X`` gets
-cplib's ``X``; a module that imported ``X`` before the switch keeps torch's
-(hence: call it before ``Accelerator.prepare()`` and before importing
-torchtitan). ``unpatch_torch()`` puts back exactly what was there.
+modules by name. The switch sets those module attributes to cplib's objects
+(through the registry, owner ``"torch"``), so every later ``from
+torch.distributed.tensor.experimental... import X`` gets cplib's ``X``; a
+module that imported ``X`` before the switch keeps torch's (hence: call it
+before ``Accelerator.prepare()`` and before importing torchtitan).
+``unpatch_torch()`` puts back exactly what was there, and what cplib
+installed into transformers.
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ import sys
 import types
 import warnings
 
-__all__ = ["patch_torch", "unpatch_torch", "torch_is_patched", "PATCHED_MODULES"]
+from . import registry
 
+__all__ = ["patch_torch", "unpatch_torch", "torch_is_patched", "PATCHED_MODULES", "OWNER"]
+
+OWNER = "torch"
 _EXPERIMENTAL = "torch.distributed.tensor.experimental"
 _LOAD_BALANCERS = ("_HeadTailLoadBalancer", "_LoadBalancer", "_PerDocumentHeadTailLoadBalancer",
                    "_PTRRLoadBalancer")
@@ -32,7 +37,7 @@ _API = ("_CausalBehavior", "_context_parallel_shard", "_ContextParallel", "_cp_o
 
 # Each module of torch's that holds context-parallel names, and the names the
 # switch sets there (those torch 2.13 defines there, and every name the
-# pinned clients import from it: tests/clients/test_patch_torch.py reads their
+# pinned clients import from it: tests/integrations/test_patch_torch.py reads their
 # source). A module this torch lacks is skipped.
 PATCHED_MODULES: dict[str, tuple[str, ...]] = {
     _EXPERIMENTAL: ("context_parallel",),
@@ -46,11 +51,6 @@ PATCHED_MODULES: dict[str, tuple[str, ...]] = {
     f"{_EXPERIMENTAL}._load_balancer": _LOAD_BALANCERS,
     f"{_EXPERIMENTAL}._cp_custom_ops": ("flex_cp_allgather",),
 }
-
-_MISSING = object()
-# (module, name) -> what was there before the switch (_MISSING: nothing);
-# empty while torch is not patched.
-_saved: dict[tuple[types.ModuleType, str], object] = {}
 
 
 def _modules() -> list[tuple[types.ModuleType, tuple[str, ...]]]:
@@ -66,36 +66,33 @@ def _modules() -> list[tuple[types.ModuleType, tuple[str, ...]]]:
 def patch_torch() -> None:
     """Makes every name in :data:`PATCHED_MODULES` (torch's context-parallel
     API where accelerate, Trainer and torchtitan import it) cplib's, and
-    installs into transformers, where it is installed, cplib's causal-LM and
-    router losses (cplib/clients/hf_loss.py) and its hybrid layers' exchange
-    (cplib/clients/hf_hybrid.py; docs/clients.md). Idempotent; undone by
-    :func:`unpatch_torch`, except the hybrid layers' wrappers, which call
-    straight through outside context parallelism."""
+    installs cplib's interception of transformers where it is installed (its
+    losses, hybrid layers and attention guards: docs/integrations.md).
+    Idempotent; undone by :func:`unpatch_torch`."""
     import cplib
 
-    if _saved:
-        return
-    for module, attrs in _modules():
-        for attr in attrs:
-            _saved[(module, attr)] = module.__dict__.get(attr, _MISSING)
-            setattr(module, attr, getattr(cplib, attr))
+    with registry.lock():
+        if torch_is_patched():
+            return
+        for module, attrs in _modules():
+            for attr in attrs:
+                registry.replace(OWNER, module, attr, lambda _, a=attr: getattr(cplib, a))
     late = _holders_of_torch_names()
     if late:
         warnings.warn(f"cplib.patch_torch(): {', '.join(late[:6])} took torch's context-parallel "
                       "names before the switch and keep them; call cplib.patch_torch() before "
                       "importing them", stacklevel=2)
-    from .hf_hybrid import install_hybrid_layers
-    from .hf_loss import install_hf_losses
-
-    install_hf_losses("patch_torch")
     if importlib.util.find_spec("transformers") is not None:
-        install_hybrid_layers()  # hybrid models' recurrent and conv layers carried or refused
+        from .transformers import install
+
+        install(import_transformers=True)
 
 
 def _holders_of_torch_names() -> list[str]:
     """``module.name`` of every module outside torch and cplib whose globals
     hold one of the torch objects the switch replaced (imported before it)."""
-    replaced = {id(old) for old in _saved.values() if old is not _MISSING}
+    replaced = {id(p.original) for p in registry.patches(OWNER)
+                if p.original is not registry.MISSING}
     found = []
     for name, module in list(sys.modules.items()):
         if module is None or name.split(".")[0] in ("torch", "cplib"):
@@ -106,20 +103,15 @@ def _holders_of_torch_names() -> list[str]:
 
 
 def unpatch_torch() -> None:
-    """Puts back what :func:`patch_torch` replaced (a no-op when torch is not
-    patched); the losses stay where ``import cplib.hf`` installed them too."""
-    if not _saved:
-        return
-    for (module, attr), old in _saved.items():
-        if old is _MISSING:
-            delattr(module, attr)
-        else:
-            setattr(module, attr, old)
-    _saved.clear()
-    from .hf_loss import uninstall_hf_losses
+    """Puts back what :func:`patch_torch` replaced in torch and everything
+    cplib installed into transformers (a no-op where nothing is installed).
+    The next context-parallel start installs into transformers again."""
+    from .transformers import uninstall
 
-    uninstall_hf_losses("patch_torch")
+    with registry.lock():
+        registry.restore(OWNER)
+        uninstall()
 
 
 def torch_is_patched() -> bool:
-    return bool(_saved)
+    return bool(registry.patches(OWNER))

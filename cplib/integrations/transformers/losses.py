@@ -1,15 +1,14 @@
 """Hugging Face's losses under context parallelism: the causal-LM,
-masked-LM, token-classification and MoE router losses, installed by
-``import cplib.hf``, by ``cplib.patch_torch()`` and whenever cplib's context
-parallelism starts while transformers is imported (docs/clients.md,
-docs/hf.md): ``labels=`` under a plain ``cplib.context_parallel`` region is
-never a per-shard loss.
+masked-LM, token-classification and MoE router losses, installed with the
+rest of the integration (__init__.py; docs/integrations.md): ``labels=``
+under a plain ``cplib.context_parallel`` region is never a per-shard loss.
 
 HF's ``ForCausalLMLoss`` shifts ``labels`` inside the tensor it gets and
 averages over the valid tokens it sees: on a shard, both are wrong (the
 masked-LM and token-classification losses only average). Under context
-parallelism (a ``cplib.context_parallel`` region, or inputs sharded by
-``_context_parallel_shard``: cplib/frontend/sequence.py) the installed loss
+parallelism (a ``cplib.context_parallel`` region, a model's forward given
+shards of ``_context_parallel_shard``, or labels that are such a shard:
+cplib/frontend/sequence.py) the installed loss
 shifts causal-LM labels over the whole sequence (``shift_labels``, already
 shifted, are taken as given; the other two score each position against its
 own label) and returns
@@ -35,22 +34,28 @@ HF's own.
 from __future__ import annotations
 
 import functools
-import importlib.util
-import sys
 import threading
 import types
 from typing import Any, Callable
 
 import torch
 
-from ..frontend.sequence import labels_in_layout, layout_source, sequence_shards
-from ..loss import shifted, token_loss_sum
-from .hf_models import model_modules
+from .. import registry
+from ...frontend.sequence import labels_in_layout, layout_source, sequence_shards, shards_of
+from ...loss import shifted, token_loss_sum
+from .models import OWNER
 from .router_loss import caller_scales, context_parallel_router_loss
 
-__all__ = ["install_hf_losses", "uninstall_hf_losses", "context_parallel_causal_lm_loss",
+__all__ = ["install_losses", "wrap_router_loss", "context_parallel_causal_lm_loss",
            "context_parallel_masked_lm_loss", "context_parallel_token_classification_loss",
            "refused_under_context_parallelism", "loss_function_reads"]
+
+
+def _sharded(logits: torch.Tensor, labels: Any) -> bool:
+    """Whether a loss of ``logits`` against ``labels`` is under context
+    parallelism: a scope is open, or the labels carry the layout they were
+    cut in (cplib/frontend/sequence.py)."""
+    return sequence_shards(logits.shape[-2]) is not None or shards_of(labels) is not None
 
 
 def _whole_sequence_loss(logits: torch.Tensor, given: torch.Tensor, what: str, shift: bool,
@@ -77,10 +82,10 @@ def context_parallel_causal_lm_loss(original: Callable[..., torch.Tensor], logit
     """HF's causal-LM loss (``original``) without context parallelism; with
     it, the loss of the module docstring."""
     caller_scales.set(num_items_in_batch is not None)
-    if sequence_shards(logits.shape[-2]) is None:
+    given, what = (labels, "labels") if shift_labels is None else (shift_labels, "shift_labels")
+    if not _sharded(logits, given):
         return original(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
                         ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
-    given, what = (labels, "labels") if shift_labels is None else (shift_labels, "shift_labels")
     return _whole_sequence_loss(logits, given, what, shift_labels is None, num_items_in_batch,
                                 ignore_index)
 
@@ -92,7 +97,7 @@ def context_parallel_masked_lm_loss(original: Callable[..., torch.Tensor], logit
     """HF's masked-LM loss (``original``) without context parallelism; with
     it, each position scored against its own label over the whole sequence."""
     caller_scales.set(num_items_in_batch is not None)
-    if sequence_shards(logits.shape[-2]) is None:
+    if not _sharded(logits, labels):
         return original(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
                         ignore_index=ignore_index, **kwargs)
     return _whole_sequence_loss(logits, labels, "labels", False, num_items_in_batch, ignore_index)
@@ -106,7 +111,7 @@ def context_parallel_token_classification_loss(original: Callable[..., torch.Ten
     ``ignore_index`` come in ``kwargs``, as HF passes them)."""
     num_items = kwargs.get("num_items_in_batch")
     caller_scales.set(num_items is not None)
-    if sequence_shards(logits.shape[-2]) is None:
+    if not _sharded(logits, labels):
         return original(logits, labels, config, **kwargs)
     return _whole_sequence_loss(logits, labels, "labels", False, num_items,
                                 kwargs.get("ignore_index", -100))
@@ -134,15 +139,8 @@ def refused_under_context_parallelism(original: Callable[..., Any]) -> Callable[
     return loss
 
 
-# Who installed the losses ("cplib.hf", "patch_torch"); they stay while any does.
-_owners: set[str] = set()
-# What the install replaced: (owner object, attribute) -> the original.
-_replaced: dict[tuple[Any, str], Any] = {}
-# Threaded ranks start their contexts (and build their models) at once: one
-# install, and one wrap of a router loss, at a time.
-_lock = threading.RLock()
 # How many times this thread (a rank) has asked a model for its loss_function:
-# hf_own_loss.py tells a model that takes its loss through it from one that
+# forward_guard.py tells a model that takes its loss through it from one that
 # computes its own.
 _asked = threading.local()
 
@@ -152,42 +150,21 @@ def loss_function_reads() -> int:
     return getattr(_asked, "count", 0)
 
 
-def _replace(owner: Any, name: str, new: Any) -> None:
-    _replaced.setdefault((owner, name), owner.__dict__[name] if isinstance(owner, type)
-                         else getattr(owner, name))
-    setattr(owner, name, new)
-
-
-def _wrap_router_loss(module: types.ModuleType | None) -> None:
+def wrap_router_loss(module: types.ModuleType) -> None:
     """``module.load_balancing_loss_func`` (an MoE model's modeling module)
     through context_parallel_router_loss, once."""
-    with _lock:
-        fn = getattr(module, "load_balancing_loss_func", None)
-        if fn is None or (module, "load_balancing_loss_func") in _replaced:
-            return
-        _replace(module, "load_balancing_loss_func",
-                 functools.wraps(fn)(functools.partial(context_parallel_router_loss, fn)))
+    if callable(getattr(module, "load_balancing_loss_func", None)):
+        registry.replace(OWNER, module, "load_balancing_loss_func",
+                         lambda fn: functools.wraps(fn)(
+                             functools.partial(context_parallel_router_loss, fn)))
 
 
-def install_hf_losses(owner: str) -> None:
-    """Installs both losses into transformers (nothing when it is not
-    installed); idempotent. ``owner`` names the caller for
-    :func:`uninstall_hf_losses`."""
-    if owner in _owners and _replaced:  # each context's start comes here
-        return
-    if importlib.util.find_spec("transformers") is None:
-        return
-    with _lock:
-        _owners.add(owner)
-        if not _replaced:
-            _install()
-
-
-def _install() -> None:
+def install_losses() -> None:
+    """HF's losses, as models' ``loss_function`` returns them, through the
+    ones of the module docstring (once)."""
     from transformers.loss import loss_utils
     from transformers.modeling_utils import PreTrainedModel
 
-    mapped = PreTrainedModel.__dict__["loss_function"]
     exact = {loss_utils.ForCausalLMLoss: context_parallel_causal_lm_loss,
              loss_utils.ForMaskedLMLoss: context_parallel_masked_lm_loss,
              loss_utils.ForTokenClassification: context_parallel_token_classification_loss}
@@ -196,34 +173,15 @@ def _install() -> None:
                  else refused_under_context_parallelism(fn)
                  for fn in set(loss_utils.LOSS_MAPPING.values())}
 
-    def loss_function(self: Any) -> Callable[..., Any]:
-        _asked.count = loss_function_reads() + 1
-        fn = mapped.fget(self)
-        # A loss the user set on the model (model.loss_function = f) is theirs.
-        if "_loss_function" in vars(self):
-            return fn
-        return installed.get(fn, fn)
+    def make(mapped: property) -> property:
+        def loss_function(self: Any) -> Callable[..., Any]:
+            _asked.count = loss_function_reads() + 1
+            fn = mapped.fget(self)
+            # A loss the user set on the model (model.loss_function = f) is theirs.
+            if "_loss_function" in vars(self):
+                return fn
+            return installed.get(fn, fn)
 
-    post_init = PreTrainedModel.post_init
+        return property(loss_function, mapped.fset)
 
-    def post_init_with_router_loss(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = post_init(self, *args, **kwargs)
-        for cls in type(self).__mro__:  # the model's modeling module (and its bases')
-            _wrap_router_loss(sys.modules.get(cls.__module__))
-        return result
-
-    _replace(PreTrainedModel, "loss_function", property(loss_function, mapped.fset))
-    _replace(PreTrainedModel, "post_init", functools.wraps(post_init)(post_init_with_router_loss))
-    for _, module in model_modules():  # models built before the install
-        _wrap_router_loss(module)
-
-
-def uninstall_hf_losses(owner: str) -> None:
-    """Takes ``owner``'s install back; the losses go once no owner is left."""
-    with _lock:
-        _owners.discard(owner)
-        if _owners:
-            return
-        for (obj, name), original in _replaced.items():
-            setattr(obj, name, original)
-        _replaced.clear()
+    registry.replace(OWNER, PreTrainedModel, "loss_function", make)

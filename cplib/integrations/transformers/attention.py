@@ -16,13 +16,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..clients.hybrid_families import FULL_MASK_LAYERS
-from ..frontend.options import RingConfig
-from ..strategy.ring_entry import ring_sdpa
-from ..frontend.sdpa_dispatch import (active_config, context_extras, max_over_cp_ranks,
+from .hybrid_families import FULL_MASK_LAYERS
+from ...frontend.options import RingConfig
+from ...strategy.ring_entry import ring_sdpa
+from ...frontend.sdpa_dispatch import (active_config, context_extras, max_over_cp_ranks,
                                       sdpa_backend_hint)
-from ..ulysses.op import ulysses_sdpa
-from ..ulysses.usp import usp_sdpa
+from ...ulysses.op import ulysses_sdpa
+from ...ulysses.usp import usp_sdpa
 
 __all__ = ["cplib_attention_forward", "cplib_mask"]
 

@@ -1,27 +1,21 @@
 """Hybrid models under context parallelism: the sequence-mixing layers of
-transformers' models that are not attention (cplib/clients/hybrid_families.py)
-either run exactly or raise, on every rank, naming the layer.
+transformers' models that are not attention (hybrid_families.py) either run
+exactly or raise, on every rank, naming the layer.
 
 How it reaches the model: transformers' layers call their kernels by a
 module-level name (``causal_conv1d_fn``, ``torch_chunk_gated_delta_rule``,
 ``mamba2_chunk_scan``, ...), bound through its kernel registry to fla,
 causal_conv1d or mamba_ssm where installed and to torch code otherwise.
-:func:`install_hybrid_layers` replaces those names in each family's module
-with a wrapper, and the mixer classes' ``forward`` with one, in every family
-module imported by then and in every model built afterwards (through
-``PreTrainedModel.post_init``). Whatever the attention implementation, it
-runs at ``import cplib.hf``, at ``cplib.patch_torch()`` and whenever cplib's
-context parallelism starts (``cplib.context_parallel``, torch's names after
-the switch, ``_context_parallel_shard``, ``_ContextParallel``) while
-transformers is imported (cplib/clients/on_start.py): so this
-module lives beside the losses, outside ``cplib.hf``, whose import is the
-``attn_implementation="cplib"`` switch.
+:func:`patch_family` replaces those names in each family's module with a
+wrapper, and the mixer classes' ``forward`` with one (through cplib's patch
+registry), in every family module imported when the integration installs
+and in every model built afterwards (__init__.py).
 
 Outside context parallelism both wrappers call straight through: a model
 outside CP computes exactly what it did. Under it (a ``cplib.context_parallel``
-region, or, on the module path, a layer input of this rank's shard length of
-the layout ``_context_parallel_shard`` recorded) the layer's wrapper finds the
-layout, and the kernel wrappers put the exchange around the user's kernel
+region, a model's forward given shards of ``_context_parallel_shard``, or a
+layer given such a shard itself: hybrid_layout.py) the layer's wrapper finds
+the layout, and the kernel wrappers put the exchange around the user's kernel
 (cplib/hybrid/): the conv by halo, the delta rule by head re-sharding or state
 passing, Mamba2's scan by state passing. Layers that cplib cannot carry raise
 NotImplementedError before their first collective.
@@ -36,25 +30,22 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
-import sys
-import threading
 from typing import Any, Callable
 
-from ..frontend.options import _cp_options
-from ..frontend.sequence import active_handle as _active_handle
-from ..hybrid.layout import SequenceLayout
+from .. import registry
+from ...frontend.sequence import active_handle as _active_handle
+from ...hybrid.layout import SequenceLayout
 from .hybrid_families import FAMILIES, KERNEL_ROLES, SELECTORS, Mixer
 from .hybrid_kernels import HANDLERS
 from .hybrid_layout import layout_in_effect
+from .models import OWNER
 
-__all__ = ["install_hybrid_layers", "patch_family"]
+__all__ = ["patch_family", "patch_hybrid_module"]
 
 # The layout and name of the mixer layer running now under CP (its kernel
 # calls read it); per thread, like the dispatch mode that marks the context.
 _scope: contextvars.ContextVar[tuple[SequenceLayout, str] | None] = \
     contextvars.ContextVar("cplib_hybrid_layer", default=None)
-_lock = threading.Lock()
-_PATCHED = "__cplib_hybrid__"
 
 
 def _family(module_name: str) -> str | None:
@@ -76,8 +67,8 @@ def _kernel_wrapper(original: Callable, role: str, name: str) -> Callable:
             return original(*args, **kwargs)
         raise NotImplementedError(
             f"cplib: {name} was called under cplib.context_parallel outside a layer cplib "
-            "knows (cplib/clients/hybrid_families.py): it would run on this rank's shard alone; "
-            "call the model's own layers, or run outside the context")
+            "knows (cplib/integrations/transformers/hybrid_families.py): it would run on this "
+            "rank's shard alone; call the model's own layers, or run outside the context")
 
     kernel.__cplib_original__ = original  # type: ignore[attr-defined]
     return kernel
@@ -115,17 +106,15 @@ def _layer_wrapper(original: Callable, mixer: Mixer, family: str) -> Callable:
 
     @functools.wraps(original)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if _active_handle() is None and _cp_options.shard_layout is None:
-            return original(self, *args, **kwargs)  # no context parallelism anywhere
         what = f"{type(self).__name__} ({family})"
-        bound = signature.bind(self, *args, **kwargs)
         if _active_handle() is not None and mixer.refusal is not None:
             raise _refuse(what, mixer.refusal)
-        layout = layout_in_effect(bound.arguments[first].shape[1], what)
-        if layout is None:  # the module path, this input not a shard
+        layout = layout_in_effect(args[0] if args else kwargs[first], what)
+        if layout is None:  # no context parallelism in scope
             return original(self, *args, **kwargs)
         if mixer.refusal is not None:
             raise _refuse(what, mixer.refusal)
+        bound = signature.bind(self, *args, **kwargs)
         if cache_arg is not None and bound.arguments.get(cache_arg) is not None:
             _check_cache(bound.arguments[cache_arg], self, what)
             bound.arguments[cache_arg] = None
@@ -140,47 +129,21 @@ def _layer_wrapper(original: Callable, mixer: Mixer, family: str) -> Callable:
 
 
 def patch_family(module: Any, family: str) -> None:
-    """Wraps ``module``'s kernel names and mixer classes (once)."""
-    with _lock:
-        if getattr(module, _PATCHED, False):
-            return
-        for name, role in KERNEL_ROLES.items():
-            fn = getattr(module, name, None)
-            if callable(fn):
-                setattr(module, name, _kernel_wrapper(fn, role, name))
-        for mixer in FAMILIES[family] + SELECTORS.get(family, ()):
-            cls = getattr(module, mixer.name, None)
-            if isinstance(cls, type):
-                cls.forward = _layer_wrapper(cls.forward, mixer, family)
-        setattr(module, _PATCHED, True)
+    """Wraps ``module``'s kernel names and mixer classes (once each)."""
+    for name, role in KERNEL_ROLES.items():
+        if callable(getattr(module, name, None)):
+            registry.replace(OWNER, module, name,
+                             lambda fn, role=role, name=name: _kernel_wrapper(fn, role, name))
+    for mixer in FAMILIES[family] + SELECTORS.get(family, ()):
+        cls = getattr(module, mixer.name, None)
+        if isinstance(cls, type):
+            registry.replace(OWNER, cls, "forward",
+                             lambda fn, mixer=mixer: _layer_wrapper(fn, mixer, family))
 
 
-def _patch_model(model: Any) -> None:
-    for sub in model.modules():
-        name = type(sub).__module__
-        family = _family(name)
-        if family is not None and name in sys.modules:
-            patch_family(sys.modules[name], family)
-
-
-def install_hybrid_layers() -> None:
-    """Patches the families already imported, and every model built from now
-    on (``PreTrainedModel.post_init``). Idempotent."""
-    for name, module in list(sys.modules.items()):
-        family = _family(name) if name.startswith("transformers.models.") else None
-        if family is not None and name.rpartition(".")[2].startswith("modeling_"):
-            patch_family(module, family)
-    from transformers import PreTrainedModel
-
-    post_init = PreTrainedModel.post_init
-    if getattr(post_init, "__cplib_original__", None) is not None:
-        return
-
-    @functools.wraps(post_init)
-    def patched_post_init(self, *args: Any, **kwargs: Any) -> Any:
-        out = post_init(self, *args, **kwargs)
-        _patch_model(self)
-        return out
-
-    patched_post_init.__cplib_original__ = post_init  # type: ignore[attr-defined]
-    PreTrainedModel.post_init = patched_post_init
+def patch_hybrid_module(module_name: str, module: Any) -> None:
+    """:func:`patch_family` for ``module`` when it is a hybrid family's
+    modeling module (``transformers.models.<family>.modeling_*``)."""
+    family = _family(module_name)
+    if family is not None and module_name.rpartition(".")[2].startswith("modeling_"):
+        patch_family(module, family)

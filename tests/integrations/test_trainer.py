@@ -20,7 +20,6 @@ off by 1.8e-3, silently: cplib/frontend/mode_kept.py body_with_mode)."""
 
 from __future__ import annotations
 
-import contextlib
 import unittest.mock
 
 import pytest
@@ -29,20 +28,6 @@ from client_cases import (accelerate_ranks, batch, check_against, one_process, t
                           trainer_step)
 
 pytest.importorskip("accelerate", reason="requirements/clients.txt (make build installs it)")
-
-
-@contextlib.contextmanager
-def _hf_losses_from(owner: str):
-    """cplib's HF losses installed by ``owner`` alone ("patch_torch": as
-    without ``import cplib.hf``) for the block."""
-    from cplib.clients import hf_loss
-
-    others = hf_loss._owners - {owner}
-    hf_loss._owners.difference_update(others)
-    try:
-        yield
-    finally:
-        hf_loss._owners.update(others)
 
 
 def _through_trainers_sdpa_check(model, prepare):
@@ -74,9 +59,8 @@ def _trainer_step(attn: str, with_cplib_hf: bool, options: str) -> dict:
     if with_cplib_hf:
         import cplib.hf  # noqa: F401
     cplib.patch_torch()
-    owner = contextlib.nullcontext() if with_cplib_hf else _hf_losses_from("patch_torch")
     try:
-        with accelerate_ranks(), owner:
+        with accelerate_ranks():
             assert LOSS_MAPPING["ForCausalLM"] is ForCausalLMLoss
             inputs = batch()
             model = tiny_llama(attn)

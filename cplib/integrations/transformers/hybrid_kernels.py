@@ -9,11 +9,11 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable
 
-from ..hybrid.choice import DeltaShape, choose_exchange
-from ..hybrid.conv import causal_conv_by_halo
-from ..hybrid.delta_rule import delta_rule_by_heads, delta_rule_by_state
-from ..hybrid.layout import SequenceLayout
-from ..hybrid.ssd import ssd_by_state
+from ...hybrid.choice import DeltaShape, choose_exchange
+from ...hybrid.conv import causal_conv_by_halo
+from ...hybrid.delta_rule import delta_rule_by_heads, delta_rule_by_state
+from ...hybrid.layout import SequenceLayout
+from ...hybrid.ssd import ssd_by_state
 
 __all__ = ["HANDLERS"]
 

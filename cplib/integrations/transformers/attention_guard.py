@@ -42,32 +42,30 @@ they are the positions of the documents given to the context; in a context
 given documents that check replaces the third.
 ``attn_implementation="cplib"`` (``import cplib.hf``) takes windows; any
 other registered function runs.
-The guard is installed whenever cplib's context parallelism starts while
-transformers is imported (cplib/frontend/start_hooks.py).
+The guard is installed with the rest of the integration (__init__.py).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-import threading
 from typing import Any, Callable
 
 import torch
 
 from torch.overrides import _get_current_function_mode_stack
 
-from ..flex.cp_mode import FlexCPMode
-from ..frontend.sdpa_dispatch import active_config, max_over_cp_ranks
-from ..frontend.sequence import sequence_shards
+from .. import registry
+from ...flex.cp_mode import FlexCPMode
+from ...frontend.sdpa_dispatch import active_config, max_over_cp_ranks
+from ...frontend.sequence import sequence_shards
+from .models import OWNER
 
 __all__ = ["install_attention_guard"]
 
 # transformers' implementations that attend within the local shard only.
 _LOCAL_ONLY = ("eager", "paged|eager", "flash_attention_2", "flash_attention_3",
                "flash_attention_4")
-_installed: list[Callable] = []  # the original get_interface, once installed
-_lock = threading.Lock()  # threaded ranks start their contexts at once
 
 
 def _refuse_local(implementation: str) -> None:
@@ -212,27 +210,7 @@ def _packed_search(find: Callable) -> Callable:
     return find_packed_sequence_indices
 
 
-def install_attention_guard() -> None:
-    """Wraps ``AttentionInterface.get_interface`` and transformers' search
-    for packed documents (idempotent)."""
-    with _lock:
-        if not _installed:
-            _install()
-
-
-def _install() -> None:
-    from transformers import masking_utils
-    from transformers.modeling_utils import AttentionInterface
-
-    masking_utils.find_packed_sequence_indices = _packed_search(
-        masking_utils.find_packed_sequence_indices)
-    preprocess = getattr(masking_utils, "_preprocess_mask_arguments", None)
-    if preprocess is not None and {"position_ids", "attention_mask", "past_key_values"} <= set(
-            inspect.signature(preprocess).parameters):
-        masking_utils._preprocess_mask_arguments = _mask_arguments(preprocess)
-
-    original = AttentionInterface.get_interface
-
+def _guarded_get_interface(original: Callable) -> Callable:
     @functools.wraps(original)
     def get_interface(self: Any, attn_implementation: str, default: Callable) -> Callable:
         fn = original(self, attn_implementation, default)
@@ -244,6 +222,18 @@ def _install() -> None:
             return _windowed_sdpa(fn)
         return fn
 
-    _installed.append(original)
-    AttentionInterface.get_interface = get_interface
+    return get_interface
 
+
+def install_attention_guard() -> None:
+    """Wraps ``AttentionInterface.get_interface`` and transformers' search
+    for packed documents (once)."""
+    from transformers import masking_utils
+    from transformers.modeling_utils import AttentionInterface
+
+    registry.replace(OWNER, masking_utils, "find_packed_sequence_indices", _packed_search)
+    preprocess = getattr(masking_utils, "_preprocess_mask_arguments", None)
+    if preprocess is not None and {"position_ids", "attention_mask", "past_key_values"} <= set(
+            inspect.signature(preprocess).parameters):
+        registry.replace(OWNER, masking_utils, "_preprocess_mask_arguments", _mask_arguments)
+    registry.replace(OWNER, AttentionInterface, "get_interface", _guarded_get_interface)

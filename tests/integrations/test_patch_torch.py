@@ -93,7 +93,7 @@ def test_patch_torch_covers_every_name_the_clients_import():
 
 
 def _snapshot() -> dict[str, dict[str, object]]:
-    from cplib.clients.patch import PATCHED_MODULES
+    from cplib.integrations.torch_names import PATCHED_MODULES
 
     out = {}
     for name in PATCHED_MODULES:
@@ -106,7 +106,7 @@ def _snapshot() -> dict[str, dict[str, object]]:
 
 def test_patch_torch_is_idempotent_and_unpatch_restores_exactly():
     import cplib
-    from cplib.clients.patch import PATCHED_MODULES
+    from cplib.integrations.torch_names import PATCHED_MODULES
 
     before = _snapshot()
     assert "torch.distributed.tensor.experimental._attention" in before
@@ -151,44 +151,3 @@ def test_a_module_that_imported_torchs_names_first_is_named():
     finally:
         cplib.unpatch_torch()
         del sys.modules["early_client"]
-
-
-def test_hf_losses_follow_the_switch_and_cplib_hf():
-    """patch_torch() installs cplib's HF losses and unpatch_torch() removes
-    them, unless `import cplib.hf` installed them too (either order);
-    transformers' LOSS_MAPPING is never touched (Trainer reads it)."""
-    pytest.importorskip("transformers", reason="requirements-dev.txt pins it (make build)")
-    import cplib
-    from cplib.clients import hf_loss
-    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
-    from transformers.modeling_utils import PreTrainedModel
-
-    owners = set(hf_loss._owners)  # this process's state, put back at the end
-    for owner in owners:
-        hf_loss.uninstall_hf_losses(owner)
-    original = PreTrainedModel.__dict__["loss_function"]
-    mapping = dict(LOSS_MAPPING)
-
-    def installed() -> bool:
-        return PreTrainedModel.__dict__["loss_function"] is not original
-
-    try:
-        cplib.patch_torch()
-        assert installed()
-        cplib.unpatch_torch()
-        assert not installed()
-        for first_hf in (True, False):  # `import cplib.hf` before, then after, the switch
-            if first_hf:
-                hf_loss.install_hf_losses("cplib.hf")
-            cplib.patch_torch()
-            if not first_hf:
-                hf_loss.install_hf_losses("cplib.hf")
-            cplib.unpatch_torch()
-            assert installed(), first_hf
-            hf_loss.uninstall_hf_losses("cplib.hf")
-            assert not installed()
-        assert dict(LOSS_MAPPING) == mapping and LOSS_MAPPING["ForCausalLM"] is ForCausalLMLoss
-    finally:
-        cplib.unpatch_torch()
-        for owner in owners:
-            hf_loss.install_hf_losses(owner)

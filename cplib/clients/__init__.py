@@ -1,1 +1,0 @@
-"""cplib inside the training loops people already run (docs/clients.md)."""
