@@ -7,11 +7,19 @@ parallelism, measured in the same run:
   runs one after another on the one GPU, so t(ring) / t(full) is the ring's
   whole overhead and 1.00 is ideal;
 - cplib.ring_sdpa per backend (flash, efficient, cuDNN, and auto) and per
-  rotation (p2p, alltoall, allgather);
+  rotation (p2p, alltoall, allgather; efficient and auto with p2p only);
 - torch's _templated_ring_attention forward and backward with its flash and
   cuDNN ops (alltoall and allgather: torch has no send/recv rotation);
 - a GQA row (Hq=16, Hkv=4), and the CUDA merge kernel's bandwidth against a
-  device-to-device copy of the same bytes.
+  device-to-device copy of the same bytes;
+- where the time goes (issue 54): cuDNN's rings (cplib's and torch's) and
+  cplib's default call run one more step under torch.profiler, split into
+  attention kernels, other kernels (merges, casts, copies, adds), the
+  threaded group's copies and device idle time (gpu/ring_profile.py), with
+  each rank's own kernel time and the bytes it sent; T_blocks, the ring's
+  planned attention calls each timed alone fwd+bwd in one thread
+  (gpu/ring_blocks.py); and a projection of each rank onto a GPU of its own
+  over an assumed link (gpu/ring_split_report.py: 400 GB/s, NVLink 4).
 
 B=1, H=16, D=128, bf16; each time is the median of 5 steps after 2 warm-ups,
 every rank's work included (barrier and device synchronisation around each
@@ -22,8 +30,9 @@ only (benchmarks/gpu/cells.py); cells not started within --budget are
 reported as skipped. bench_ring_gpu.json is rewritten after every cell
 (``complete`` false until the end), so a run cut short keeps what it
 measured. At the end it prints the tables and the cells without a figure
-(errors, NaN, time-outs, skips), writes bench_ring_gpu.png (ratio against S)
-under benchmarks/out/ (or $CPLIB_BENCH_OUT), and on a GPU
+(errors, NaN, time-outs, skips, splits that failed), writes bench_ring_gpu.png
+(ratios against S, and the splits as stacked bars) under benchmarks/out/ (or
+$CPLIB_BENCH_OUT), and on a GPU
 benchmarks/results/gpu.json (--results): device, torch, commit, date and one
 row per ring variant (S, N, causal, backend, rotate, full_ms, cplib_ms,
 torch_ms, ratio_full, ratio_torch); the commit is $CPLIB_COMMIT (set by the
@@ -36,6 +45,12 @@ GPU check from the prepared wheel), else git's HEAD.
 Process-global state (SDPA backend flags, torch's _cp_options) is set in the
 main thread only, never in the rank threads. The efficient backend's rings
 run last: a sticky CUDA error there cannot spoil the other figures.
+
+What only the threaded group measures: the N ranks share one device and
+their collectives are Python (a thread barrier, then rank 0 copies every
+rank's data, ``multi_threaded_pg.py``), so the device idles while the ranks'
+host work and the group's Python run; the split shows how much, and the
+projection leaves the group's copies out (on N GPUs they are the link's).
 """
 
 from __future__ import annotations
@@ -55,10 +70,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "support"))
 sys.path.insert(0, os.path.join(HERE, "gpu"))
 import common  # noqa: E402
 import ring_report as report  # noqa: E402
+import ring_split_report as split_report  # noqa: E402
 from cells import SKIPPED, run_cells, worker_main  # noqa: E402
-from common import machine, plot, write_json  # noqa: E402
+from common import machine, write_json  # noqa: E402
 from ring_timing import (ROTATIONS, TORCH_ROTATIONS, Config, Setup, cplib_rank,  # noqa: E402
-                         inputs, merge_bandwidth, run_ring, time_full, time_torch_cp)
+                         inputs, merge_bandwidth, run_ring, time_full, time_plan_blocks,
+                         time_torch_cp)
 
 # ---------------------------------------------------------------- driver
 
@@ -85,25 +102,39 @@ def _configs(args) -> list[Config]:
             Config(8192, 4, True, h, h), Config(32768, 4, False, h, h)]
 
 
+
+
+def _profiled(st: Setup, backend: str) -> bool:
+    """Whether a ring variant runs one more step under the profiler
+    (ring_profile.py): on CUDA cuDNN's (the fastest backend on every row of
+    the H100 and H200 runs so far, and SDPA's choice there: cplib's and
+    torch's rings) and cplib's default call; on the CPU every variant."""
+    return st.device.type != "cuda" or backend in ("cudnn", "auto")
+
+
 def _cells(configs: list[Config], st: Setup, cuda: bool, merge_shapes) -> list[dict]:
     """Every measurement, in running order: the merge kernel, then per
-    configuration full SDPA, torch's ring and cplib's rings; the efficient
-    backend's rings last (a sticky CUDA error there cannot spoil the rest)."""
+    configuration full SDPA, T_blocks, torch's ring and cplib's rings; the
+    efficient backend's rings last (a sticky CUDA error there cannot spoil
+    the rest), p2p only (it was the slowest backend by 3x on every row of
+    the H200 runs, whatever the rotation)."""
     cells = [dict(label=f"merge {'x'.join(map(str, sh))}", impl="merge", shape=list(sh))
              for sh in merge_shapes]
     late = [b for b in st.backends if b == "efficient"]
     early = [b for b in st.backends if b not in late] + ([None] if cuda else [])
     for phase, backends in (("main", early), ("efficient", late)):
         for ci, cfg in enumerate(configs):
-            def cell(impl, key):
-                return dict(label=f"{cfg.label} {impl} {key}", impl=impl, key=key, config=ci)
+            def cell(impl, key, backend=""):
+                return dict(label=f"{cfg.label} {impl} {key}", impl=impl, key=key, config=ci,
+                            profile=impl in ("cplib", "torch") and _profiled(st, backend))
             if phase == "main":
                 cells += [cell("full", b) for b in (st.backends if cuda else ["cpu"])]
-                cells += [cell("torch", f"{op}/{rot}")
+                cells.append(cell("blocks", ",".join(st.block_backends)))
+                cells += [cell("torch", f"{op}/{rot}", op)
                           for op, rot in itertools.product(st.torch_ops, TORCH_ROTATIONS)]
-            cells += [cell("cplib", f"{b or 'auto'}/{rot}")
+            cells += [cell("cplib", f"{b or 'auto'}/{rot}", b or "auto")
                       for b, rot in itertools.product(backends, ROTATIONS)
-                      if b is not None or rot == "p2p"]  # auto: the default call only
+                      if rot == "p2p" or (b is not None and phase == "main")]
     return cells
 
 
@@ -130,11 +161,14 @@ class _Worker:
         full = self.full(cell["config"])
         if cell["impl"] == "full":
             return time_full(cfg, self.st, cell["key"], full)
+        if cell["impl"] == "blocks":
+            return time_plan_blocks(cfg, self.st, cell["key"].split(","))
         if cell["impl"] == "torch":
             op, rot = cell["key"].split("/")
-            return time_torch_cp(cfg, self.st, full, op, rot)
+            return time_torch_cp(cfg, self.st, full, op, rot, profile=cell["profile"])
         b, rot = cell["key"].split("/")
-        return run_ring(cplib_rank, cfg, self.st, full, None if b == "auto" else b, rot)
+        return run_ring(cplib_rank, cfg, self.st, full, None if b == "auto" else b, rot,
+                        profile=cell["profile"])
 
 
 def _device_broken(dev: torch.device) -> bool:
@@ -184,6 +218,7 @@ def main() -> int:
     st = Setup(device=dev, dtype=torch.bfloat16 if cuda else torch.float32, b=1,
                d=args.head_dim, warmup=args.warmup, iters=args.iters,
                backends=["flash", "efficient", "cudnn"] if cuda else ["flash"],
+               block_backends=["flash", "cudnn"] if cuda else ["cpu"],
                torch_ops=[] if args.no_torch else (["flash", "cudnn"] if cuda else ["cpu"]))
     configs = _configs(args)
     merge_shapes = ([(1, 16, 8192, 128), (1, 32, 32768, 128)] if cuda and not args.smoke
@@ -215,10 +250,18 @@ def main() -> int:
         if c["impl"] == "merge":
             merge[merge_shapes.index(tuple(c["shape"]))] = value
         else:
-            r = results.setdefault(configs[c["config"]], {"full": {}, "cplib": {}, "torch": {}})
-            r[c["impl"]][c["key"]] = value
-        shown = f"{value * 1e3:.2f} ms" if isinstance(value, float) else (
-            f"{value['merge_gbps']:.1f} GB/s" if isinstance(value, dict) else value)
+            r = results.setdefault(configs[c["config"]], {"full": {}, "cplib": {}, "torch": {},
+                                                          "profile": {}, "blocks": {}})
+            if c["impl"] == "blocks":
+                r["blocks"] = value if isinstance(value, dict) else {c["key"]: value}
+            elif isinstance(value, dict):  # a profiled ring: its time and its split
+                r[c["impl"]][c["key"]] = value["seconds"]
+                r["profile"][f"{c['impl']}/{c['key']}"] = value["profile"]
+            else:
+                r[c["impl"]][c["key"]] = value
+                if c.get("profile"):
+                    r["profile"][f"{c['impl']}/{c['key']}"] = {"error": f"no step: {value}"}
+        shown = split_report.shown(c, value)
         print(f"  [{time.time() - t_start:4.0f} s] cell {done[0]}/{len(cells)} {c['label']}: "
               f"{shown}", flush=True)
         write_json("bench_ring_gpu", dict(payload(done[0]), complete=False))
@@ -238,9 +281,9 @@ def main() -> int:
         problems=problems))
     if cuda and args.results:
         print(f"results: {report.write_results(args.results, rows, dev)}", flush=True)
-    series = report.plot_series(rows)
-    png = plot("bench_ring_gpu", "ring attention fwd+bwd: cplib (best) / baseline", "S",
-               "time ratio (1.0 = baseline)", series) if series else "(no ratios to plot)"
+    png = split_report.plot_png(os.path.join(common.OUT_DIR, "bench_ring_gpu.png"),
+                                report.plot_series(rows), rows,
+                                "ring attention fwd+bwd: cplib (best) / baseline")
     for kind, items in problems.items():
         print(f"cells without a figure ({kind}): {len(items)}", flush=True)
         for item in items[:40]:

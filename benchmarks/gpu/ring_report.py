@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 import os
 
+import ring_split_report as split_report
+
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DEFAULT = os.path.join(HERE, "results", "gpu.json")
 
@@ -99,9 +101,14 @@ def goals(rows: list[dict], merge: list[dict]) -> list[tuple[str, str, str]]:
         out.append((f"cplib/full <= 1.05 at S=65536 N={r['n']} "
                     f"{'causal' if r['causal'] else 'non-causal'}",
                     *verdict(r["cplib_over_full"], 1.05)))
-    worst = [x["cplib_over_torch"] for x in rows if x["s"] >= 16384 and x["cplib_over_torch"]]
-    out.append(("cplib/torch <= 0.80 at every S >= 16384 (worst)",
-                *verdict(max(worst) if worst else None, 0.80)))
+    # Issue 54's goals (the earlier ones of issues 12 and 18 above and below).
+    worst = [x["cplib_over_torch"] for x in rows if x["s"] >= 32768 and x["cplib_over_torch"]]
+    out.append(("cplib/torch <= 0.85 at every S >= 32768 (worst)",
+                *verdict(max(worst) if worst else None, 0.85)))
+    r = find(8192, 4, True)
+    out.append(("cplib/full <= 2.0 at S=8192 N=4 causal",
+                *verdict(r and r["cplib_over_full"], 2.0)))
+    out += split_report.goals(rows)
     if merge:
         out.append(("merge >= 0.85 of copy bandwidth (worst)",
                     *verdict(min(m["ratio"] for m in merge), 0.85, below=False)))
@@ -140,16 +147,18 @@ def payload_rows(configs: list, results: dict) -> list[dict]:
             torch_ms={k: (v * 1e3 if isinstance(v, float) else v) for k, v in r["torch"].items()},
             best_full=fb, best_cplib=cb, best_torch=tb,
             cplib_over_full=ct / ft if ct and ft else None,
-            cplib_over_torch=ct / tt if ct and tt else None))
+            cplib_over_torch=ct / tt if ct and tt else None,
+            **split_report.row_fields(cfg.n, r, ft * 1e3 if ft else None)))
     return rows
 
 
 def problem_cells(payload: dict) -> dict[str, list[str]]:
     """The cells without a figure, by kind: "cplib" (cplib's errors, NaN,
     time-outs; a merge cell with a figure that is not finite), "baseline"
-    (full SDPA's and torch's), "skipped" (not started in the time budget).
-    Empty lists: every cell gave a figure."""
-    out: dict[str, list[str]] = {"cplib": [], "baseline": [], "skipped": []}
+    (full SDPA's and torch's), "skipped" (not started in the time budget),
+    "profile" (a profiled variant without its split, a T_blocks without its
+    figure). Empty lists: every cell gave a figure."""
+    out: dict[str, list[str]] = {"cplib": [], "baseline": [], "skipped": [], "profile": []}
     for r in payload.get("rows", []):
         tag = f"S={r['s']} N={r['n']} {'causal' if r['causal'] else 'non-causal'} " \
               f"{r['hq']}/{r['hkv']}"
@@ -160,6 +169,9 @@ def problem_cells(payload: dict) -> dict[str, list[str]]:
                 kind = "skipped" if str(val).startswith("skipped") else \
                     ("cplib" if impl == "cplib" else "baseline")
                 out[kind].append(f"{tag} {impl} {key}: {val}")
+        out["profile"] += [f"{tag} T_blocks {b}: {v}" for b, v in r.get("blocks", {}).items()
+                           if not isinstance(v, dict)]
+    out["profile"] += split_report.problems(payload)
     for m in payload.get("merge", []):
         if isinstance(m, str):
             out["skipped" if m.startswith("skipped") else "cplib"].append(f"merge: {m}")
@@ -201,6 +213,9 @@ def print_tables(rows: list[dict], merge: list[dict], goal_rows, st, heads: int,
                 ["shape", "block dtype", "MiB", "merge GB/s", "copy GB/s", "merge/copy"],
                 [(m["shape"], m["block_dtype"], m["bytes"] / 2**20, m["merge_gbps"],
                   m["copy_gbps"], m["ratio"]) for m in ok_merge])
+    print_table("where the time goes: one profiled fwd+bwd step of every rank (shares of its "
+                "wall time), the ring's kernels and T_blocks against one full call, the "
+                "projection to N GPUs", split_report.TABLE_COLUMNS, split_report.table_rows(rows))
     print_table("goals", ["goal", "measured", "met"], goal_rows)
     print_table(f"ring attention fwd+bwd, N ranks sharing one {dev_type} device "
                 f"(B={st.b} H={heads} D={st.d} {str(st.dtype).split('.')[-1]})",
@@ -240,11 +255,13 @@ def verdict(path: str) -> list[str]:
     met = [g for g in payload.get("goals", []) if g.get("met") == "yes"]
     head = (f"{payload.get('cells_done', 0)} of {payload.get('cells', '?')} cells; "
             f"{len(problems['cplib'])} cplib cells and {len(problems['baseline'])} baseline "
-            f"cells without a figure, {len(problems['skipped'])} skipped; goals met "
+            f"cells without a figure, {len(problems['skipped'])} skipped, "
+            f"{len(problems['profile'])} splits or T_blocks missing; goals met "
             f"{len(met)} of {len(payload.get('goals', []))}")
     if problems["cplib"]:
         kind = "FAIL"
-    elif problems["baseline"] or problems["skipped"] or not payload.get("complete"):
+    elif problems["baseline"] or problems["skipped"] or problems["profile"] \
+            or not payload.get("complete"):
         kind = "INCOMPLETE"
         if not payload.get("complete"):
             head += "; the run was cut short"

@@ -12,6 +12,8 @@ runner) on sys.path first."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -23,6 +25,8 @@ import torch.nn.functional as F
 import cplib
 from common import timeit
 from harness import run_threaded
+from ring_blocks import plan_calls, time_blocks
+from ring_profile import counting_wire, profiled_step
 
 ROTATIONS = ["p2p", "alltoall", "allgather"]
 TORCH_ROTATIONS = ["alltoall", "allgather"]
@@ -52,6 +56,7 @@ class Setup:
     iters: int
     backends: list[str]      # cplib / full SDPA backends
     torch_ops: list[str]     # torch CP ops
+    block_backends: list[str] = dataclasses.field(default_factory=lambda: ["cpu"])  # T_blocks
 
 
 def _sync(device: torch.device) -> None:
@@ -120,6 +125,21 @@ def time_full(cfg: Config, st: Setup, backend: str, full: list[torch.Tensor]) ->
         return _err(exc)
 
 
+def time_plan_blocks(cfg: Config, st: Setup, backends: list[str]) -> dict:
+    """T_blocks (ring_blocks.py) on each backend: its dict, or the error."""
+    calls = plan_calls(cfg.s, cfg.n, cfg.causal)
+    out: dict[str, Any] = {}
+    for backend in backends:
+        try:
+            out[backend] = time_blocks(calls, cfg.n, st.b, cfg.hq, st.d, st.dtype, st.device,
+                                       backend, functools.partial(timeit, warmup=st.warmup,
+                                                                  iters=st.iters),
+                                       lambda: _sync(st.device))
+        except RuntimeError as exc:
+            out[backend] = _err(exc)
+    return out
+
+
 # ---------------------------------------------------------------- rings (rank threads)
 
 
@@ -142,8 +162,17 @@ def _all_finite(*ts: torch.Tensor) -> bool:
     return flag.item() == 1.0
 
 
+def _profile(step: Callable[[], Any], st: Setup, prof: dict | None) -> dict | None:
+    """One more step under the profiler (ring_profile.py), when ``prof``
+    (shared by the cell's ranks) is given; rank 0 returns its split."""
+    if prof is None:
+        return None
+    return profiled_step(step, lambda: _sync(st.device), _barrier, st.device, prof["shared"],
+                         prof["wire"])
+
+
 def cplib_rank(cfg: Config, st: Setup, full: list[torch.Tensor], backend: str | None,
-                rotate: str) -> tuple[float, bool]:
+               rotate: str, prof: dict | None = None) -> tuple[float, bool, dict | None]:
     rank, n = dist.get_rank(), dist.get_world_size()
     lb = cfg.causal
     q, k, v, dout = (_shard(t, rank, n, lb) for t in full)
@@ -158,7 +187,7 @@ def cplib_rank(cfg: Config, st: Setup, full: list[torch.Tensor], backend: str | 
         out.backward(dout)
         last[:] = [out.detach()]
     seconds = _time_ranks(step, st)
-    return seconds, _all_finite(last[0], q.grad, k.grad, v.grad)
+    return seconds, _all_finite(last[0], q.grad, k.grad, v.grad), _profile(step, st, prof)
 
 
 def _torch_cp_ops(name: str):
@@ -198,7 +227,8 @@ def torch_cp_module():
     return A
 
 
-def _torch_rank(cfg: Config, st: Setup, full: list[torch.Tensor], op: str) -> tuple[float, bool]:
+def _torch_rank(cfg: Config, st: Setup, full: list[torch.Tensor], op: str,
+                prof: dict | None = None) -> tuple[float, bool, dict | None]:
     A = torch_cp_module()
     rank, n = dist.get_rank(), dist.get_world_size()
     groups = cfg.hq // cfg.hkv
@@ -217,22 +247,30 @@ def _torch_rank(cfg: Config, st: Setup, full: list[torch.Tensor], op: str) -> tu
                                                          v, out, lse, cfg.causal, **bwd_kw(rest))
         last[:] = [out, *grads[:3]]
     seconds = _time_ranks(step, st)
-    return seconds, _all_finite(*last)
+    return seconds, _all_finite(*last), _profile(step, st, prof)
 
 
-def run_ring(fn, cfg: Config, st: Setup, full: list[torch.Tensor], *args) -> float | str:
+def run_ring(fn, cfg: Config, st: Setup, full: list[torch.Tensor], *args,
+             profile: bool = False) -> float | str | dict:
     """One variant on cfg.n rank threads: seconds, or the error (a rank's
-    failure wakes the others, so one variant cannot hang the rest)."""
+    failure wakes the others, so one variant cannot hang the rest). With
+    ``profile``, one more step runs under the profiler and the value is
+    ``{"seconds": ..., "profile": split}`` (ring_profile.split, with each
+    rank's bytes sent; or ``{"error": ...}``)."""
     try:
-        res = run_threaded(cfg.n, fn, cfg, st, full, *args)
+        with counting_wire(cfg.n) as wire:
+            prof = dict(shared={}, wire=wire) if profile else None
+            res = run_threaded(cfg.n, fn, cfg, st, full, *args, prof)
     except Exception as exc:  # noqa: BLE001 - every failure becomes a table cell
         return _err(exc)
     seconds = max(r[0] for r in res)
-    return seconds if res[0][1] else f"NaN/inf output after {seconds * 1e3:.2f} ms"
+    if not res[0][1]:
+        return f"NaN/inf output after {seconds * 1e3:.2f} ms"
+    return dict(seconds=seconds, profile=res[0][2]) if profile else seconds
 
 
 def time_torch_cp(cfg: Config, st: Setup, full: list[torch.Tensor], op: str,
-                  rotate: str) -> float | str:
+                  rotate: str, profile: bool = False) -> float | str | dict:
     A = torch_cp_module()
     if isinstance(A, str):
         return A
@@ -243,7 +281,7 @@ def time_torch_cp(cfg: Config, st: Setup, full: list[torch.Tensor], op: str,
     opts.rotate_method = {"alltoall": A._RotateMethod.ALL_TO_ALL,
                           "allgather": A._RotateMethod.ALL_GATHER}[rotate]
     try:
-        return run_ring(_torch_rank, cfg, st, full, op)
+        return run_ring(_torch_rank, cfg, st, full, op, profile=profile)
     finally:
         opts.enable_load_balance, opts.rotate_method = saved
 

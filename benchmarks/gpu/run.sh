@@ -71,7 +71,7 @@ BUDGET=${GPU_CHECK_BUDGET:-530}
 PROBE_LIMIT=${GPU_CHECK_PROBE_LIMIT:-90}
 WORKERS=${GPU_CHECK_TEST_WORKERS:-8}
 export MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=1
-declare -A CAP=([install]=120 [tests]=160 [bench]=150 [demo]=40 [compile]=150)  # memcheck: its runs' own
+declare -A CAP=([install]=120 [tests]=160 [bench]=170 [demo]=40 [compile]=150)  # memcheck: its runs' own
 for s in "${!CAP[@]}"; do v=GPU_CHECK_CAP_${s^^}; CAP[$s]=${!v:-${CAP[$s]}}; done
 ALL_STAGES="install tests bench memcheck demo compile"
 FLAT="summary.txt tests_summary.txt compile_summary.txt bench_ring_gpu.log bench_ring_gpu.json gpu-check-files.tar.gz"
