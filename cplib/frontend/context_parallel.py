@@ -39,6 +39,8 @@ class ContextParallelHandle:
     config: RingConfig
     load_balancer: _LoadBalancer | None
     strategy: AutoStrategy | None = None  # strategy="auto": cplib.explain(cp) shows its choices
+    # What places the shards (_layout_key): a nested region must place them alike.
+    layout_key: tuple = ()
 
     def unshard(self, tensors: Sequence[torch.Tensor],
                 seq_dims: Sequence[int]) -> list[torch.Tensor]:
@@ -72,27 +74,54 @@ def _agree_on_call(group_name: str, buffers: list, seq_dims: list, no_restore: l
               fields)
 
 
-def _buffers_sharded_now() -> list[torch.Tensor]:
-    """The buffers that the enclosing context_parallel regions hold sharded."""
-    return [b for mode in _get_current_function_mode_stack()
-            if isinstance(mode, CPDispatchMode) for b in mode.buffers]
+def _enclosing_regions() -> list[CPDispatchMode]:
+    return [mode for mode in _get_current_function_mode_stack()
+            if isinstance(mode, CPDispatchMode) and mode.handle is not None]
+
+
+def _explicit_seq_len(world_size: int, plan: ContextPlan) -> int | None:
+    """The global length the attention calls are given (None: they infer it
+    from equal shards). The ring infers S from equal shards of two equal
+    head-tail chunks each; uneven shards, or chunks (S not a multiple of 2 x
+    the ring's size: equal shards of an odd length, or USP's ring shards),
+    or documents need it."""
+    seq_len = plan.seq_len
+    uneven = seq_len is not None and shard_lengths(seq_len, world_size, plan.balancer) is not None
+    uneven = uneven or (plan.balanced and seq_len is not None
+                        and seq_len % (2 * plan.ring_degree) != 0)
+    return seq_len if plan.one_length and (uneven or plan.documents is not None) else None
+
+
+def _layout_key(group_name: str, world_size: int, plan: ContextPlan) -> tuple:
+    """What decides where every row of an attention call's inputs sits:
+    two regions with one key read every shard alike."""
+    docs = None if plan.documents is None else values_hash(plan.documents.tolist())
+    return (group_name, world_size, plan.ring_degree, str(plan.layout),
+            _explicit_seq_len(world_size, plan), docs)
+
+
+def _check_nesting(enclosing: list[CPDispatchMode], key: tuple) -> None:
+    """A region inside another runs every attention call in its own layout,
+    the calls on the outer region's shards included: refused unless the two
+    place the shards alike (on every rank: the keys are local and equal)."""
+    if enclosing and enclosing[-1].handle.layout_key != key:
+        outer = enclosing[-1].handle.layout_key
+        raise NotImplementedError(
+            f"cplib.context_parallel: a region nested in another that shards in another "
+            f"layout (outer: group {outer[0]}, {outer[3]}, ulysses_degree "
+            f"{outer[1] // outer[2]}, length {outer[4]}; inner: group {key[0]}, {key[3]}, "
+            f"ulysses_degree {key[1] // key[2]}, length {key[4]}; or other documents): "
+            "attention inside it on the outer region's shards would read them in the inner "
+            "layout; nest only regions of the same mesh and load_balance, or exit the outer "
+            "region first")
 
 
 def _ring_config(groups, group_name: str, world_size: int, plan: ContextPlan, window: Any,
                  strategy: Any) -> RingConfig:
     """The configuration of the attention calls inside a context."""
-    seq_len, balancer = plan.seq_len, plan.balancer
-    # The ring infers S from equal shards of two equal head-tail chunks each;
-    # uneven shards, or chunks (S not a multiple of 2 x the ring's size: equal
-    # shards of an odd length, or USP's ring shards), or documents need it.
-    uneven = seq_len is not None and shard_lengths(seq_len, world_size, balancer) is not None
-    uneven = uneven or (plan.balanced and seq_len is not None
-                        and seq_len % (2 * plan.ring_degree) != 0)
     return RingConfig(groups.ring_group or group_name, world_size, plan.layout,
                       rotate_method_name(plan.rotate), world_size // plan.ring_degree,
-                      groups.ulysses_group,
-                      seq_len=seq_len if plan.one_length and (uneven or plan.documents is not None)
-                      else None,
+                      groups.ulysses_group, seq_len=_explicit_seq_len(world_size, plan),
                       cu_seqlens=plan.documents, window=window, strategy=strategy)
 
 
@@ -170,7 +199,10 @@ def context_parallel(
     hooks for the duration of the context (cplib/diffusers/plans.py): the model
     splits and gathers the sequence inside its own forward, in sequential
     any-length shards, and the hooks are gone on exit. A backward() after
-    the block exits gets the right gradients.
+    the block exits gets the right gradients, unless it would recompute a
+    checkpointed block's attention: that raises NotImplementedError (keep
+    such a backward inside the block). A region nested in another must shard
+    in the same layout, or raises NotImplementedError on entry.
     """
     group = check_mesh(mesh, register=False)
     on_context_parallel_start()  # local: cplib's interception of transformers in place
@@ -182,11 +214,14 @@ def context_parallel(
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     # 1. Every check before the handshake, whose all-gather comes before any
     # other collective (usp_groups); an error on one rank raises on all.
-    enclosing = _buffers_sharded_now()
+    regions = _enclosing_regions()
+    enclosing = [b for mode in regions for b in mode.buffers]  # held sharded by outer regions
 
     def plan(u: int = ulysses_degree, rotate=rotate_method, balance=load_balance) -> ContextPlan:
-        return plan_context(buffers, world_size, buffer_seq_dims, no_restore_buffers, rotate,
-                            balance, u, cu_seqlens, position_ids, window, modules, enclosing)
+        planned = plan_context(buffers, world_size, buffer_seq_dims, no_restore_buffers, rotate,
+                               balance, u, cu_seqlens, position_ids, window, modules, enclosing)
+        _check_nesting(regions, _layout_key(group.group_name, world_size, planned))
+        return planned
 
     modules = [] if modules is None else list(modules)
     # 2. Every rank agrees on the plan and the call; strategy="auto" may choose more.
@@ -224,7 +259,8 @@ def context_parallel(
                 b.set_(s)
                 swapped += 1
         _cp_options.enable_load_balance = planned.balanced  # as torch does, for code that reads it
-        handle = ContextParallelHandle(mesh, config, balancer, auto)
+        handle = ContextParallelHandle(mesh, config, balancer, auto,
+                                       _layout_key(group.group_name, world_size, planned))
         with CPDispatchMode(config, handle, tuple(buffers)), ulysses_layout(ulysses_degree), \
                 keep_shards_for_backward(shards), applied_cp_plans(mesh, modules):
             yield handle

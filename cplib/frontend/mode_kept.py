@@ -19,16 +19,18 @@ Python-level torch call there a handler).
 
 from __future__ import annotations
 
+import inspect
+import sys
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
 from torch.autograd.graph import _engine_run_backward
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 __all__ = ["redispatch", "AUTOGRAD_ENTRIES", "autograd_with_mode", "body_with_mode",
-           "may_be_recomputed", "with_inner_sdpa"]
+           "may_be_recomputed", "with_inner_sdpa", "recompute_only_under"]
 
 # torch >= 2.13 can call a function past one handler, so that the function
 # runs with the mode active again; older torch has no such call.
@@ -48,6 +50,58 @@ def may_be_recomputed() -> bool:
         return True
     return (not torch.is_grad_enabled()
             or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None)
+
+
+_REENTRANT = torch.utils.checkpoint.CheckpointFunction.forward.__code__
+_NON_REENTRANT = inspect.unwrap(torch.utils.checkpoint.checkpoint).__code__
+
+
+def _recomputation_holder() -> tuple[Any, str] | None:
+    """(object, attribute) holding the function that the innermost
+    ``torch.utils.checkpoint`` running now will call again in the backward:
+    the reentrant one's ``ctx.run_function``, the other's frame's
+    ``recompute_fn``; None outside a checkpoint (read from the Python stack:
+    torch keeps no other handle on it)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is _REENTRANT:
+            return frame.f_locals.get("ctx"), "run_function"
+        if frame.f_code is _NON_REENTRANT:
+            gen = frame.f_locals.get("gen")
+            held = None if gen is None or gen.gi_frame is None else \
+                gen.gi_frame.f_locals.get("new_frame")
+            return (held, "recompute_fn") if held is not None else None
+        frame = frame.f_back
+    return None
+
+
+def recompute_only_under(mode: TorchFunctionMode, what: str) -> None:
+    """Makes the checkpoint whose forward routes an attention call through
+    ``mode`` now refuse to recompute it anywhere but under ``mode``: a
+    backward started after the region exits would recompute attention
+    without it, on this rank's shard alone (silently wrong, reentrant or
+    not). Raised on every rank alike, where the recomputation starts."""
+    if torch.compiler.is_compiling():
+        return  # the compiled checkpoint's body runs eagerly under the mode (body_with_mode)
+    found = _recomputation_holder()
+    if found is None or found[0] is None:
+        return
+    holder, name = found
+    fn = getattr(holder, name)
+    if getattr(fn, "__cplib_mode__", None) is mode:
+        return
+
+    def recompute(*args: Any, **kwargs: Any) -> Any:
+        if not any(m is mode for m in _get_current_function_mode_stack()):
+            raise NotImplementedError(
+                f"cplib: a checkpointed block's attention ran under {what}, and this backward "
+                "recomputes it after the region exited, where it would run on this rank's "
+                "shard alone; call backward() inside the region (accelerate, Trainer and "
+                "torchtitan do)")
+        return fn(*args, **kwargs)
+
+    recompute.__cplib_mode__ = mode  # type: ignore[attr-defined]
+    setattr(holder, name, recompute)
 
 
 def _as_tuple(x: Any) -> tuple:

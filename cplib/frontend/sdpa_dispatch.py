@@ -25,7 +25,7 @@ from ..attention.args import backend_arg, check_inputs, scale_arg, window_arg
 from .documents import current_window, documents_stack
 from .dtensor_sdpa import disable_dtensor_sdpa, enable_dtensor_sdpa
 from .mode_kept import (AUTOGRAD_ENTRIES, autograd_with_mode, body_with_mode, may_be_recomputed,
-                        with_inner_sdpa)
+                        recompute_only_under, with_inner_sdpa)
 from ..comm.handshake import agreed, forward_error
 from ..comm.native import call_translating, group_name_of
 from ..flex.call import is_graph_call
@@ -268,8 +268,13 @@ class CPDispatchMode(LetsFlexModulesThrough, TorchFunctionMode):
         self.recomputable = False
 
     def _note_attention_call(self) -> None:
-        """An attention call is routed here: may a backward recompute it?"""
-        self.recomputable = self.recomputable or may_be_recomputed()
+        """An attention call is routed here: may a backward recompute it?
+        Then, in a region, only under this dispatch (recompute_only_under; a
+        module's recomputation enters the module's own dispatch again)."""
+        if may_be_recomputed():
+            self.recomputable = True
+            if self.handle is not None:
+                recompute_only_under(self, "a cplib.context_parallel region")
 
     def __torch_function__(self, func: Callable, types_: tuple, args: tuple = (),
                            kwargs: dict | None = None) -> Any:

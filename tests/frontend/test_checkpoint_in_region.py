@@ -131,3 +131,25 @@ def test_fullgraph_names_why_a_checkpoint_leaves_the_graph():
     with cplib.attention_window((5, 0)), pytest.raises(torch._dynamo.exc.Unsupported) as raised:
         compiled(x, w)
     assert "compile without fullgraph=True" in str(raised.value), raised.value
+
+
+def _backward_after_exit(reentrant: bool) -> str:
+    import cplib
+
+    x, w = _weights()
+    n = dist.get_world_size()
+    with cplib.context_parallel(DeviceMesh("cpu", list(range(n))), buffers=[x],
+                                buffer_seq_dims=[2]):
+        loss = _checkpointed_block(x, w, reentrant).pow(2).sum()
+    try:
+        loss.backward()  # recomputes the block's attention: outside the region now
+    except NotImplementedError as exc:
+        return "refused" if "after the region exited" in str(exc) else str(exc)
+    return "ran on the shard"
+
+
+def test_a_backward_that_recomputes_attention_after_the_region_raises(ranks):
+    """Before, with use_reentrant=True, dW was off by 3.04 (and silently
+    wrong without it too): the recomputation ran torch's SDPA on the shard."""
+    for reentrant in (True, False):
+        assert ranks(2).run(_backward_after_exit, reentrant) == ["refused"] * 2, reentrant
