@@ -127,8 +127,6 @@ def _check_bad_input() -> int:
         ("must agree in heads and length", (q, k, v[:, :, :4]), {}),
         ("is_causal needs equal local q and kv lengths, got q 6 and kv 4",
          (q, k[:, :, :4], v[:, :, :4]), dict(is_causal=True)),
-        ("load_balanced needs even local lengths .* got q 5",
-         (q[:, :, :5], k[:, :, :5], v[:, :, :5]), dict(load_balanced=True)),
         ("unsupported dtype (Long|torch.int64)", (q.long(), k.long(), v.long()), {}),
         ("empty local sequence", (q[:, :, :0], k[:, :, :0], v[:, :, :0]), {}),
     ]

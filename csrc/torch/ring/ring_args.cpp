@@ -194,13 +194,11 @@ Config check_args(const char* op, const Tensor& q, const Tensor& k, const Tensor
   Config cfg;
   static_cast<attention::BlockConfig&>(cfg) = attention::check_block_args(
       op, q, k, v, call.causal, call.scale, call.backend, call.has_positions());
-  // Without seq_len the global length is N times the local one, two equal
-  // chunks per rank when load balanced.
-  CPLIB_CHECK_VALUE(call.seq_len || !call.head_tail() || call.has_positions() ||
-                        (q.size(2) % 2 == 0 && k.size(2) % 2 == 0),
-                    "cplib.", op,
-                    ": load_balanced needs even local lengths (two chunks per rank), got q ",
-                    q.size(2), " and kv ", k.size(2));
+  // Without seq_len the global length is N times the local one (the sum of
+  // the ranks' lengths where they differ: learn_local_lengths); an odd one
+  // cuts head-tail into chunks within a row of each other, which give every
+  // rank the same length (S = N * L odd: the first N of 2N chunks get the
+  // extra row, one per rank).
   cfg.group = group;
   cfg.rank = cfg.group.rank;
   cfg.size = cfg.group.size;

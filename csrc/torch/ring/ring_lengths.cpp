@@ -23,6 +23,24 @@ bool all_equal(const std::vector<int64_t>& v) {
   return true;
 }
 
+// Self-attention over a sequential or head-tail layout of any length
+// (cplib's any-length shards, as _ContextParallel modules get them from
+// _context_parallel_shard): S is the sum of the ranks' lengths, and the layout
+// of S is the one whose shards they are. Lays it out and returns true then.
+bool derive_layout(const char* op, Config& cfg, const RingCall& call,
+                   const std::vector<int64_t>& lq, const std::vector<int64_t>& lk) {
+  const bool derivable = lq == lk && !call.cu_seqlens &&
+                         (cfg.layout == SeqLayout::sequential ||
+                          cfg.layout == SeqLayout::head_tail);
+  if (!derivable) return false;
+  int64_t s = 0;
+  for (const int64_t l : lq) s += l;
+  lay_out(op, cfg, s, s, call.window);
+  for (int64_t r = 0; r < cfg.size; ++r)
+    if (cfg.q_layout.local_len(r) != lq[static_cast<size_t>(r)]) return false;
+  return true;
+}
+
 }  // namespace
 
 std::vector<int64_t> gather_local_lengths(const Group& group, const std::vector<int64_t>& local,
@@ -50,12 +68,15 @@ void learn_local_lengths(const char* op, Config& cfg, const Tensor& q, const Ten
   std::vector<int64_t> lq(n), lk(n);
   for (int64_t r = 0; r < n; ++r) lq[r] = table[2 * r], lk[r] = table[2 * r + 1];
   if (all_equal(lq) && all_equal(lk)) return;
+  if (derive_layout(op, cfg, call, lq, lk)) return;
   const bool positional = cfg.causal || cfg.layout != SeqLayout::sequential || call.cu_seqlens ||
                           call.window;
   CPLIB_CHECK_VALUE(!positional, "cplib.", op, ": the ranks' local lengths differ (q ", list(lq),
                     ", k/v ", list(lk),
-                    "), which only non-causal attention without documents, "
-                    "windows or load balancing accepts; pass seq_len for a layout cplib derives");
+                    "), and are not the sequential or head-tail shards of one sequence, which "
+                    "causal attention, documents, windows and load balancing need (cplib.shard "
+                    "and _context_parallel_shard cut any length so); pass seq_len for a layout "
+                    "cplib derives");
   cfg.q_layout = {0, n, false, {}, lq, {}, {}};
   cfg.kv_layout = {0, n, false, {}, lk, {}, {}};
   for (int64_t r = 0; r < n; ++r) cfg.q_layout.seq_len += lq[r], cfg.kv_layout.seq_len += lk[r];

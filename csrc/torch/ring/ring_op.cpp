@@ -74,8 +74,11 @@ void describe(CallSignature& sig, NamedTensors tensors, const RingCall& call,
   sig.add(kBackend, call.backend);
   sig.add(kRotate, static_cast<int64_t>(call.rotate));
   // The tensors last: a flag that differs is named before the shapes it implies.
+  // Lengths that may differ across ranks travel on their own (learn_local_lengths):
+  // non-causal calls, and sequential and head-tail ones, which derive S from them.
   const bool uneven = call.seq_len || call.layout == SeqLayout::per_document ||
-                      call.has_positions() || !call.causal;
+                      call.has_positions() || !call.causal ||
+                      call.layout == SeqLayout::sequential || call.layout == SeqLayout::head_tail;
   for (const auto& [name, t] : tensors) sig.add_meta(name, *t, uneven ? 2 : -1);
 }
 
