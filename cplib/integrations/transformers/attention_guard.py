@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -58,7 +58,7 @@ from torch.overrides import _get_current_function_mode_stack
 from .. import registry
 from ...flex.cp_mode import FlexCPMode
 from ...frontend.sdpa_dispatch import active_config, max_over_cp_ranks
-from ...frontend.sequence import sequence_shards
+from ...frontend.sequence import SequenceShards, layout_in_scope, sequence_shards
 from .models import OWNER
 
 __all__ = ["install_attention_guard"]
@@ -105,19 +105,42 @@ def _windowed_sdpa(sdpa: Callable) -> Callable:
     return attention
 
 
-def _check_unpacked(position_ids: torch.Tensor) -> None:
+class _InEffect(NamedTuple):
+    """The context parallelism a mask is built under: the layout, the
+    documents given to it, and the max over its ranks."""
+
+    shards: SequenceShards
+    cu_seqlens: torch.Tensor | None
+    reduce_max: Callable[[torch.Tensor], None]
+
+
+def _in_effect(local_len: int) -> _InEffect | None:
+    """A region's or a ``_ContextParallel`` module's dispatch, or the
+    module-path scope of a model given shards (transformers builds the masks
+    before its attention modules run); None outside context parallelism."""
+    config = active_config()
+    if config is not None:
+        shards = sequence_shards(local_len)
+        return None if shards is None else \
+            _InEffect(shards, config.cu_seqlens, lambda t: max_over_cp_ranks(t, config))
+    shards = layout_in_scope()
+    if shards is None:
+        return None
+    return _InEffect(shards, None, lambda t: torch.distributed.all_reduce(
+        t, op=torch.distributed.ReduceOp.MAX, group=shards.group))
+
+
+def _check_unpacked(position_ids: torch.Tensor, cp: _InEffect) -> None:
     """NotImplementedError on every CP rank unless ``position_ids`` are the
     global row indices of this rank's rows plus one offset common to all
     ranks (no document starts anywhere in the whole sequence)."""
-    config, shards = active_config(), sequence_shards(position_ids.shape[-1])
-    if shards is None or config is None or config.cu_seqlens is not None:
-        return
+    shards = cp.shards
     rows = shards.local(torch.arange(shards.seq_len, device=position_ids.device))
     if rows.shape[-1] != position_ids.shape[-1]:
         return
     offset = position_ids.long() - rows
     spread = torch.stack([offset.max(), -offset.min()])  # max == min over all ranks: no start
-    max_over_cp_ranks(spread, config)
+    cp.reduce_max(spread)
     if int(spread[0]) != -int(spread[1]):
         raise NotImplementedError(
             "cplib: position_ids do not count up by one over the whole "
@@ -137,28 +160,28 @@ def _document_positions(cu_seqlens: torch.Tensor, seq_len: int,
     return rows - cu[torch.searchsorted(cu, rows, right=True) - 1]
 
 
-def _check_numbered_globally(position_ids: torch.Tensor) -> None:
+def _check_numbered_globally(position_ids: torch.Tensor, cp: _InEffect) -> None:
     """NotImplementedError on every CP rank when every rank's
     ``position_ids`` count up by one from one common start over its own
     shard: what transformers makes for a model given none (an arange over the
     shard, after the cached tokens). Positions over the whole sequence never
     look like that on two ranks, unless documents given to the context each
     fill a shard: then the documents' own positions do, and are let through."""
-    config, shards = active_config(), sequence_shards(position_ids.shape[-1])
-    if shards is None or config is None or shards.mesh.size() == 1:
+    shards = cp.shards
+    if shards.mesh.size() == 1:
         return
     local = position_ids.long()
     start = local[..., :1]
     steps = torch.arange(local.shape[-1], device=local.device)
     counts_up = ((local - start) == steps).all()
     not_the_documents = torch.ones((), dtype=torch.long, device=local.device)
-    if config.cu_seqlens is not None:
-        mine = shards.local(_document_positions(config.cu_seqlens, shards.seq_len, local.device))
+    if cp.cu_seqlens is not None:
+        mine = shards.local(_document_positions(cp.cu_seqlens, shards.seq_len, local.device))
         if mine.shape[-1] == local.shape[-1]:
             not_the_documents = (mine != local).any().long()
     # [not counting up, max start, -min start, not the documents' positions]: max over ranks.
     seen = torch.stack([(~counts_up).long(), start.max(), -start.min(), not_the_documents])
-    max_over_cp_ranks(seen, config)
+    cp.reduce_max(seen)
     if int(seen[0]) == 0 and int(seen[1]) == -int(seen[2]) and int(seen[3]) == 1:
         raise NotImplementedError(
             f"cplib: every rank's position_ids count {int(seen[1])}, {int(seen[1]) + 1}, ... "
@@ -177,13 +200,14 @@ def _mask_arguments(preprocess: Callable) -> Callable:
 
     @functools.wraps(preprocess)
     def preprocess_mask_arguments(*args: Any, **kwargs: Any) -> Any:
-        if active_config() is not None and not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling():
             given = signature.bind(*args, **kwargs).arguments
             pos, mask = given.get("position_ids"), given.get("attention_mask")
+            cp = None if pos is None else _in_effect(pos.shape[-1])
             cache = given.get("past_key_values")
             fresh = cache is None or int(cache.get_seq_length()) == 0
-            if pos is not None and fresh and (mask is not None or cache is not None):
-                _check_numbered_globally(pos)
+            if cp is not None and fresh and (mask is not None or cache is not None):
+                _check_numbered_globally(pos, cp)
         return preprocess(*args, **kwargs)
 
     return preprocess_mask_arguments
@@ -192,14 +216,14 @@ def _mask_arguments(preprocess: Callable) -> Callable:
 def _packed_search(find: Callable) -> Callable:
     @functools.wraps(find)
     def find_packed_sequence_indices(position_ids: torch.Tensor, *args: Any, **kwargs: Any):
-        config = active_config()
-        if config is None:
+        cp = _in_effect(position_ids.shape[-1])
+        if cp is None:
             return find(position_ids, *args, **kwargs)
         if not torch.compiler.is_compiling():
             # _check_unpacked looks for documents the context was not given;
             # given them, what is left to catch is a numbering per shard.
-            (_check_unpacked if config.cu_seqlens is None else _check_numbered_globally)(
-                position_ids)
+            (_check_unpacked if cp.cu_seqlens is None else _check_numbered_globally)(
+                position_ids, cp)
         # Under context parallelism the documents are cplib's: the context's
         # (every attention call takes them) or none (checked above).
         # transformers, seeing one shard, would take a load-balanced shard's
