@@ -172,6 +172,18 @@ def _leaf(t: torch.Tensor, anchor_src: torch.Tensor) -> torch.Tensor:
     return t.detach() + (anchor_src.reshape(-1)[:1] * 0).sum().to(t.dtype)
 
 
+def _like(lse_b: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` in the dtype ``lse_b`` has when the graph runs, not when it
+    is traced: flex's fake kernel gives its lse float32 whatever the inputs
+    (torch/_higher_order_ops/flex_attention.py: flex_attention_fake_impl),
+    while its dense implementation returns float64 for float64 inputs. A
+    ``.to(lse_b.dtype)`` traced with the fake dtype, or the cast autograd
+    makes to a traced output's dtype, would round a float64 gradient to
+    float32 (dq and dk off by 3e-8 to 5e-8; tests/flex/test_flex_ring_float64.py);
+    a copy into a tensor like ``lse_b`` takes its dtype at run time."""
+    return torch.empty_like(lse_b).copy_(grad)
+
+
 def _block_grads(q, kb, vb, lse, d_out, delta, step, score_mod, call, need_q, need_kv,
                  anchor_src):
     """(dq, dk_b, dv_b) of one visited block for the global loss: the
@@ -190,8 +202,8 @@ def _block_grads(q, kb, vb, lse, d_out, delta, step, score_mod, call, need_q, ne
         # rowsum(grad_o * o_b) is what flex's backward subtracts (its delta),
         # computed alike so that it cancels; the rest is the global delta.
         delta_b = (o_b.detach().to(delta.dtype) * grad_o.to(delta.dtype)).sum(-1)
-        grad_lse = delta_b - w * delta
-        grads = torch.autograd.grad((o_b, lse_b), inputs, (grad_o, grad_lse.to(lse_b.dtype)))
+        grad_lse = _like(lse_b, delta_b - w * delta)
+        grads = torch.autograd.grad((o_b, lse_b), inputs, (grad_o, grad_lse))
     dq = grads[0] if need_q else None
     dk, dv = grads[-2:] if need_kv else (None, None)
     return dq, dk, dv
