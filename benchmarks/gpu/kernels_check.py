@@ -1,6 +1,7 @@
-"""cplib's own CUDA kernels (csrc/cuda/merge.cu, csrc/cuda/halo.cu) on the
-GPU against their C twins on the CPU, which tests/merge/test_merge.py and
-tests/conv/test_halo.py check against references. Small shapes, every layout,
+"""cplib's own CUDA kernels (csrc/cuda/merge.cu, combine.cu, halo.cu) on the
+GPU against their C twins on the CPU, which tests/merge/test_merge.py,
+tests/merge/test_combine.py and tests/conv/test_halo.py check against
+references. Small shapes, every layout,
 dtype and edge row those tests use, so that compute-sanitizer's memcheck
 covers the kernels' whole index space in seconds:
 
@@ -29,8 +30,10 @@ for folder in ("support", "conv", "merge"):
     sys.path.insert(0, os.path.join(ROOT, "tests", folder))
 
 import cplib  # noqa: E402
+import test_combine  # noqa: E402  (its cases: parts over any rows, -inf rows, dtypes)
 import test_halo  # noqa: E402  (its ctypes view of the C API: Slab, _slab, _tensor)
 import test_merge  # noqa: E402  (its merge cases: -inf rows, strided blocks)
+from cplib.merge.op import combine_partials_  # noqa: E402
 
 
 def check_merge(dev: torch.device) -> int:
@@ -53,6 +56,52 @@ def check_merge(dev: torch.device) -> int:
                                                      f"strided={strided} L={l} R={r}: {m}")
         cases += 1
     return cases
+
+
+def check_combine(dev: torch.device) -> int:
+    """The vectorised kernel (head dims 8 and 24, dense and (B, L, H, D) rows)
+    and the one-element one (head dim 5, 130 rows), weighted and plain, with
+    an accumulator part and in place."""
+    cases = 0
+    for (out_dt, part_dt, acc_part), strided, dim, weighted in itertools.product(
+            [(torch.float32, torch.float32, False), (torch.bfloat16, torch.bfloat16, False),
+             (torch.float16, torch.float16, True), (torch.float32, torch.bfloat16, True),
+             (torch.float64, torch.float64, False)], (False, True), (8, 24, 5), (True, False)):
+        parts, lses, offsets, rows, _ = test_combine.case(
+            out_dt, part_dt, dim=dim, acc_part=acc_part, strided=strided,
+            no_key_rows=weighted, seed=cases)
+        acc = torch.float64 if out_dt == torch.float64 else torch.float32
+        b, h = parts[0].shape[:2]
+        results = []
+        for where in (torch.device("cpu"), dev):
+            out = torch.full((b, h, rows, dim), 7.0, dtype=out_dt, device=where)
+            lse = torch.full((b, h, rows), 7.0, dtype=acc, device=where)
+            combine_partials_(out, lse if weighted else None, [t.to(where) for t in parts],
+                              [t.to(where) for t in lses] if weighted else None, offsets)
+            results.append((out.cpu(), lse.cpu()))
+        torch.cuda.synchronize(dev)
+        (c_out, c_lse), (g_out, g_lse) = results
+        tol = 1e-12 if out_dt == torch.float64 else 2e-6
+        what = f"CUDA combine {out_dt}/{part_dt} strided={strided} dim={dim} weighted={weighted}"
+        if weighted:
+            torch.testing.assert_close(g_lse, c_lse, atol=tol, rtol=tol,
+                                       msg=lambda m: f"{what}: {m}")
+        # half outputs: one rounding of nearly equal float32 values (a tie may fall either way)
+        eps = 0.0 if out_dt in (torch.float32, torch.float64) else torch.finfo(out_dt).eps
+        diff = (g_out.double() - c_out.double()).abs()
+        bound = tol + eps * c_out.double().abs()
+        assert (diff <= bound).all(), f"{what}: {diff.max()}"
+        cases += 1
+    # in place: the accumulator is part 0 and the output
+    acc = torch.randn(2, 3, 40, 16, device=dev)
+    part = torch.randn(2, 3, 9, 16, device=dev).bfloat16()
+    lse0, lse1 = torch.randn(2, 3, 40, device=dev), torch.randn(2, 3, 9, device=dev)
+    want = torch.empty_like(acc)
+    combine_partials_(want, torch.empty_like(lse0), [acc, part], [lse0, lse1], [0, 31])
+    combine_partials_(acc, torch.empty_like(lse0), [acc, part], [lse0, lse1], [0, 31])
+    torch.cuda.synchronize(dev)
+    assert torch.equal(acc, want), "CUDA combine in place"
+    return cases + 1
 
 
 def check_halo(dev: torch.device) -> int:
@@ -106,6 +155,7 @@ def main() -> int:
         return 1
     dev = torch.device("cuda", 0)
     print(f"kernels_check: merge {check_merge(dev)} cases OK", flush=True)
+    print(f"kernels_check: combine {check_combine(dev)} cases OK", flush=True)
     print(f"kernels_check: halo pack/unpack {check_halo(dev)} cases OK", flush=True)
     return 0
 

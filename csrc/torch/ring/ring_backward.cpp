@@ -1,12 +1,13 @@
 // Ring attention backward: the k/v blocks are fetched again, each call runs
 // the block backward with the merged global (out, lse), dQ accumulates
-// locally and each visiting block's dK/dV goes back to its owner. All
-// accumulation is fp32 (fp64).
+// (summed once per row at the end: merge/partial_sum.h) and each visiting
+// block's dK/dV goes back to its owner. All accumulation is fp32 (fp64).
 #include <limits>
 
 #include "attention/block.h"
 #include "attention/heads.h"
 #include "common/aten.h"
+#include "merge/partial_sum.h"
 #include "ring/ring_forward.h"
 #include "ring/ring_plan.h"
 #include "ring/ring_rotate.h"
@@ -16,11 +17,14 @@ namespace cplib::ring {
 std::tuple<Tensor, Tensor, Tensor> ring_backward(const Config& cfg, const Tensor& grad_out,
                                                  const Tensor& q, const Tensor& k, const Tensor& v,
                                                  const Tensor& out, const Tensor& lse) {
-  const int64_t Lq = q.size(2);
   const auto acc = attention::acc_dtype(q);
   const aten::Opts acc_opts = aten::opts_of(q).dtype_(acc);
-  Tensor dq = aten::empty(aten::sizes_of(q), acc_opts);
-  bool dq_written = false;  // the first call over every row initialises it
+  // dq's partial gradients are held as the kernels gave them and summed once
+  // per row at the end, in the accumulator dtype (partial_sum.h): up to two
+  // whole dq of fp16/bf16 held, the float32 accumulator's bytes.
+  const std::vector<int64_t> q_sizes = aten::sizes_of(q);
+  PartialSum dq_sum(q_sizes, acc_opts, /*weighted=*/false, held_budget(q, q_sizes, 1));
+  const int64_t row_bytes = q.size(0) * q.size(1) * q.size(3) * q.element_size();
 
   const RingPlan plan(cfg);
   BlockRing ring(cfg, plan, k, v);
@@ -49,17 +53,12 @@ std::tuple<Tensor, Tensor, Tensor> ring_backward(const Config& cfg, const Tensor
         auto rows = [&c](const Tensor& t) { return aten::rows(t, 2, c.q_local, c.q_len); };
         Tensor mask;
         if (c.kind == Visibility::partial) mask = plan.mask(c, aten::opts_of(q)).first;
+        dq_sum.reserve(c.q_len * row_bytes);
         auto [gq, gk, gv] = attention::block_backward(
             cfg, rows(grad_out), rows(q), expand_k(aten::rows(blk[0], 2, c.k_local, c.k_len)),
             expand_v(aten::rows(blk[1], 2, c.k_local, c.k_len)), rows(out), rows(lse_of(c)),
             c.kind == Visibility::causal, mask);
-        if (!dq_written && c.q_len == Lq) {
-          aten::copy_(dq, gq);
-        } else {
-          if (!dq_written) aten::zero_(dq);
-          aten::add_(rows(dq), gq);
-        }
-        dq_written = true;
+        dq_sum.add(gq, Tensor(), c.q_local);
         // One call: the block is spent, and its buffer can carry its gradient.
         if (calls.size() == 1) grads.reuse(s, ring.arrived(s));
         // Computing first lets the gradient's arrival overlap the block backward.
@@ -70,10 +69,10 @@ std::tuple<Tensor, Tensor, Tensor> ring_backward(const Config& cfg, const Tensor
   }
   ring.finish();
   KV dkv = grads.result();
-  if (!dq_written) aten::zero_(dq);
   const auto dt = q.scalar_type();
+  Tensor dq = dq_sum.finish(dt).first;
   if (dt == acc) return {dq, dkv[0], dkv[1]};
-  return {aten::to(dq, dt), aten::to(dkv[0], dt), aten::to(dkv[1], dt)};
+  return {dq, aten::to(dkv[0], dt), aten::to(dkv[1], dt)};
 }
 
 }  // namespace cplib::ring

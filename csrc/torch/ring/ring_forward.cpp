@@ -1,6 +1,7 @@
 // Ring attention forward: each step attends the local q to the visiting k/v
-// block through the plan's calls and merges each partial (out, lse) into
-// fp32 (fp64) accumulators in place, over just the rows the call touched.
+// block through the plan's calls; the partial (out, lse) of every call is
+// combined into the result once per row (merge/partial_sum.h), in fp32
+// (fp64), over just the rows each call touched.
 #include "ring/ring_forward.h"
 
 #include <limits>
@@ -9,7 +10,7 @@
 #include "attention/heads.h"
 #include "attention/sinks.h"
 #include "common/aten.h"
-#include "merge/merge_op.h"
+#include "merge/partial_sum.h"
 #include "ring/ring_plan.h"
 #include "ring/ring_rotate.h"
 
@@ -37,11 +38,15 @@ std::tuple<Tensor, Tensor> ring_forward(const Config& cfg, const Tensor& q, cons
     lse = attention::apply_sinks(acc, lse, sinks);
     return {aten::to(acc, q.scalar_type()), lse};
   }
-  const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2);
+  const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Dv = v.size(3);
   const aten::Opts acc_opts = aten::opts_of(q).dtype_(attention::acc_dtype(q));
-  Tensor out = aten::empty({B, H, Lq, v.size(3)}, acc_opts);
-  Tensor lse = aten::empty({B, H, Lq}, acc_opts);
-  bool written = false;
+  // Each call's partial (out, lse) is held as its kernel gave it, and every
+  // row is combined once at the end, in the accumulator dtype, rounded once
+  // into q's (partial_sum.h): up to 4 whole outputs of fp16/bf16 held, twice
+  // the float32 accumulator the ring merged into before.
+  const std::vector<int64_t> sizes{B, H, Lq, Dv};
+  PartialSum sum(sizes, acc_opts, /*weighted=*/true, held_budget(q, sizes, 2));
+  const int64_t row_bytes = B * H * Dv * static_cast<int64_t>(q.element_size());
 
   const RingPlan plan(cfg);
   BlockRing ring(cfg, plan, k, v);
@@ -51,26 +56,22 @@ std::tuple<Tensor, Tensor> ring_forward(const Config& cfg, const Tensor& q, cons
     const KV blk = ring.fetch(s);
     if (!blk[0].defined()) continue;
     for (const Call& c : plan.calls(s)) {
+      sum.reserve(c.q_len * row_bytes);
       attention::BlockResult r = attend(cfg, plan, c, aten::rows(q, 2, c.q_local, c.q_len),
                                         expand_k(aten::rows(blk[0], 2, c.k_local, c.k_len)),
                                         expand_v(aten::rows(blk[1], 2, c.k_local, c.k_len)));
-      if (!written && c.q_len == Lq) {  // a call over every row initialises the accumulators
-        aten::copy_(out, r.out);
-        aten::copy_(lse, r.lse);
-      } else {
-        if (!written) {
-          aten::zero_(out);
-          aten::fill_(lse, -std::numeric_limits<double>::infinity());
-        }
-        merge_partial(out, lse, r.out, r.lse, c.q_local);
-      }
-      written = true;
+      sum.add(r.out, r.lse, c.q_local);
     }
   }
   ring.finish();
-  // Once per row, after the last merge: a sink merged per block would count
+  if (!sinks.defined()) {
+    auto [out, lse] = sum.finish(q.scalar_type());
+    return {out, lse};
+  }
+  // Once per row, after the combine: a sink merged per block would count
   // once per block.
-  if (sinks.defined()) lse = attention::apply_sinks(out, lse, sinks);
+  auto [out, lse] = sum.finish(acc_opts.dtype);
+  lse = attention::apply_sinks(out, lse, sinks);
   if (out.scalar_type() != q.scalar_type()) out = aten::to(out, q.scalar_type());
   return {out, lse};
 }

@@ -149,13 +149,26 @@ void BlockRing::finish() {
 
 // --------------------------------------------------------------- gradients
 
+ScalarType grad_wire_dtype(const Config& cfg, ScalarType input, ScalarType acc) {
+  const bool half = input == ScalarType::BFloat16 || input == ScalarType::Half;
+  const Mask& m = cfg.mask;
+  const bool causal_at_most = m.bounds.size() <= 2 && m.left >= m.seq_len - 1 &&
+                              (m.causal || m.right >= m.seq_len - 1);
+  const bool derived = (cfg.layout == SeqLayout::sequential ||
+                        cfg.layout == SeqLayout::head_tail) &&
+                       !cfg.q_layout.is_explicit() && !cfg.kv_layout.is_explicit();
+  return half && causal_at_most && derived ? input : acc;
+}
+
 GradRing::GradRing(const Config& cfg, const RingPlan& plan, const Tensor& k, const Tensor& v,
                    ScalarType acc)
     : cfg_(cfg),
       plan_(plan),
       pack_(k, v),
       own_len_(k.size(2)),
-      opts_(aten::opts_of(k).dtype_(acc)) {
+      opts_(aten::opts_of(k).dtype_(acc)),
+      wire_(aten::opts_of(k).dtype_(
+          cfg.rotate == Rotate::allgather ? acc : grad_wire_dtype(cfg, k.scalar_type(), acc))) {
   const int64_t longest = cfg.kv_layout.max_local_len();
   if (cfg.rotate == Rotate::allgather && cfg.size > 1) {
     all_ = aten::zeros({cfg.size * pack_.total(longest)}, opts_);
@@ -181,7 +194,7 @@ KV& GradRing::slot(int64_t s) {
     if (spent_step_ == s) {
       sending_ = spent_;
     } else {
-      if (!send_.defined()) send_ = aten::empty({pack_.total(longest)}, opts_);
+      if (!send_.defined()) send_ = aten::empty({pack_.total(longest)}, wire_);
       sending_ = send_;
     }
     spent_ = Tensor();
@@ -191,7 +204,7 @@ KV& GradRing::slot(int64_t s) {
 }
 
 void GradRing::reuse(int64_t s, const Tensor& spent) {
-  if (all_.defined() || s == 0 || !spent.defined() || spent.scalar_type() != opts_.dtype ||
+  if (all_.defined() || s == 0 || !spent.defined() || spent.scalar_type() != wire_.dtype ||
       spent.numel() != pack_.total(plan_.recv_len(s)))
     return;
   spent_ = spent;
@@ -252,7 +265,7 @@ void GradRing::pass(int64_t s) {
   // One collective sends and receives: waiting for its output frees the
   // send buffer too.
   Tensor got = exchange(cfg_, out, owner, recv ? pack_.total(plan_.send_len(s)) : 0, attender,
-                        opts_, pending_);
+                        wire_, pending_);
   if (recv) {
     recv_ = got;
     recv_step_ = s;

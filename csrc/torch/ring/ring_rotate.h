@@ -101,6 +101,8 @@ class BlockRing {
 // this rank holds its own accumulator and at most one gradient in flight.
 class GradRing {
  public:
+  // `acc`: the accumulators' dtype. A visiting block's gradient travels in
+  // grad_wire_dtype's.
   GradRing(const Config& cfg, const RingPlan& plan, const Tensor& k, const Tensor& v,
            ScalarType acc);
   // Adds step s's block gradients (q's heads, summed over each GQA group)
@@ -115,9 +117,9 @@ class GradRing {
   KV result();
   // Offers `spent`, the flat buffer step s's block arrived in, to hold step
   // s's gradient: call once step s's kernels no longer read the block. Used
-  // when its dtype is the accumulator's (then the gradient has the block's
-  // exact size), so that no separate send buffer is held through the
-  // kernels; otherwise ignored.
+  // when its dtype is the wire's (then the gradient has the block's exact
+  // size), so that no separate send buffer is held through the kernels;
+  // otherwise ignored.
   void reuse(int64_t s, const Tensor& spent);
 
  private:
@@ -127,7 +129,8 @@ class GradRing {
   const RingPlan& plan_;
   Packing pack_;
   int64_t own_len_;
-  aten::Opts opts_;
+  aten::Opts opts_;  // the accumulators'
+  aten::Opts wire_;  // what a visiting block's gradient travels in
   KV own_;
   Tensor send_;     // packed dk|dv, flat, longest block; allocated on first use
   Tensor sending_;  // what holds send_step_'s gradient: send_, or a spent block
@@ -143,6 +146,16 @@ class GradRing {
   Tensor all_;  // allgather: every block's partial gradient, packed and padded, rank-major
   std::vector<Tensor> pending_;  // unwaited exchange outputs (each sends and receives)
 };
+
+// The dtype a visiting block's gradient travels in (p2p and alltoall). In
+// a ring whose only mask is causal, with a derived layout (no documents, no
+// window, no explicit positions), every step is one call (ring_plan.h), so
+// each row of the block's gradient has one contribution: with fp16/bf16
+// inputs it travels in their dtype, as the kernel gave it (its GQA groups
+// summed in fp32 and rounded once), half the bytes of the accumulator's, and
+// its owner adds it into its fp32 accumulator. Otherwise (a step's calls may
+// add to one row; or fp32/fp64 inputs) the accumulator's dtype.
+ScalarType grad_wire_dtype(const Config& cfg, ScalarType input, ScalarType acc);
 
 // Bytes this process has sent around rings since the last reset (a debug
 // counter for tests: it shows what GQA, windows and documents save).
