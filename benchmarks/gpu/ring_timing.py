@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import cplib
+from cplib.merge.op import combine_partials_
 from common import timeit
 from harness import run_threaded
 from ring_blocks import plan_calls, time_blocks
@@ -319,5 +320,25 @@ def merge_bandwidth(st: Setup, shapes: list[tuple[int, int, int, int]]) -> list[
             continue
         rows.append(dict(shape=f"{b}x{h}x{l}x{d}", block_dtype=str(st.dtype).split(".")[-1],
                          bytes=traffic, merge_gbps=traffic / t_merge / 1e9,
-                         copy_gbps=traffic / t_copy / 1e9, ratio=t_copy / t_merge))
+                         copy_gbps=traffic / t_copy / 1e9, ratio=t_copy / t_merge,
+                         **_combine_bandwidth(st, (b, h, l, d), mk, repeat, sync, iters, reps)))
     return rows
+
+
+def _combine_bandwidth(st: Setup, shape, mk, repeat, sync, iters: int, reps: int) -> dict:
+    """What the ring's forward does at its end (merge/partial_sum.h): four
+    whole partial outputs in st.dtype with their lse combined into one in
+    st.dtype, against a copy of the same bytes."""
+    b, h, l, d = shape
+    parts = [mk(shape, st.dtype) for _ in range(4)]
+    lses = [mk((b, h, l), torch.float32) for _ in range(4)]
+    out, lse = torch.empty_like(parts[0]), torch.empty_like(lses[0])
+    traffic = sum(t.nbytes for t in (*parts, *lses, out, lse))
+    src = torch.empty(traffic // 2, dtype=torch.uint8, device=st.device)
+    dst = torch.empty_like(src)
+    t = timeit(repeat(lambda: combine_partials_(out, lse, parts, lses, [0] * 4)), iters=iters,
+               sync=sync) / reps
+    t_copy = timeit(repeat(lambda: dst.copy_(src)), iters=iters, sync=sync) / reps
+    if not (torch.isfinite(out).all() and torch.isfinite(lse).all()):
+        return dict(combine_gbps=float("nan"), combine_ratio=float("nan"))
+    return dict(combine_gbps=traffic / t / 1e9, combine_ratio=t_copy / t)
