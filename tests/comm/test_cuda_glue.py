@@ -76,6 +76,7 @@ SYM_ARGUMENTS: dict[str, set[str]] = {
     "aten::where.self": set(),
     "_c10d_functional::wait_tensor": set(),
     "cplib_c::_cudnn_attention": set(),
+    "cplib_c::_cudnn_attention_step": set(),
     "cplib_c::_schema_arguments": set(),
     "cplib_c::c10d_all_gather": set(),
     "cplib_c::c10d_all_to_all": set(),

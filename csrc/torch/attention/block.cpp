@@ -88,6 +88,32 @@ std::tuple<Tensor, Tensor, Tensor> backward_kernel(const BlockConfig& cfg, const
 
 }  // namespace
 
+bool forwards_on_cudnn(const BlockConfig& cfg, const Tensor& q, const Tensor& v) {
+  return cfg.cuda && cfg.backend == kBackendCudnn && !computes_in_fp32(cfg, q, v);
+}
+
+std::vector<BlockResult> block_forward_cudnn_step(const BlockConfig& cfg,
+                                                  const std::vector<std::array<Tensor, 3>>& qkv,
+                                                  const std::vector<int64_t>& causal) {
+  std::vector<Tensor> q, k, v;
+  for (const auto& t : qkv) {
+    // MLA: padded to one head dim at the call, as block_forward pads.
+    const int64_t d = pads(cfg, t[0], t[2], false) ? std::max(t[0].size(3), t[2].size(3)) : 0;
+    q.push_back(d ? aten::pad_last(t[0], d) : t[0]);
+    k.push_back(d ? aten::pad_last(t[1], d) : t[1]);
+    v.push_back(d ? aten::pad_last(t[2], d) : t[2]);
+  }
+  std::vector<std::pair<Tensor, Tensor>> ran = cudnn_cuda_step(q, k, v, causal, cfg.scale);
+  std::vector<BlockResult> out;
+  for (size_t i = 0; i < ran.size(); ++i) {
+    const auto& [o, lse] = ran[i];
+    const int64_t dv = qkv[i][2].size(3);
+    out.push_back({o.size(3) == dv ? o : aten::narrow(o, 3, 0, dv),
+                   lse.dim() == 4 ? torch::stable::squeeze(lse, -1) : lse});
+  }
+  return out;
+}
+
 BlockResult block_forward(const BlockConfig& cfg, const Tensor& q, const Tensor& k, const Tensor& v,
                           bool causal, const Tensor& mask) {
   if (computes_in_fp32(cfg, q, v)) {

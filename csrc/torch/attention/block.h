@@ -4,8 +4,10 @@
 // step, Ulysses' local attention once per call and decode once per shard.
 #pragma once
 
+#include <array>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "attention/backend.h"
 #include "common/stable.h"
@@ -53,6 +55,18 @@ std::tuple<Tensor, Tensor, Tensor> block_backward(const BlockConfig& cfg, const 
                                                   const Tensor& q, const Tensor& k, const Tensor& v,
                                                   const Tensor& out, const Tensor& lse, bool causal,
                                                   const Tensor& mask = Tensor());
+
+// Whether block_forward(cfg, q, k, v, causal) without a mask runs cuDNN's
+// forward (CUDA, cuDNN resolved, no fp32 promotion): such blocks of one ring
+// step may run in one call.
+bool forwards_on_cudnn(const BlockConfig& cfg, const Tensor& q, const Tensor& v);
+// Those blocks' forwards (q, k, v per block, k/v expanded), each what
+// block_forward gives (MLA's head dims padded at the call alike), in one
+// call of the Python op that reaches cuDNN (the stable dispatcher cannot
+// return its SymInts): one Python round trip for a whole ring step.
+std::vector<BlockResult> block_forward_cudnn_step(const BlockConfig& cfg,
+                                                  const std::vector<std::array<Tensor, 3>>& qkv,
+                                                  const std::vector<int64_t>& causal);
 
 // The kernels block_forward/block_backward pick by device (block.cpp). The
 // CUDA ones are compiled into every build: they take cfg.cuda, CUDA

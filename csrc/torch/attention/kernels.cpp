@@ -240,6 +240,19 @@ std::tuple<Tensor, Tensor> cudnn_cuda(const Tensor& q, const Tensor& k, const Te
   return {out, lse};
 }
 
+std::vector<std::pair<Tensor, Tensor>> cudnn_cuda_step(const std::vector<Tensor>& q,
+                                                       const std::vector<Tensor>& k,
+                                                       const std::vector<Tensor>& v,
+                                                       const std::vector<int64_t>& causal,
+                                                       std::optional<double> scale) {
+  auto s = call<2>("cplib_c::_cudnn_attention_step", "", q, k, v, causal, scale);
+  std::vector<Tensor> out = ret<std::vector<Tensor>>(s[0]), lse = ret<std::vector<Tensor>>(s[1]);
+  CPLIB_ASSERT(out.size() == q.size() && lse.size() == q.size());
+  std::vector<std::pair<Tensor, Tensor>> results;
+  for (size_t i = 0; i < out.size(); ++i) results.emplace_back(out[i], lse[i]);
+  return results;
+}
+
 std::tuple<Tensor, Tensor, Tensor> cudnn_cuda_backward(const Tensor& grad_out, const Tensor& q,
                                                        const Tensor& k, const Tensor& v,
                                                        const Tensor& out, const Tensor& lse,

@@ -8,6 +8,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "common/stable.h"
@@ -62,6 +63,13 @@ std::tuple<Tensor, Tensor, Tensor> efficient_cuda_backward(const Tensor& grad_ou
 // Through cplib_c::_cudnn_attention (cplib/comm/cuda_attention.py): lse (B, H, Lq, 1).
 std::tuple<Tensor, Tensor> cudnn_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
                                       bool causal, std::optional<double> scale);
+// Every cuDNN forward of one ring step in one call of
+// cplib_c::_cudnn_attention_step: (out, lse (B, H, Lq, 1)) per block.
+std::vector<std::pair<Tensor, Tensor>> cudnn_cuda_step(const std::vector<Tensor>& q,
+                                                       const std::vector<Tensor>& k,
+                                                       const std::vector<Tensor>& v,
+                                                       const std::vector<int64_t>& causal,
+                                                       std::optional<double> scale);
 std::tuple<Tensor, Tensor, Tensor> cudnn_cuda_backward(const Tensor& grad_out, const Tensor& q,
                                                        const Tensor& k, const Tensor& v,
                                                        const Tensor& out, const Tensor& lse,

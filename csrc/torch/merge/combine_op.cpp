@@ -70,6 +70,14 @@ cplib_combine_params params_of(Tensor& out, Tensor* lse, const std::vector<Combi
       copy_strides(part.lse, q.lse_stride, 3);
     }
   }
+  if (out.device().type() == DeviceType::Meta) {
+    // No storage (the CUDA glue's probe): the dtype and row checks still run.
+    static char no_storage;
+    p.out = p.lse = &no_storage;
+    for (int j = 0; j < p.nparts; ++j) p.parts[j].data = p.parts[j].lse = &no_storage;
+    if (!weighted) p.lse = nullptr;
+    for (int j = 0; !weighted && j < p.nparts; ++j) p.parts[j].lse = nullptr;
+  }
   CPLIB_CHECK_VALUE(cplib_combine_check(&p) == CPLIB_OK, kOp, ": dtypes out of reach: out ",
                     torch::headeronly::toString(out.scalar_type()),
                     ", parts of the accumulator dtype and at most one other, a float64 "
@@ -92,6 +100,7 @@ void combine_partials_op(Tensor out, Tensor lse, std::vector<Tensor> parts,
 
 void combine_partials(Tensor& out, Tensor* lse, const std::vector<CombinePart>& parts) {
   const cplib_combine_params p = params_of(out, lse, parts);
+  if (out.device().type() == DeviceType::Meta) return;  // shapes only (the CUDA glue's probe)
   if (out.is_cuda()) {
 #ifdef CPLIB_WITH_CUDA
     check_status(cplib_combine_cuda(&p, current_cuda_stream(out)), "CUDA combine");

@@ -36,6 +36,7 @@ void PartialSum::reserve(int64_t bytes) {
 }
 
 void PartialSum::add(const Tensor& data, const Tensor& lse, int64_t row_offset) {
+  if (held_.size() + (acc_.defined() ? 1 : 0) + 1 > CPLIB_COMBINE_MAX_PARTS) fold();
   held_.push_back({data, weighted_ ? lse : Tensor(), row_offset});
   held_bytes_ += aten::nbytes(data);
   // A budget of 0 (or a part reserve did not make room for) folds at once.

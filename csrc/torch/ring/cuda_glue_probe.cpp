@@ -21,6 +21,7 @@
 #include "attention/heads.h"
 #include "common/aten.h"
 #include "ring/ring_agreed.h"
+#include "ring/ring_forward.h"
 #include "ring/ring_rotate.h"
 
 namespace cplib::ring {
@@ -93,9 +94,47 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> cuda_glue_probe(
   return {out, lse, aten::to(dq, dt), aten::to(dk, dt), aten::to(dv, dt)};
 }
 
+// cplib_c::_cuda_ring_forward_probe (internal): the ring's forward itself
+// (ring_forward) on a ring of one rank over these tensors, along the CUDA
+// route whatever the device (meta, here), with documents, a window and a
+// layout (by name, ring_call.h) as the ring takes them: every step's calls, the one Python round
+// trip a step's cuDNN forwards take (tests/comm/test_cuda_step_calls.py counts them), the partial
+// results held and combined.
+std::tuple<Tensor, Tensor> cuda_ring_forward_probe(const Tensor& q, const Tensor& k,
+                                                   const Tensor& v, const std::string& backend_name,
+                                                   bool is_causal,
+                                                   std::optional<std::vector<int64_t>> cu_seqlens,
+                                                   std::optional<std::vector<int64_t>> window,
+                                                   const std::string& layout) {
+  constexpr const char* kOp = "_cuda_ring_forward_probe";
+  aten::NoGradGuard no_grad;
+  CPLIB_CHECK_VALUE(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k.size(1) > 0 &&
+                        q.size(1) % k.size(1) == 0 && q.size(2) == k.size(2),
+                    "cplib.", kOp, ": q (B, Hq, L, D), k/v (B, Hkv, L, D/Dv), Hkv dividing Hq");
+  Config cfg;
+  cfg.causal = is_causal;
+  cfg.layout = parse_layout(kOp, layout);
+  if (cu_seqlens) {
+    check_bounds(kOp, *cu_seqlens, q.size(2));
+    cfg.mask.bounds = *cu_seqlens;
+  }
+  lay_out(kOp, cfg, q.size(2), k.size(2), window);
+  cfg.cuda = true;
+  cfg.groups = q.size(1) / k.size(1);
+  cfg.scale = attention::block_scale(std::nullopt, q, v);
+  cfg.masked_call = cu_seqlens.has_value() || window.has_value();
+  cfg.backend = attention::backend_code(kOp, backend_name);
+  cfg.backend = resolve_ring_backend(cfg, q, k, v);
+  return ring_forward(cfg, q, k, v);
+}
+
 }  // namespace
 
 STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
+  m.def(
+      "_cuda_ring_forward_probe(Tensor q, Tensor k, Tensor v, str backend, bool is_causal, "
+      "int[]? cu_seqlens=None, int[]? window=None, str layout='sequential') -> (Tensor out, "
+      "Tensor lse)");
   m.def(
       "_cuda_glue_probe(Tensor q, Tensor k, Tensor v, str backend, bool is_causal, bool masked, "
       "bool backward, float? scale=None, bool in_masked_call=False) -> (Tensor out, Tensor lse, "
@@ -104,11 +143,13 @@ STABLE_TORCH_LIBRARY_FRAGMENT(cplib_c, m) {
 
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, Meta, m) {
   m.impl("_cuda_glue_probe", CPLIB_BOX(&cuda_glue_probe));
+  m.impl("_cuda_ring_forward_probe", CPLIB_BOX(&cuda_ring_forward_probe));
 }
 
 #ifdef CPLIB_WITH_CUDA
 STABLE_TORCH_LIBRARY_IMPL(cplib_c, CUDA, m) {
   m.impl("_cuda_glue_probe", CPLIB_BOX(&cuda_glue_probe));
+  m.impl("_cuda_ring_forward_probe", CPLIB_BOX(&cuda_ring_forward_probe));
 }
 #endif
 

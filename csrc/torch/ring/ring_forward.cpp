@@ -4,7 +4,10 @@
 // (fp64), over just the rows each call touched.
 #include "ring/ring_forward.h"
 
+#include <array>
 #include <limits>
+#include <optional>
+#include <vector>
 
 #include "attention/block.h"
 #include "attention/heads.h"
@@ -28,6 +31,46 @@ attention::BlockResult attend(const Config& cfg, const RingPlan& plan, const Cal
   r.lse = aten::masked_fill(r.lse, no_key, -std::numeric_limits<double>::infinity());
   return r;
 }
+
+namespace {
+
+// The calls of one step whose blocks run cuDNN's forward
+// (attention::forwards_on_cudnn), all in one call: cuDNN is reached
+// through a Python op (the stable dispatcher cannot return its SymInts), so
+// a step costs one Python round trip however many calls it makes (documents
+// and windows make several; a dense step makes one, which the per-block
+// route serves alike). By call index; the other slots empty. GQA: each
+// call's k/v are expanded into buffers of their own (they run together).
+std::vector<std::optional<attention::BlockResult>> cudnn_step(const Config& cfg,
+                                                              const std::vector<Call>& calls,
+                                                              const Tensor& q, const KV& blk,
+                                                              PartialSum& sum, int64_t row_bytes) {
+  std::vector<std::optional<attention::BlockResult>> out(calls.size());
+  if (!attention::forwards_on_cudnn(cfg, q, blk[1])) return out;
+  std::vector<size_t> idx;
+  for (size_t i = 0; i < calls.size(); ++i)
+    if (calls[i].kind != Visibility::partial) idx.push_back(i);
+  if (idx.size() < 2) return out;
+  std::vector<std::array<Tensor, 3>> qkv;
+  std::vector<int64_t> causal;
+  int64_t bytes = 0;
+  for (const size_t i : idx) {
+    const Call& c = calls[i];
+    const Tensor kr = aten::rows(blk[0], 2, c.k_local, c.k_len);
+    const Tensor vr = aten::rows(blk[1], 2, c.k_local, c.k_len);
+    attention::HeadExpander ek(cfg.groups, kr, c.k_len), ev(cfg.groups, vr, c.k_len);
+    qkv.push_back({aten::rows(q, 2, c.q_local, c.q_len), ek(kr), ev(vr)});
+    causal.push_back(c.kind == Visibility::causal);
+    bytes += c.q_len * row_bytes;
+  }
+  sum.reserve(bytes);
+  std::vector<attention::BlockResult> results = attention::block_forward_cudnn_step(cfg, qkv,
+                                                                                    causal);
+  for (size_t j = 0; j < idx.size(); ++j) out[idx[j]] = std::move(results[j]);
+  return out;
+}
+
+}  // namespace
 
 std::tuple<Tensor, Tensor> ring_forward(const Config& cfg, const Tensor& q, const Tensor& k,
                                         const Tensor& v, const Tensor& sinks) {
@@ -55,12 +98,19 @@ std::tuple<Tensor, Tensor> ring_forward(const Config& cfg, const Tensor& q, cons
   for (int64_t s = 0; s < plan.steps(); ++s) {
     const KV blk = ring.fetch(s);
     if (!blk[0].defined()) continue;
-    for (const Call& c : plan.calls(s)) {
-      sum.reserve(c.q_len * row_bytes);
-      attention::BlockResult r = attend(cfg, plan, c, aten::rows(q, 2, c.q_local, c.q_len),
-                                        expand_k(aten::rows(blk[0], 2, c.k_local, c.k_len)),
-                                        expand_v(aten::rows(blk[1], 2, c.k_local, c.k_len)));
-      sum.add(r.out, r.lse, c.q_local);
+    const std::vector<Call>& calls = plan.calls(s);
+    std::vector<std::optional<attention::BlockResult>> ran = cudnn_step(cfg, calls, q, blk, sum,
+                                                                        row_bytes);
+    for (size_t i = 0; i < calls.size(); ++i) {
+      const Call& c = calls[i];
+      if (!ran[i]) {
+        sum.reserve(c.q_len * row_bytes);
+        ran[i] = attend(cfg, plan, c, aten::rows(q, 2, c.q_local, c.q_len),
+                        expand_k(aten::rows(blk[0], 2, c.k_local, c.k_len)),
+                        expand_v(aten::rows(blk[1], 2, c.k_local, c.k_len)));
+      }
+      sum.add(ran[i]->out, ran[i]->lse, c.q_local);
+      ran[i].reset();  // held by the sum alone
     }
   }
   ring.finish();
