@@ -141,8 +141,8 @@ def sequence_shards(local_len: int) -> SequenceShards | None:
     this rank's logits' length, gives the length of equal shards."""
     handle = active_handle()
     if handle is not None:
-        seq_len = handle.config.seq_len
-        if seq_len is None:  # equal shards
+        seq_len = handle.config.seq_len or getattr(handle.load_balancer, "seq_length", None)
+        if seq_len is None:  # equal sequential shards
             seq_len = local_len * handle.mesh.size()
         return SequenceShards(handle.mesh, handle.load_balancer, seq_len, _REGION)
     return _scope.get()

@@ -17,7 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from .hybrid_families import FULL_MASK_LAYERS
+from .padding import UNPADDED, dead_rows_of, dead_rows_under_cp, eager_dead_rows
 from ...frontend.options import RingConfig
+from ...frontend.sequence import sequence_shards
 from ...strategy.ring_entry import ring_sdpa
 from ...frontend.sdpa_dispatch import (active_config, context_extras, max_over_cp_ranks,
                                       sdpa_backend_hint)
@@ -46,7 +48,15 @@ def cplib_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0
     config = active_config()
     if config is not None:
         max_over_cp_ranks(padded, config)
-    return attention_mask.bool() if bool(padded.item()) else None
+    if not bool(padded.item()):
+        return None
+    mask = attention_mask.to(torch.bool, copy=True)  # the attribute below is on cplib's copy
+    shards = None if config is None else sequence_shards(kv_length)
+    # Every key's padding, for the rows that see none (padding.py); a mask
+    # that is not this rank's shard raises in the attention function.
+    if shards is not None and mask.shape[-1] == kv_length == shards.local_len():
+        setattr(mask, UNPADDED, (shards, shards.full(mask.to(torch.uint8)).bool()))
+    return mask
 
 
 def _refuse_full_mask_layers(config: Any) -> None:
@@ -135,6 +145,19 @@ def _key_padding(attention_mask, k: torch.Tensor) -> torch.Tensor | None:
 
 def _context_parallel(config: RingConfig, q, k, v, attention_mask, scale, causal, window,
                       sinks) -> torch.Tensor:
+    out = _ring_or_ulysses(config, q, k, v, attention_mask, scale, causal, window, sinks)
+    unpadded = getattr(attention_mask, UNPADDED, None)
+    if unpadded is None:  # no padding (or a mask cplib_mask did not make: its rows as they are)
+        return out
+    shards, keys = unpadded
+    dead, any_dead = dead_rows_under_cp(shards, keys, causal, window, config.cu_seqlens)
+    if not any_dead:
+        return out
+    return eager_dead_rows(out, q, k, v, dead, scale, shards.seq_len, shards.group, sinks)
+
+
+def _ring_or_ulysses(config: RingConfig, q, k, v, attention_mask, scale, causal, window,
+                     sinks) -> torch.Tensor:
     padding = _key_padding(attention_mask, k)
     kw: dict[str, Any] = {"is_causal": causal, "scale": scale,
                           "backend": sdpa_backend_hint(q.device)}
@@ -193,9 +216,7 @@ def _visible(q_len: int, kv_len: int, causal: bool, window, documents, padding,
         see = see & (documents[:, None, :, None] == documents[:, None, None, :])
     if padding is not None:  # (B, kv_len), False for padding tokens
         see = see & padding[:, None, None, :].bool()
-    # A row that sees nothing (a padding query) attends everywhere instead of
-    # giving NaN, as HF's SDPA masks do; its output is never used.
-    return see | ~see.any(-1, keepdim=True)
+    return see
 
 
 def _documents(position_ids, q_len: int, kv_len: int, padding) -> torch.Tensor | None:
@@ -225,11 +246,18 @@ def _single_device(q, k, v, attention_mask, scale, causal, window, sinks,
     if see is None and causal and (q_len != kv_len or sinks is not None):
         # SDPA's is_causal aligns top-left; with a cache in front the queries are the last rows.
         see = _visible(q_len, kv_len, True, (kv_len, kv_len), None, None, q.device)
+    dead = None if see is None else dead_rows_of(see)
+    if dead is not None:
+        see = see | dead[:, None, :, None]  # no NaN in those rows: they are replaced below
     if sinks is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=see,
-                                              is_causal=causal and see is None, scale=scale,
-                                              enable_gqa=groups > 1)
-    return _math_attention(q, k, v, see, scale, sinks, groups)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=see,
+                                             is_causal=causal and see is None, scale=scale,
+                                             enable_gqa=groups > 1)
+    else:
+        out = _math_attention(q, k, v, see, scale, sinks, groups)
+    if dead is None or not bool(dead.any()):
+        return out
+    return eager_dead_rows(out, q, k, v, dead, scale, kv_len, None, sinks)
 
 
 def _math_attention(q, k, v, mask, scale, sinks, groups) -> torch.Tensor:
