@@ -43,13 +43,17 @@ AUTOGRAD_ENTRIES = frozenset({torch.Tensor.backward, torch.autograd.backward,
 def may_be_recomputed() -> bool:
     """Whether a call made now may run again in a backward:
     torch.utils.checkpoint runs its forward without grad (reentrant) or under
-    its saved-tensor hooks (not reentrant). Traced, it may be a function an
+    its saved-tensor hooks (not reentrant; a region's own hooks are not one). Traced, it may be a function an
     eager checkpoint calls (body_with_mode), whose hooks a trace cannot read:
     yes."""
     if torch.compiler.is_compiling():
         return True
-    return (not torch.is_grad_enabled()
-            or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None)
+    if not torch.is_grad_enabled():
+        return True
+    # A region with buffers keeps its shards' saved tensors under hooks of
+    # its own (sharding.keep_shards_for_backward), which recompute nothing.
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks is not None and not getattr(hooks[0], "__cplib_keeps_shards__", False)
 
 
 _REENTRANT = torch.utils.checkpoint.CheckpointFunction.forward.__code__

@@ -164,6 +164,9 @@ def keep_shards_for_backward(shards: list[torch.Tensor]):
 
     if not storages:
         return contextlib.nullcontext()
+    # Not a checkpoint's hooks: a call made under them is not recomputed in
+    # the backward (mode_kept.may_be_recomputed reads this mark).
+    pack.__cplib_keeps_shards__ = True  # type: ignore[attr-defined]
     return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
 

@@ -153,3 +153,31 @@ def test_a_backward_that_recomputes_attention_after_the_region_raises(ranks):
     wrong without it too): the recomputation ran torch's SDPA on the shard."""
     for reentrant in (True, False):
         assert ranks(2).run(_backward_after_exit, reentrant) == ["refused"] * 2, reentrant
+
+
+def _recomputable_flags() -> list[bool]:
+    import cplib
+    from torch.overrides import _get_current_function_mode_stack
+
+    from cplib.frontend.sdpa_dispatch import CPDispatchMode
+
+    x, w = _weights()
+    ids = torch.zeros(1, 32, dtype=torch.long)
+    n = dist.get_world_size()
+    flags = []
+    with cplib.context_parallel(DeviceMesh("cpu", list(range(n))), buffers=[x, ids],
+                                buffer_seq_dims=[2, 1]):
+        mode = next(m for m in _get_current_function_mode_stack()
+                    if isinstance(m, CPDispatchMode))
+        _block(x, w).sum().backward()
+        flags.append(mode.recomputable)
+        _checkpointed_block(x, w, False).sum().backward()
+        flags.append(mode.recomputable)
+    return flags
+
+
+def test_a_region_with_buffers_keeps_its_dispatch_in_a_backward_only_after_a_checkpoint(ranks):
+    """The region's own saved-tensor hooks (its buffers' shards) made every
+    attention call look recomputable: every backward then kept the dispatch,
+    a handler on every Python-level torch call of the backward."""
+    assert ranks(2).run(_recomputable_flags) == [[False, True]] * 2
