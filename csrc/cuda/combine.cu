@@ -83,21 +83,10 @@ struct Vec<double> {
   __device__ static void store1(double* p, double v) { *p = v; }
 };
 
-// Acc: the accumulator type; Part: the parts' other dtype (parts of the
-// accumulator dtype are read as Acc); Out: the output's; V: elements per
-// lane (8 or 1); I: the index type.
-template <typename Acc, typename Part, typename Out, int V, typename I>
-__global__ void __launch_bounds__(kThreads) combine_kernel(cplib_combine_params p, int lanes) {
-  const I rows_per_block = kThreads / lanes;
-  const I row_id = static_cast<I>(blockIdx.x) * rows_per_block + threadIdx.x / lanes;
-  const int lane = threadIdx.x % lanes;
-  if (row_id >= static_cast<I>(p.batch * p.heads * p.rows)) return;
-  const I r = row_id % static_cast<I>(p.rows);
-  const I bh = row_id / static_cast<I>(p.rows);
-  const I h = bh % static_cast<I>(p.heads), b = bh / static_cast<I>(p.heads);
-
-  // The weights: every lane of the row computes them (a broadcast load each).
-  Acc w[kMaxParts];
+// Row r's weights, one per part (0 where a part does not cover the row or
+// saw no key there), and its combined lse (-inf where no part saw a key).
+template <typename Acc, typename I>
+__device__ Acc row_weights(const cplib_combine_params& p, I b, I h, I r, Acc* w) {
   Acc m = -INFINITY;
 #pragma unroll
   for (int j = 0; j < kMaxParts; ++j) {
@@ -124,6 +113,25 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(cplib_combine_params 
 #pragma unroll
   for (int j = 0; j < kMaxParts; ++j)
     w[j] = w[j] == -INFINITY ? Acc(0) : p.weighted ? exp(w[j] - lse) : Acc(1);
+  return lse;
+}
+
+// Acc: the accumulator type; Part: the parts' other dtype (parts of the
+// accumulator dtype are read as Acc); Out: the output's; V: elements per
+// lane (8 or 1); I: the index type.
+template <typename Acc, typename Part, typename Out, int V, typename I>
+__global__ void __launch_bounds__(kThreads) combine_kernel(cplib_combine_params p, int lanes) {
+  const I rows_per_block = kThreads / lanes;
+  const I row_id = static_cast<I>(blockIdx.x) * rows_per_block + threadIdx.x / lanes;
+  const int lane = threadIdx.x % lanes;
+  if (row_id >= static_cast<I>(p.batch * p.heads * p.rows)) return;
+  const I r = row_id % static_cast<I>(p.rows);
+  const I bh = row_id / static_cast<I>(p.rows);
+  const I h = bh % static_cast<I>(p.heads), b = bh / static_cast<I>(p.heads);
+
+  // The weights: every lane of the row computes them (a broadcast load each).
+  Acc w[kMaxParts];
+  const Acc lse = row_weights<Acc, I>(p, b, h, r, w);
   if (p.weighted && lane == 0) {
     static_cast<Acc*>(
         p.lse)[b * static_cast<I>(p.lse_stride[0]) + h * static_cast<I>(p.lse_stride[1]) +
