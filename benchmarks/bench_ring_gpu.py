@@ -7,7 +7,9 @@ parallelism, measured in the same run:
   runs one after another on the one GPU, so t(ring) / t(full) is the ring's
   whole overhead and 1.00 is ideal;
 - cplib.ring_sdpa per backend (flash, efficient, cuDNN, and auto) and per
-  rotation (p2p, alltoall, allgather; efficient and auto with p2p only);
+  rotation (p2p, alltoall, allgather; efficient and auto with p2p only), and
+  cplib's all-gather path as Llama 3 runs it (cplib/ring/allgather.py,
+  "llama3/allgather": one call per query chunk, no merge);
 - torch's _templated_ring_attention forward and backward with its flash and
   cuDNN ops (alltoall and allgather: torch has no send/recv rotation);
 - a GQA row (Hq=16, Hkv=4), and the CUDA merge kernel's bandwidth against a
@@ -74,8 +76,8 @@ import ring_split_report as split_report  # noqa: E402
 from cells import SKIPPED, run_cells, worker_main  # noqa: E402
 from common import machine, write_json  # noqa: E402
 from ring_timing import (ROTATIONS, TORCH_ROTATIONS, Config, Setup, cplib_rank,  # noqa: E402
-                         inputs, merge_bandwidth, run_ring, time_full, time_plan_blocks,
-                         time_torch_cp)
+                         inputs, llama3_rank, merge_bandwidth, run_ring, time_full,
+                         time_plan_blocks, time_torch_cp)
 
 # ---------------------------------------------------------------- driver
 
@@ -108,8 +110,9 @@ def _profiled(st: Setup, backend: str) -> bool:
     """Whether a ring variant runs one more step under the profiler
     (ring_profile.py): on CUDA cuDNN's (the fastest backend on every row of
     the H100 and H200 runs so far, and SDPA's choice there: cplib's and
-    torch's rings) and cplib's default call; on the CPU every variant."""
-    return st.device.type != "cuda" or backend in ("cudnn", "auto")
+    torch's rings), cplib's default call and its all-gather path; on the
+    CPU every variant."""
+    return st.device.type != "cuda" or backend in ("cudnn", "auto", "llama3")
 
 
 def _cells(configs: list[Config], st: Setup, cuda: bool, merge_shapes) -> list[dict]:
@@ -135,6 +138,8 @@ def _cells(configs: list[Config], st: Setup, cuda: bool, merge_shapes) -> list[d
             cells += [cell("cplib", f"{b or 'auto'}/{rot}", b or "auto")
                       for b, rot in itertools.product(backends, ROTATIONS)
                       if rot == "p2p" or (b is not None and phase == "main")]
+            if phase == "main":  # the all-gather path, Llama 3's (SDPA's kernel choice)
+                cells.append(cell("cplib", "llama3/allgather", "llama3"))
     return cells
 
 
@@ -167,6 +172,8 @@ class _Worker:
             op, rot = cell["key"].split("/")
             return time_torch_cp(cfg, self.st, full, op, rot, profile=cell["profile"])
         b, rot = cell["key"].split("/")
+        if b == "llama3":
+            return run_ring(llama3_rank, cfg, self.st, full, profile=cell["profile"])
         return run_ring(cplib_rank, cfg, self.st, full, None if b == "auto" else b, rot,
                         profile=cell["profile"])
 

@@ -191,6 +191,27 @@ def cplib_rank(cfg: Config, st: Setup, full: list[torch.Tensor], backend: str | 
     return seconds, _all_finite(last[0], q.grad, k.grad, v.grad), _profile(step, st, prof)
 
 
+def llama3_rank(cfg: Config, st: Setup, full: list[torch.Tensor],
+                prof: dict | None = None) -> tuple[float, bool, dict | None]:
+    """cplib's all-gather path (cplib/ring/allgather.py): K/V gathered once,
+    one call per query chunk, no merge."""
+    from cplib.ring.allgather import allgather_sdpa
+    rank, n = dist.get_rank(), dist.get_world_size()
+    lb = cfg.causal
+    q, k, v, dout = (_shard(t, rank, n, lb) for t in full)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    last: list[torch.Tensor] = []
+
+    def step():
+        q.grad = k.grad = v.grad = None
+        out = allgather_sdpa(q, k, v, dist.group.WORLD, is_causal=cfg.causal, load_balanced=lb)
+        out.backward(dout)
+        last[:] = [out.detach()]
+    seconds = _time_ranks(step, st)
+    return seconds, _all_finite(last[0], q.grad, k.grad, v.grad), _profile(step, st, prof)
+
+
 def _torch_cp_ops(name: str):
     """(forward op, backward op, forward kwargs, backward kwargs from the
     forward's extra outputs, grad_out's keyword) for torch's ring."""

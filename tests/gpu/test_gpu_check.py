@@ -183,7 +183,7 @@ def test_bench_cells_time_out_alone_and_the_json_grows_row_by_row(tmp_path):
                          env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     payload = json.loads((tmp_path / "bench_ring_gpu.json").read_text())
-    assert payload["complete"] and payload["cells_done"] == payload["cells"] == 11
+    assert payload["complete"] and payload["cells_done"] == payload["cells"] == 13
     cplib = {(r["causal"], k): v for r in payload["rows"] for k, v in r["cplib_ms"].items()}
     assert str(cplib.pop((True, "flash/alltoall"))).startswith("error: timed out")
     assert all(isinstance(v, float) for v in cplib.values()), cplib
@@ -198,9 +198,9 @@ def test_bench_cells_time_out_alone_and_the_json_grows_row_by_row(tmp_path):
         sys.path.pop(0)
     assert reap.carrying(token) == [], "a cell worker outlived the benchmark"
     verdict = "\n".join(ring_report.verdict(str(tmp_path / "bench_ring_gpu.json")))
-    assert verdict.startswith("FAIL: 11 of 11 cells; 1 cplib cells"), verdict
+    assert verdict.startswith("FAIL: 13 of 13 cells; 1 cplib cells"), verdict
     assert "timed out" in verdict
-    assert "cell 11/11" in run.stdout, run.stdout
+    assert "cell 13/13" in run.stdout, run.stdout
 
 
 def test_every_test_that_needs_a_gpu_carries_the_cuda_marker(collected):
