@@ -153,7 +153,7 @@ stage_memcheck() {
   local pytest=("$PY" -P -m pytest -q -p no:cacheprovider -m cuda)
   MC_SECS=0 MC_FAILED="" MC_INCOMPLETE="" MC_NOTES=()
   # 1. cplib's CUDA kernels (merge, halo) against their C twins;
-  memcheck_run kernels 20 "${cmd[@]}" "$PY" -P benchmarks/gpu/kernels_check.py
+  memcheck_run kernels 25 "${cmd[@]}" "$PY" -P benchmarks/gpu/kernels_check.py
   # 2. the ring's block backward through the flash and efficient kernels, step by step;
   memcheck_run ring-steps 25 "${cmd[@]}" "${pytest[@]}" "$ROOT/tests/ring/test_ring_sdpa_threaded.py" \
     -k "per_step and not cudnn"
