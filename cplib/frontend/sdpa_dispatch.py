@@ -110,7 +110,9 @@ def _check_sdpa_args(q, k, v, attn_mask, dropout_p, enable_gqa) -> None:
             "heads and sequence length"
         )
     hq, hkv = q.shape[1], k.shape[1]
-    if hq != hkv and not enable_gqa:
+    # One K/V head broadcasts over the query heads, as torch's SDPA takes it
+    # without enable_gqa (Falcon's multi-query attention passes it so).
+    if hq != hkv and hkv != 1 and not enable_gqa:
         raise ValueError(
             f"cplib: query has {hq} heads but key/value have {hkv}; pass enable_gqa=True for "
             "grouped-query attention"
@@ -194,11 +196,11 @@ def routed_sdpa(config: RingConfig, *args: Any, **kwargs: Any) -> torch.Tensor:
     if config.ulysses_degree > 1:
         is_causal, scale, backend, window = call
         if config.strategy is not None:  # strategy="auto": the rotation for these shapes
-            from ..strategy.route import routed_config
+            from .strategy_route import routed_config
             config = routed_config(config, q, k, v, is_causal, window)
         return _routed_ulysses(config, q, k, v, is_causal, scale, backend, window, attn_mask)
     if config.strategy is not None:
-        from ..strategy.route import routed_config
+        from .strategy_route import routed_config
         call = call.replace(rotate=routed_config(config, q, k, v, call.is_causal,
                                                  call.window).rotate)
     from ..ring.op import ring_attention  # lives beside this module; imported when first needed

@@ -223,12 +223,14 @@ def _dispatch_paths() -> None:
     sdpa_ref = F.scaled_dot_product_attention  # taken before entering the context
     q, k, v = (_rand((1, 4, 8 * n, 8), s, torch.float64) for s in (1, 2, 3))
     k2, v2 = k[:, :2].contiguous(), v[:, :2].contiguous()
+    k1, v1 = k[:, :1].contiguous(), v[:, :1].contiguous()
     full = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     full_gqa = F.scaled_dot_product_attention(q, k2, v2, scale=0.3, enable_gqa=True)
-    bufs = [t.clone() for t in (q, k, v, k2, v2)]
-    with context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2] * 5, rotate_method="alltoall",
+    full_mqa = F.scaled_dot_product_attention(q, k1, v1, is_causal=True)  # broadcast, as torch
+    bufs = [t.clone() for t in (q, k, v, k2, v2, k1, v1)]
+    with context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2] * 7, rotate_method="alltoall",
                           load_balance=True) as cp:
-        lq, lk, lv, lk2, lv2 = bufs
+        lq, lk, lv, lk2, lv2, lk1, lv1 = bufs
         out = sdpa_ref(lq, lk, lv, is_causal=True)
         assert CALLS[-1] == dict(shape=(1, 4, 8, 8), kv_heads=4, group=name, is_causal=True,
                                  load_balanced=True, scale=None, rotate="alltoall", backend=None)
@@ -243,6 +245,8 @@ def _dispatch_paths() -> None:
             F.scaled_dot_product_attention(lq, lk, lv, attn_mask=torch.ones(8, 8, dtype=bool))
         with pytest.raises(ValueError, match="4 heads but key/value have 2; pass enable_gqa"):
             F.scaled_dot_product_attention(lq, lk2, lv2)
+        out = F.scaled_dot_product_attention(lq, lk1, lv1, is_causal=True)  # Falcon's MQA
+        assert_close(cp.unshard([out], [2])[0], full_mqa, atol=1e-12, rtol=1e-12, what="mqa")
         mha = nn.MultiheadAttention(16, 4, batch_first=True, dtype=torch.float64)
         x = lq.transpose(1, 2).reshape(1, 8, 32)[..., :16].contiguous()
         with pytest.raises(NotImplementedError, match="need_weights=False"):
