@@ -39,8 +39,8 @@ from .ring.load_balancer import (
 )
 from .ring.op import ring_pass_auto
 from .ring.placement import DocumentPlacementLoadBalancer
-# ring_sdpa's entry sits in the strategy, which resolves rotate="auto" above the ring.
-from .strategy.ring_entry import ring_sdpa
+# ring_sdpa, with rotate="auto" (the strategy's cost model asked for the rotation).
+from .ring.entry import ring_sdpa
 
 # ulysses: Ulysses and USP (Ulysses x ring).
 from .ulysses.op import ulysses_reshard, ulysses_sdpa

@@ -1,6 +1,6 @@
 """A context-parallel flex module's call parsed as flex_attention's, which
 ``strategy="auto"`` reads to price the call before the module runs
-(cplib/strategy/flex_route.py); what the module's flex calls themselves
+(strategy_route.py); what the module's flex calls themselves
 receive is read where they are taken over (call.py)."""
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ from .sharding import keep_shards_for_backward, shard_tensor
 from ..integrations import on_context_parallel_start
 from .unshard import unshard
 from ..ulysses.usp_layout import ulysses_layout, usp_groups
-from ..strategy.route import AutoStrategy, parse_strategy, strategy_entry
+from ..strategy.auto import AutoStrategy, parse_strategy
+from .strategy_route import strategy_entry
 
 __all__ = ["context_parallel", "ContextParallelHandle"]
 

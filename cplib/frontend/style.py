@@ -25,7 +25,8 @@ from .documents import documents_stack as _documents
 from .sdpa_dispatch import CPDispatchMode, agreed_before_attention, dispatcher_enabled
 from ..comm.native import check_mesh
 from ..ulysses.usp_layout import UspGroups, check_degrees, usp_groups
-from ..strategy.route import AutoStrategy, context_strategy, parse_strategy
+from ..strategy.auto import AutoStrategy, parse_strategy
+from .strategy_route import context_strategy
 
 __all__ = ["_ContextParallel"]
 
@@ -62,7 +63,7 @@ class _ContextParallel(ParallelStyle):
                  window: int | tuple[int | None, int | None] | None = None,
                  strategy: str | AutoStrategy | None = None) -> None:
         super().__init__()
-        # strategy="auto": the rotation chosen per call (cplib/strategy/route.py).
+        # strategy="auto": the rotation chosen per call (strategy_route.py).
         # A bad value raises when the style is applied, in the handshake every
         # rank's _apply starts with: raised here, on one rank only, it would
         # leave the others waiting there.
@@ -157,11 +158,11 @@ def _flex_ring_selected(auto: AutoStrategy | None, group_name: str, world: int, 
     """FLEX modules' calls run on the flex ring under set_rotate_method("p2p"
     or "alltoall"), on the all-gather under "allgather" (docs/flex.md); with
     ``strategy="auto"`` the cost model chooses per plan unless a rotation is
-    explicit (cplib/strategy/flex_route.py)."""
+    explicit (cplib/flex/strategy_route.py)."""
     default = _cp_options.rotate_method is not _RotateMethod.ALL_GATHER
     if auto is None:
         return default
-    from ..strategy.flex_route import flex_use_ring
+    from ..flex.strategy_route import flex_use_ring
 
     return flex_use_ring(auto, explicit_rotation(None), args, kwargs, group_name, world,
                          rank, default)

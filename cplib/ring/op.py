@@ -1,8 +1,8 @@
 """Autograd for ``cplib_c::ring_sdpa`` (ring attention over a
 process group, implemented in C++: csrc/torch/ring/) and the ring's Python
 entry: its arguments checked and agreed (``ring_inputs``), then run
-(``ring_run``). ``cplib.ring_sdpa`` (cplib/strategy/ring_entry.py) resolves
-``rotate="auto"`` between the two. The argument checks are in
+(``ring_run``). ``cplib.ring_sdpa`` (entry.py) resolves ``rotate="auto"``
+between the two. The argument checks are in
 cplib/attention/args.py and cplib/ring/args.py and check.py, the fake
 kernels in fake.py."""
 
@@ -148,9 +148,9 @@ def ring_inputs(
     placement: bool = False,
 ) -> RingInputs:
     """The arguments of :func:`cplib.ring_sdpa` (documented there:
-    cplib/strategy/ring_entry.py) checked, agreed across the ranks and
-    prepared; ``rotate`` is an explicit rotation: "auto" is resolved above
-    the ring, by the strategy that owns it."""
+    cplib/ring/entry.py) checked, agreed across the ranks and prepared;
+    ``rotate`` is an explicit rotation: "auto" is resolved by the entry,
+    with the strategy's cost model."""
     name = group_name_of(group)
     wants_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
@@ -181,8 +181,8 @@ def ring_inputs(
 
 def ring_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: GroupLike,
               **options) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`cplib.ring_sdpa` with an explicit rotation, for the layers below
-    the strategy (USP, the DTensor path): the same arguments."""
+    """:func:`cplib.ring_sdpa` with an explicit rotation, for the callers that
+    never choose one (USP, the DTensor path): the same arguments."""
     return ring_run(ring_inputs(q, k, v, group, **options))
 
 

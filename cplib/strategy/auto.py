@@ -1,9 +1,11 @@
 """``strategy="auto"``: the options a user gives (:class:`AutoStrategy`), and
-the choice for the three entry points: ``ring_sdpa(rotate="auto")`` (the
-rotation), an SDPA call routed by ``context_parallel`` / ``_ContextParallel``
-(the rotation of the context's ring or USP), and the entry of
-``context_parallel`` when the attention's shape is given (the Ulysses
-degree, the rotation and the layout, before anything is sharded)."""
+the agreed choice for one call (:func:`choose_for_call`), which the entry
+points ask for: ``ring_sdpa(rotate="auto")`` (the rotation: cplib/ring/entry.py),
+an SDPA call routed by ``context_parallel`` / ``_ContextParallel`` (the
+rotation of the context's ring or USP) and the entry of ``context_parallel``
+when the attention's shape is given (the Ulysses degree, the rotation and the
+layout, before anything is sharded: cplib/frontend/strategy_route.py), a
+FLEX module's call (cplib/flex/strategy_route.py)."""
 
 from __future__ import annotations
 
@@ -12,15 +14,14 @@ from typing import Any, Mapping
 
 import torch
 
-from ..comm.native import group_size
 from .calibration import Calibration, as_calibration
-from .candidates import Candidate, data_layout
+from .candidates import Candidate
 from .choice import Choice, agreed_choice, calibration_for
 from .explain import DEFAULT_MARGIN, constraints_of
 from .workload import NO_LIMIT, Workload, element_size, ranks_per_node
 
-__all__ = ["AttentionShape", "AutoStrategy", "parse_strategy", "ring_rotation",
-           "workload_from_call"]
+__all__ = ["AttentionShape", "AutoStrategy", "parse_strategy", "workload_from_call",
+           "choose_for_call"]
 
 
 @dataclass(frozen=True)
@@ -172,24 +173,3 @@ def choose_for_call(auto: AutoStrategy, group_name: str, w: Workload,
     if record:
         auto.record(choice)
     return choice.chosen
-
-
-def ring_rotation(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Any, *,
-                  backward: bool, auto: AutoStrategy | None = None) -> str:
-    """``ring_sdpa(rotate="auto")``'s rotation for this call (``call``: its
-    cplib.ring.call.RingCall; "p2p" while torch.compile traces: the choice is
-    host work a graph cannot hold, and every rotation computes the same
-    result)."""
-    if torch.compiler.is_compiling():
-        return "p2p"
-    auto = auto or _RING_AUTO
-    w = workload_from_call(q, k, v, group_size(call.group_name), is_causal=call.is_causal,
-                           window=call.window, seq_len=call.seq_len, layout=str(call.layout),
-                           backward=backward, node_ranks=auto.ranks_per_node)
-    chosen = choose_for_call(auto, call.group_name, w, call.cu_seqlens, q, ("ring",),
-                             data_layout(str(call.layout), w.world_size),
-                             record=auto is not _RING_AUTO)
-    return chosen.rotate or "p2p"
-
-
-_RING_AUTO = AutoStrategy()

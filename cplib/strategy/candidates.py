@@ -1,28 +1,31 @@
-"""The candidates the model weighs, as a registry.
+"""The candidates the model weighs.
 
-A ``Candidate`` names a *family* (whose cost function is registered with
-:func:`cplib.strategy.cost.register_family`) and its settings: the ring's
-rotation, the Ulysses degree, the sequence layout, and free-form
-``options`` for families added later. *Sources* (:func:`register_candidates`)
-list the candidates that apply to a workload; the built-in ones give the
-ring with each rotation, Ulysses when the heads allow it, and USP with every
-Ulysses degree that divides the group, the heads and the node.
+A ``Candidate`` names a *family* (whose cost function is in
+:data:`cplib.strategy.cost.FAMILIES`) and its settings: the ring's rotation,
+the Ulysses degree, the sequence layout, and free-form ``options`` for
+families added later. *Sources* list the candidates that apply to a
+workload, all in one table (:data:`SOURCES`): the ring with each rotation,
+Ulysses when the heads allow it, USP with every Ulysses degree that divides
+the group, the heads and the node, the ring on the document placement where
+the call has documents, and the flex ring and all-gather for a flex call.
 
-Adding a strategy later touches none of this: register its family's cost
-function and a source that yields its candidates (see docs/strategy.md,
-"Adding a candidate")."""
+Adding a strategy: its family's cost function in ``FAMILIES``, a source of
+its candidates in ``SOURCES`` (see docs/strategy.md, "Adding a candidate")."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from ..attention.names import ROTATIONS
+from ..attention.names import ROTATIONS, Layout
 from .plan import layout_allows_ulysses
 from .workload import Workload
 
-__all__ = ["Candidate", "Constraints", "register_candidates", "unregister_candidates",
-           "candidates_for", "ROTATIONS", "heads_allow", "data_layout"]
+__all__ = ["Candidate", "Constraints", "SOURCES", "candidates_for", "heads_allow",
+           "data_layout", "FLEX"]
+
+# The flex family's name (a flex call's Workload carries its plan under it too).
+FLEX = "flex"
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,7 @@ class Candidate:
     family: str
     rotate: str | None = None
     ulysses_degree: int = 1
-    layout: str = "head_tail"
+    layout: str = str(Layout.HEAD_TAIL)
     options: tuple[tuple[str, Any], ...] = ()
 
     @property
@@ -51,7 +54,7 @@ class Candidate:
             base = " ".join([self.family] + [str(x) for x in (self.rotate,) if x]
                             + ([f"U={self.ulysses_degree}"] if self.ulysses_degree > 1 else []))
         extra = "".join(f" {k}={v}" for k, v in self.options)
-        return base + extra + ("" if self.layout in ("head_tail", "sequential")
+        return base + extra + ("" if self.layout in (Layout.HEAD_TAIL, Layout.SEQUENTIAL)
                                else f" ({self.layout})")
 
     def option(self, name: str, default: Any = None) -> Any:
@@ -94,8 +97,8 @@ def data_layout(layout: str, ring_degree: int) -> tuple:
     positions cut in N / ring_degree pieces each (USP's layout): sequential
     for every degree is one layout; the others depend on the degree (over
     one position, every layout is the identity)."""
-    if layout == "sequential" or ring_degree == 1:
-        return ("sequential",)
+    if layout == Layout.SEQUENTIAL or ring_degree == 1:
+        return (str(Layout.SEQUENTIAL),)
     return (layout, ring_degree)
 
 
@@ -108,7 +111,7 @@ def heads_allow(q_heads: int, kv_heads: int, degree: int) -> bool:
 def _ring_layout(w: Workload) -> str:
     if w.layout is not None:
         return w.layout
-    return "head_tail"  # torch's default (load balancing on)
+    return str(Layout.HEAD_TAIL)  # torch's default (load balancing on)
 
 
 def _ring(w: Workload) -> Iterable[Candidate]:
@@ -127,7 +130,7 @@ def _degrees(w: Workload) -> list[int]:
 
 def _ulysses(w: Workload) -> Iterable[Candidate]:
     if w.world_size in _degrees(w) and layout_allows_ulysses(w.layout):
-        yield Candidate("ulysses", None, w.world_size, "sequential")
+        yield Candidate("ulysses", None, w.world_size, str(Layout.SEQUENTIAL))
 
 
 def _usp(w: Workload) -> Iterable[Candidate]:
@@ -140,27 +143,38 @@ def _usp(w: Workload) -> Iterable[Candidate]:
                 yield Candidate("usp", rotate, u, layout)
 
 
+def _placement(w: Workload) -> Iterable[Candidate]:
+    """The ring on the document placement (issue 36's
+    ``DocumentPlacementLoadBalancer``: short documents whole on one rank, only
+    the rows of documents that span ranks exchanged), where the call has
+    documents and its layout is still free (or is the placement already)."""
+    placement = str(Layout.PLACEMENT)
+    if w.documents is None or len(w.documents) <= 2 or w.layout not in (None, placement):
+        return
+    for rotate in ROTATIONS:
+        yield Candidate("ring", rotate, 1, placement)
+
+
+def _flex(w: Workload) -> Iterable[Candidate]:
+    """The flex ring and the flex all-gather, for a flex call's Workload
+    (its plan in ``extras``: cplib/strategy/flex_cost.py)."""
+    if w.extra(FLEX) is None:
+        return
+    for rotate in ("p2p", "allgather"):
+        yield Candidate(FLEX, rotate, 1, str(Layout.SEQUENTIAL))
+
+
 Source = Callable[[Workload], Iterable[Candidate]]
-_sources: dict[str, Source] = {"ring": _ring, "ulysses": _ulysses, "usp": _usp}
-
-
-def register_candidates(name: str, source: Source) -> None:
-    """Adds (or replaces) a source of candidates: ``source(workload)`` yields
-    the candidates of a family that apply to the workload (none where it
-    does not: a flex ring only for flex calls, a document placement only
-    with documents). Their family's cost function must be registered."""
-    _sources[name] = source
-
-
-def unregister_candidates(name: str) -> None:
-    _sources.pop(name, None)
+# Every source of candidates, in the order candidates are listed (ties go to
+# the earlier one); each yields nothing where its family does not apply.
+SOURCES: tuple[Source, ...] = (_ring, _ulysses, _usp, _placement, _flex)
 
 
 def candidates_for(w: Workload, constraints: Constraints = Constraints()) -> list[Candidate]:
-    """Every registered source's candidates for ``w`` that ``constraints``
-    admit, in registration order (earlier wins ties)."""
+    """Every source's candidates for ``w`` that ``constraints`` admit, in the
+    order of :data:`SOURCES` (earlier wins ties)."""
     found: list[Candidate] = []
-    for source in _sources.values():
+    for source in SOURCES:
         for c in source(w):
             if c not in found and constraints.admits(c, w.world_size):
                 found.append(c)

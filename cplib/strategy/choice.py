@@ -20,12 +20,12 @@ import torch.distributed as dist
 from ..comm.handshake import agreed, can_handshake, handshake, tracing
 from .calibration import DEFAULTS, Calibration, as_calibration, default_for
 from .candidates import Candidate, Constraints, candidates_for
-from .cost import Prediction, predict
+from .cost import predict
+from .prediction import Prediction
 from .workload import Workload
 
 __all__ = ["Row", "Choice", "choose", "format_choice", "agreed_choice", "calibration_for",
-           "clear_caches",
-           "stable_hash"]
+           "clear_caches", "stable_hash", "every_rank"]
 
 log = logging.getLogger("cplib")
 
@@ -157,6 +157,17 @@ def _exchange_unchecked(group_name: str, values: list[int]) -> list[list[int]]:
     out: list = [None] * dist.get_world_size(pg)
     dist.all_gather_object(out, values, group=pg)
     return out
+
+
+def every_rank(group_name: str | None, op: str, fields: dict[str, int],
+               values: list[int]) -> list[list[int]]:
+    """Every rank's ``values``, in rank order, through the handshake
+    (ValueError on every rank when ``fields`` differ; all_gather_object when
+    the handshake is off); ``[values]`` where nothing communicates (a world of
+    one, a trace)."""
+    if not _communicates(group_name):
+        return [values]
+    return _exchange(group_name, op, fields, values) or _exchange_unchecked(group_name, values)
 
 
 def _communicates(group_name: str | None) -> bool:

@@ -7,59 +7,32 @@ each call priced by cplib/strategy/kernels.py, the ranks of a node sharing
 its cores where they must), the exchange the compute does not hide, and the
 fixed cost of every collective (cplib/strategy/ring_cost.py).
 
-Families register here (:func:`register_family`); "ring", "ulysses" and
-"usp" are below."""
+Every family's cost function is in one table, :data:`FAMILIES`: "ring",
+"ulysses" and "usp" below, "flex" in flex_cost.py."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 from .calibration import Calibration
-from .candidates import Candidate
+from .candidates import FLEX, Candidate
+from .flex_cost import flex_cost
 from .memory import peak_memory
+from .prediction import Prediction
 from .ring_cost import Part, ring_part, schedule_cost, ulysses_part
 from .workload import Workload
 
-__all__ = ["Prediction", "register_family", "predict", "families", "ring_part",
-           "ulysses_part", "schedule_cost", "combine"]
-
-
-@dataclass(frozen=True)
-class Prediction:
-    """Seconds on the slowest rank (``time_s`` = ``compute_s`` +
-    ``exposed_s`` + ``fixed_s``), bytes sent per rank (the most any rank
-    sends), and peak bytes per rank beyond the inputs; ``received``: the
-    bytes each rank receives, where a family counts them per rank (flex)."""
-
-    time_s: float
-    compute_s: float
-    exposed_s: float
-    fixed_s: float
-    bytes_sent: float
-    memory_bytes: float
-    received: tuple[float, ...] = ()
+__all__ = ["FAMILIES", "predict", "ring_part", "ulysses_part", "schedule_cost", "combine"]
 
 
 CostFn = Callable[[Candidate, Workload, Calibration], Prediction]
-_families: dict[str, CostFn] = {}
-
-
-def register_family(name: str, cost: CostFn) -> None:
-    """Makes candidates of family ``name`` costable: ``cost(candidate,
-    workload, calibration)`` returns their :class:`Prediction`."""
-    _families[name] = cost
-
-
-def families() -> list[str]:
-    return list(_families)
 
 
 def predict(c: Candidate, w: Workload, cal: Calibration) -> Prediction:
-    if c.family not in _families:
+    if c.family not in FAMILIES:
         raise ValueError(f"cplib.strategy: no cost function for family {c.family!r}; "
-                         f"registered: {sorted(_families)}")
-    return _families[c.family](c, w, cal)
+                         f"known: {sorted(FAMILIES)}")
+    return FAMILIES[c.family](c, w, cal)
 
 
 def _family_ring(c: Candidate, w: Workload, cal: Calibration) -> Prediction:
@@ -90,6 +63,11 @@ def combine(c: Candidate, w: Workload, cal: Calibration, parts: list[Part]) -> P
                       sum(p.sent for p in parts), peak_memory(c, w))
 
 
-register_family("ring", _family_ring)
-register_family("ulysses", _family_ulysses)
-register_family("usp", _family_usp)
+# Every family the model prices, by name: ``cost(candidate, workload,
+# calibration)`` gives a candidate of it its Prediction.
+FAMILIES: dict[str, CostFn] = {
+    "ring": _family_ring,
+    "ulysses": _family_ulysses,
+    "usp": _family_usp,
+    FLEX: flex_cost,
+}

@@ -1,10 +1,11 @@
-"""The flex candidates: the flex ring ("flex p2p": each rank visits only the
-K/V blocks its sharded BlockMask needs, cplib/flex/ring.py) and the flex
+"""The flex family's cost: the flex ring ("flex p2p": each rank visits only
+the K/V blocks its sharded BlockMask needs, cplib/flex/ring.py) and the flex
 all-gather ("flex allgather": K/V of the whole sequence gathered, one
-flex_attention call), priced from the flex ring's own plan.
+flex_attention call), priced from the flex ring's own plan (the candidates
+themselves: candidates.py).
 
 A flex call's Workload carries a :class:`FlexStats` in its extras (made by
-cplib/strategy/flex_route.py from every rank's plan): per (receiving rank,
+cplib/flex/strategy_route.py from every rank's plan): per (receiving rank,
 owning rank), the K/V rows the ring moves and the query-key cells of the
 mask's partial and full blocks. From it:
 
@@ -34,19 +35,15 @@ mask's partial and full blocks. From it:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
 
 from .calibration import Calibration
-from .candidates import Candidate, register_candidates
-from .cost import Prediction, register_family
+from .candidates import FLEX, Candidate
 from .kernels import pass_seconds
+from .prediction import Prediction
 from .ring_cost import _node_bps, parallel_wall
 from .workload import Workload
 
-__all__ = ["FlexStats", "FLEX", "flex_candidates", "received_per_rank", "sent_per_rank"]
-
-FLEX = "flex"
-_ROTATIONS = ("p2p", "allgather")
+__all__ = ["FlexStats", "flex_cost", "received_per_rank", "sent_per_rank"]
 
 
 @dataclass(frozen=True)
@@ -205,7 +202,8 @@ def _peak(w: Workload, rotate: str) -> float:
     return float(total)
 
 
-def _family_flex(c: Candidate, w: Workload, cal: Calibration) -> Prediction:
+def flex_cost(c: Candidate, w: Workload, cal: Calibration) -> Prediction:
+    """The flex family's cost function (cost.FAMILIES)."""
     rotate = c.rotate or "p2p"
     parts = _allgather_time(w, cal) if rotate == "allgather" else _ring_time(w, cal)
     compute, exposed, fixed = parts
@@ -213,14 +211,3 @@ def _family_flex(c: Candidate, w: Workload, cal: Calibration) -> Prediction:
                       max(sent_per_rank(w, rotate)), _peak(w, rotate),
                       tuple(received_per_rank(w, rotate)))
 
-
-def flex_candidates(w: Workload) -> Iterable[Candidate]:
-    """The flex ring and the flex all-gather, for a flex call's Workload."""
-    if _stats(w) is None:
-        return
-    for rotate in _ROTATIONS:
-        yield Candidate(FLEX, rotate, 1, "sequential")
-
-
-register_family(FLEX, _family_flex)
-register_candidates(FLEX, flex_candidates)

@@ -7,72 +7,55 @@ from the same layout and mask the op builds: one planner, so the model counts
 exactly what the op computes and sends (windows, documents, the document
 placement, blocks nobody needs, rows nobody reads).
 
-Layouts are named: "head_tail", "sequential" and "per_document" are the
-ring's own (cplib.attention.names.LAYOUTS); :func:`register_layout` adds one the
-ring runs (the document placement: cplib/strategy/placement.py)."""
+Layouts are the ring's own (cplib.attention.names.Layout), each costed on
+the ring's plan for it; :data:`COSTED_LAYOUTS` lists them with what the model
+needs to know besides (the document placement's sharding, and that it is a
+ring layout only)."""
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
 
-from ..attention.names import LAYOUTS, Layout
+from ..attention.names import Layout
 
-__all__ = ["register_layout", "layout_load_balance", "ring_layout", "layout_allows_ulysses",
+__all__ = ["COSTED_LAYOUTS", "layout_load_balance", "ring_layout", "layout_allows_ulysses",
            "StepWork", "RingSchedule", "ring_schedule", "FULL", "CAUSAL", "PARTIAL"]
 
 # Call kinds (the ring's Visibility codes, csrc/torch/ring/ring_mask.h).
 FULL, CAUSAL, PARTIAL = 1, 2, 3
 
-_layouts: dict[str, str] = {}
-_load_balance: dict[str, object] = {}
-_ring_only: set[str] = set()
-
-
-def register_layout(name: str, ring: str, load_balance: object = None,
-                    ulysses: bool = True) -> None:
-    """Adds a sequence layout the model can cost: ``ring`` is the ring's
-    layout that runs it (one of cplib.attention.names.LAYOUTS, as ``ring_sdpa``
-    runs it). A candidate naming it in ``Candidate.layout`` is costed on the
-    ring's plan for it. ``load_balance``: the value of
-    ``context_parallel(load_balance=...)`` that shards the buffers in this
-    layout, for a choice made on entry; ``ulysses``: whether USP runs in it
-    (False: a ring-only layout, so neither Ulysses nor USP is a candidate
-    where the data is in it)."""
-    if ring not in LAYOUTS:
-        raise ValueError(f"cplib.strategy: register_layout({name!r}): {ring!r} is not one of "
-                         f"the ring's layouts {list(LAYOUTS)}")
-    _layouts[name] = ring
-    if load_balance is not None:
-        _load_balance[name] = load_balance
-    if not ulysses:
-        _ring_only.add(name)
+# Every layout the model costs, by the ring's name: (the
+# ``context_parallel(load_balance=...)`` value that shards the buffers in it
+# for a choice made on entry, None: the caller's own; whether Ulysses / USP
+# run where the data is in it). The document placement is a ring layout only
+# (cplib/ring/placement.py), sharded by load_balance="placement".
+COSTED_LAYOUTS: dict[Layout, tuple[object, bool]] = {
+    Layout.SEQUENTIAL: (None, True),
+    Layout.HEAD_TAIL: (None, True),
+    Layout.PER_DOCUMENT: (None, True),
+    Layout.PLACEMENT: (str(Layout.PLACEMENT), False),
+}
 
 
 def layout_allows_ulysses(name: str | None) -> bool:
     """Whether Ulysses / USP may run where the data is in layout ``name``
     (None: not fixed yet)."""
-    return name not in _ring_only
+    return name is None or name not in COSTED_LAYOUTS or COSTED_LAYOUTS[name][1]
 
 
 def layout_load_balance(name: str) -> object:
-    """``context_parallel``'s ``load_balance`` for a registered layout (None:
-    keep the caller's: the built-in layouts follow it)."""
-    return _load_balance.get(name)
+    """``context_parallel``'s ``load_balance`` for a layout chosen on entry
+    (None: keep the caller's: the built-in layouts follow it)."""
+    return COSTED_LAYOUTS[name][0] if name in COSTED_LAYOUTS else None
 
 
 def ring_layout(name: str) -> str:
-    """The ring's layout that runs the registered layout ``name``."""
-    if name not in _layouts:
-        raise ValueError(f"cplib.strategy: unknown layout {name!r}; known: {sorted(_layouts)}")
-    return _layouts[name]
-
-
-# The ring's layouts by their own names; the document placement registers
-# itself with its load balance and as a ring-only layout (placement.py).
-for _layout in Layout:
-    if _layout is not Layout.PLACEMENT:
-        register_layout(str(_layout), str(_layout))
+    """The ring's layout that runs the layout ``name`` (its own)."""
+    if name not in COSTED_LAYOUTS:
+        raise ValueError(f"cplib.strategy: unknown layout {name!r}; known: "
+                         f"{sorted(str(x) for x in COSTED_LAYOUTS)}")
+    return str(Layout(name))
 
 
 @dataclass
@@ -161,7 +144,7 @@ def ring_schedule(seq_len: int, size: int, layout: str, causal: bool, left: int,
 
     ring = ring_layout(layout)
     docs = list(documents) if documents is not None and len(documents) > 2 else None
-    if docs is None and ring in ("per_document", "placement"):
+    if docs is None and ring in (Layout.PER_DOCUMENT, Layout.PLACEMENT):
         docs = [0, seq_len]  # one document: what the ring does without cu_seqlens
     window = None
     if left < seq_len or right < seq_len:

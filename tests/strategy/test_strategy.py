@@ -1,20 +1,23 @@
 """The strategy cost model on known cases, in one process (no ranks): times
 grow with the work, Ulysses only where the heads and the node allow it, the
 memory limit and explicit settings honoured, the counted schedule against the
-ring's own rules, the candidate registry's hooks, explain's table, and bad
-values named."""
+ring's own rules, the tables of families, sources and layouts, explain's
+table, and bad values named."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
 
 import cplib
 from cplib.strategy.calibration import DEFAULTS, as_calibration
-from cplib.strategy.candidates import (Candidate, Constraints, candidates_for,
-                                       register_candidates, unregister_candidates)
+from cplib.attention.names import Layout
+from cplib.strategy.candidates import Candidate, Constraints, candidates_for
 from cplib.strategy.choice import choose
-from cplib.strategy.cost import Prediction, predict, register_family
+from cplib.strategy.cost import FAMILIES, predict
+from cplib.strategy.plan import COSTED_LAYOUTS
 from cplib.strategy.explain import workload_of
 from cplib.strategy.plan import ring_schedule
 
@@ -172,23 +175,21 @@ def test_placement_is_a_candidate_where_the_call_has_documents():
     assert predict(Candidate("ring", "p2p", 1, "placement"), even, H100).bytes_sent == 0
 
 
-def test_registry_takes_a_new_family():
-    calls = []
-
-    def cost(c, w, cal):
-        calls.append(c)
-        return Prediction(1e-9, 1e-9, 0.0, 0.0, 0.0, 0.0)
-
-    register_family("test-family", cost)
-    register_candidates("test-source", lambda w: [Candidate("test-family", None, 1, "x")]
-                        if w.extra("test") else [])
-    try:
-        assert not any(c.family == "test-family" for c in candidates_for(_w()))
-        w = _w().__class__(**{**_w().__dict__, "extras": (("test", True),)})
-        choice = choose(w, H100)
-        assert choice.chosen == Candidate("test-family", None, 1, "x") and calls
-    finally:
-        unregister_candidates("test-source")
+def test_tables_list_every_family_source_and_layout():
+    """The candidates of every source, for a call with documents and for a
+    flex call, are priced by a family in the one table, on a layout in the
+    one table, which lists every layout the ring runs."""
+    assert set(COSTED_LAYOUTS) == set(Layout)
+    assert set(FAMILIES) == {"ring", "ulysses", "usp", "flex"}
+    docs = _w(seq_len=16384, cu_seqlens=[0, 2048, 16384])
+    flex = replace(_w(), extras=(("flex", object()),))
+    families, layouts = set(), set()
+    for w in (_w(), docs, flex):
+        for c in candidates_for(w):
+            families.add(c.family)
+            layouts.add(c.layout)
+            assert c.family in FAMILIES and c.layout in COSTED_LAYOUTS, c
+    assert families == set(FAMILIES) and "placement" in layouts, (families, layouts)
 
 
 def test_explain_table():

@@ -20,7 +20,7 @@ from .hybrid_families import FULL_MASK_LAYERS
 from .padding import UNPADDED, dead_rows_of, dead_rows_under_cp, eager_dead_rows
 from ...frontend.options import RingConfig
 from ...frontend.sequence import sequence_shards
-from ...strategy.ring_entry import ring_sdpa
+from ...ring.entry import ring_sdpa
 from ...frontend.sdpa_dispatch import (active_config, context_extras, max_over_cp_ranks,
                                       sdpa_backend_hint)
 from ...ulysses.op import ulysses_sdpa

@@ -13,15 +13,14 @@ from typing import Any, Callable
 import torch
 
 from ..attention.args import window_arg
-from .auto import AutoStrategy, choose_for_call, parse_strategy, workload_from_call
-from .candidates import Candidate, data_layout
-from .choice import agreed_choice, calibration_for
-from .explain import constraints_of, workload_of
-from .plan import layout_load_balance
 from ..attention.names import Layout
+from ..strategy.auto import AutoStrategy, choose_for_call, workload_from_call
+from ..strategy.candidates import Candidate, data_layout
+from ..strategy.choice import agreed_choice, calibration_for
+from ..strategy.explain import constraints_of, workload_of
+from ..strategy.plan import layout_load_balance
 
-__all__ = ["AutoStrategy", "parse_strategy", "strategy_entry", "context_strategy",
-           "entry_choice", "routed_config"]
+__all__ = ["strategy_entry", "context_strategy", "entry_choice", "routed_config"]
 
 
 def context_strategy(auto: AutoStrategy | None, group_name: str, rotate: str | None,

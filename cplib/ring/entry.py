@@ -1,6 +1,6 @@
-"""``cplib.ring_sdpa``: the ring's entry point, with ``rotate="auto"``
-resolved here, above the ring (the cost model's choice for the call,
-cplib/strategy/auto.py), and an explicit rotation passed down to it
+"""``cplib.ring_sdpa``: the ring's entry point. ``rotate="auto"`` is
+resolved here (:func:`ring_rotation`: the cost model's choice for the call,
+cplib/strategy/) and an explicit rotation passed down to the op
 (cplib/ring/op.py)."""
 
 from __future__ import annotations
@@ -9,11 +9,13 @@ from typing import Literal
 
 import torch
 
-from ..comm.native import GroupLike
-from ..ring.op import ring_inputs, ring_run
-from .auto import ring_rotation
+from ..comm.native import GroupLike, group_size
+from ..strategy.auto import AutoStrategy, choose_for_call, workload_from_call
+from ..strategy.candidates import data_layout
+from .call import RingCall
+from .op import ring_inputs, ring_run
 
-__all__ = ["ring_sdpa"]
+__all__ = ["ring_sdpa", "ring_rotation"]
 
 
 def ring_sdpa(
@@ -116,3 +118,24 @@ def ring_sdpa(
         inputs = inputs.with_rotation(ring_rotation(inputs.q, inputs.k, inputs.v, call,
                                                     backward=inputs.grad))
     return ring_run(inputs)
+
+
+def ring_rotation(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: RingCall, *,
+                  backward: bool, auto: AutoStrategy | None = None) -> str:
+    """``ring_sdpa(rotate="auto")``'s rotation for this call ("p2p" while
+    torch.compile traces: the choice is host work a graph cannot hold, and
+    every rotation computes the same result)."""
+    if torch.compiler.is_compiling():
+        return "p2p"
+    auto = auto or _RING_AUTO
+    w = workload_from_call(q, k, v, group_size(call.group_name), is_causal=call.is_causal,
+                           window=call.window, seq_len=call.seq_len, layout=str(call.layout),
+                           backward=backward, node_ranks=auto.ranks_per_node)
+    chosen = choose_for_call(auto, call.group_name, w, call.cu_seqlens, q, ("ring",),
+                             data_layout(str(call.layout), w.world_size),
+                             record=auto is not _RING_AUTO)
+    return chosen.rotate or "p2p"
+
+
+# ring_sdpa's own strategy (no options): its choices are not recorded.
+_RING_AUTO = AutoStrategy()

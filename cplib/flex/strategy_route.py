@@ -20,11 +20,15 @@ from typing import Any
 
 import torch
 
-from .auto import AutoStrategy
-from .choice import _communicates, _exchange, _exchange_unchecked, agreed_choice, calibration_for
-from .explain import constraints_of
-from .flex_cost import FLEX, FlexStats
-from .workload import Workload, element_size, ranks_per_node
+from ..attention.names import Layout
+from ..strategy.auto import AutoStrategy
+from ..strategy.choice import agreed_choice, calibration_for, every_rank
+from ..strategy.explain import constraints_of
+from ..strategy.candidates import FLEX
+from ..strategy.flex_cost import FlexStats
+from ..strategy.workload import Workload, element_size, ranks_per_node
+from .plan import SHARD_ATTR, dense_block_map, dense_shard
+from .ring_args import parse_call
 
 __all__ = ["flex_use_ring", "flex_stats"]
 
@@ -37,8 +41,6 @@ def _local_row(shard: Any, block_mask: Any, q: torch.Tensor) -> list[int]:
     of its partial and full mask blocks on each rank's keys (summed over
     batch and query heads), then the query rows of its call on each rank's
     keys."""
-    from ..flex.plan import dense_block_map
-
     n, L = shard.world, shard.q_len
     recv, q_rows = [0] * n, [0] * n
     for step in shard.steps:
@@ -72,12 +74,9 @@ def flex_stats(shard: Any, block_mask: Any, q: torch.Tensor, group_name: str) ->
     if found is not None:
         return found
     mine = _local_row(shard, block_mask, q)
-    every = [mine]
-    if _communicates(group_name):
-        fields = {"strategy flex plan (hash)": int(shard.plan_hash),
-                  "strategy flex ranks": shard.world}
-        every = _exchange(group_name, "strategy flex plan", fields, mine) or \
-            _exchange_unchecked(group_name, mine)
+    fields = {"strategy flex plan (hash)": int(shard.plan_hash),
+              "strategy flex ranks": shard.world}
+    every = every_rank(group_name, "strategy flex plan", fields, mine)
     n = shard.world
     stats = FlexStats(shard.q_len, *(tuple(tuple(row[i * n:(i + 1) * n]) for row in every)
                                       for i in range(4)))
@@ -91,8 +90,8 @@ def _workload(stats: FlexStats, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     return Workload(stats.q_len * n, int(q.shape[0]), int(q.shape[1]), int(k.shape[1]),
                     int(q.shape[3]), int(v.shape[3]), element_size(q.dtype), n,
-                    ranks_per_node(n, auto.ranks_per_node), False, None, None, "sequential",
-                    q.device.type, grad, ((FLEX, stats),))
+                    ranks_per_node(n, auto.ranks_per_node), False, None, None,
+                    str(Layout.SEQUENTIAL), q.device.type, grad, ((FLEX, stats),))
 
 
 def flex_use_ring(auto: AutoStrategy | None, explicit: str | None, args: tuple, kwargs: dict,
@@ -112,9 +111,6 @@ def flex_use_ring(auto: AutoStrategy | None, explicit: str | None, args: tuple, 
         return pinned != "allgather"
     if torch.compiler.is_dynamo_compiling():
         return True
-    from ..flex.plan import SHARD_ATTR, dense_shard
-    from ..flex.ring_args import parse_call
-
     try:
         call = parse_call(args, kwargs)
     except ValueError:
