@@ -94,6 +94,7 @@ def _step(model, ids, labels, way=None, counter=None):
 
 def _measure(s: int) -> dict:
     from cplib.hybrid.choice import WIDENED_UNIT_S, DeltaShape, choose_exchange, exchange_costs
+    from cplib.attention.names import Layout
     from cplib.hybrid.layout import SequenceLayout
     from cplib.strategy.calibration import default_for
 
@@ -106,7 +107,7 @@ def _measure(s: int) -> dict:
         counter = _Received(dist.get_world_size())
         _step(model, ids, ids, way, counter)
         received[way] = counter.bytes
-    layout = SequenceLayout("", dist.get_world_size(), dist.get_rank(), s, True)
+    layout = SequenceLayout("", dist.get_world_size(), dist.get_rank(), s, Layout.HEAD_TAIL)
     shape = DeltaShape(1, 4, 8, 32, 32, 1, 4)
     costs = exchange_costs(layout, shape, default_for("cpu"), WIDENED_UNIT_S["cpu"])
     return {"times": times, "received": received, "auto": choose_exchange(layout, shape, "cpu"),

@@ -1,7 +1,10 @@
 """The names of the attention ops' choices, as the native layer defines them
 (csrc/torch/ring/ring_call.h, read once through ``cplib_c::ring_choices``):
 the rotations, the sequence layouts, the CUDA block backends and the ring
-passes. Everything in cplib that names one of them takes it from here."""
+passes. Everything in cplib that names one of them takes it from here: the
+layout is one vocabulary, :class:`Layout`, from the load balancers to the C++
+op (the public booleans ``load_balanced`` / ``per_document`` /
+``placement`` are read into it by :func:`layout_of`)."""
 
 from __future__ import annotations
 
@@ -9,7 +12,8 @@ import enum
 
 from ..comm.native import ops
 
-__all__ = ["ROTATIONS", "LAYOUTS", "BACKENDS", "RING_PASSES", "Layout", "layout_of"]
+__all__ = ["ROTATIONS", "LAYOUTS", "BACKENDS", "RING_PASSES", "Layout", "DOCUMENT_LAYOUTS",
+           "layout_of", "layout_words"]
 
 
 def _choices() -> dict[str, tuple[str, ...]]:
@@ -33,6 +37,11 @@ RING_PASSES: tuple[str, ...] = _NAMES["ring_pass"]
 # ``PER_DOCUMENT`` (those chunks of every document) and ``PLACEMENT`` (the
 # document placement); each member is its name ("head_tail", ...).
 Layout = enum.StrEnum("Layout", [(name.upper(), name) for name in LAYOUTS], module=__name__)
+# The layouts cut by the documents (they need cu_seqlens).
+DOCUMENT_LAYOUTS = (Layout.PER_DOCUMENT, Layout.PLACEMENT)
+# Each layout in the words of the errors.
+_WORDS = {Layout.SEQUENTIAL: "sequential", Layout.HEAD_TAIL: "head-tail",
+          Layout.PER_DOCUMENT: "per-document head-tail", Layout.PLACEMENT: "document placement"}
 
 
 def layout_of(op: str, load_balanced: bool = False, per_document: bool = False,
@@ -46,3 +55,8 @@ def layout_of(op: str, load_balanced: bool = False, per_document: bool = False,
     if per_document:
         return Layout.PER_DOCUMENT
     return Layout.HEAD_TAIL if load_balanced else Layout.SEQUENTIAL
+
+
+def layout_words(layout: Layout) -> str:
+    """``layout`` as the errors name it ("head-tail", "document placement")."""
+    return _WORDS[Layout(layout)]

@@ -13,7 +13,7 @@ from collections.abc import Generator
 import torch
 
 from ..attention.args import check_cu_seqlens, window_arg
-from ..attention.names import layout_of
+from ..attention.names import DOCUMENT_LAYOUTS, layout_of
 from .documents import cu_seqlens_from_position_ids, documents_stack, windows_stack
 from .one_process_sdpa import one_process_masks
 
@@ -54,13 +54,14 @@ def attention_documents(cu_seqlens: torch.Tensor | None = None, *,
     ``DocumentPlacementLoadBalancer`` (ring only: ``ulysses_degree`` 1)."""
     if (cu_seqlens is None) == (position_ids is None):
         raise ValueError("cplib.attention_documents: pass cu_seqlens or position_ids (one)")
-    layout_of("attention_documents", per_document=per_document, placement=placement)
+    layout = layout_of("attention_documents", per_document=per_document, placement=placement)
     if position_ids is not None:
         cu_seqlens = cu_seqlens_from_position_ids(position_ids)
     if not isinstance(cu_seqlens, torch.Tensor):
         cu_seqlens = torch.tensor(cu_seqlens)
     check_cu_seqlens("attention_documents", cu_seqlens, int(cu_seqlens[-1]))
-    documents_stack.append((cu_seqlens.to("cpu", torch.long), bool(per_document), bool(placement)))
+    documents_stack.append((cu_seqlens.to("cpu", torch.long),
+                            layout if layout in DOCUMENT_LAYOUTS else None))
     try:
         with one_process_masks():  # the calls made outside context parallelism
             yield

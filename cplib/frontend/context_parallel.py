@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import _get_current_function_mode_stack
 
+from ..attention.names import Layout
 from ..diffusers.plans import applied_cp_plans
 from ..comm.handshake import agreed, handshake, register_groups, values_hash
 from ..ring.load_balancer import _LoadBalancer, shard_lengths
@@ -65,7 +66,7 @@ def _agree_on_call(group_name: str, buffers: list, seq_dims: list, no_restore: l
     fields["load_balance (-1 = None, 0 = False, 1 = True, 2 = 'per_document', "
            "3 = 'placement')"] = (-1 if load_balance is None else int(load_balance)
                                   if not isinstance(load_balance, str)
-                                  else 3 if load_balance == "placement" else 2)
+                                  else 3 if load_balance == Layout.PLACEMENT else 2)
     fields["load balancing in effect"] = int(balanced)
     fields["documents (hash of cu_seqlens)"] = (
         -1 if documents is None else values_hash(documents.tolist()))

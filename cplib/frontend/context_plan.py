@@ -112,8 +112,9 @@ def plan_context(buffers: list[torch.Tensor], world_size: int, buffer_seq_dims, 
     rotate = parse_rotate_method(_cp_options.rotate_method if rotate_method is None
                                  else rotate_method)
     ring_degree = check_degrees(world_size, ulysses_degree)
-    per_document = isinstance(load_balance, str) and load_balance == "per_document"
-    placement = isinstance(load_balance, str) and load_balance == "placement"
+    # load_balance's strings are the documents layouts' names.
+    per_document = isinstance(load_balance, str) and load_balance == Layout.PER_DOCUMENT
+    placement = isinstance(load_balance, str) and load_balance == Layout.PLACEMENT
     if not (load_balance is None or isinstance(load_balance, bool) or per_document or placement):
         raise ValueError(f"cplib.context_parallel: load_balance={load_balance!r} is not "
                          "True, False, None, 'per_document' or 'placement'")

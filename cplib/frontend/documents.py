@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ..attention.args import check_cu_seqlens
+from ..attention.names import Layout
 
 __all__ = ["cu_seqlens_from_position_ids", "context_documents", "current_window",
            "documents_stack", "windows_stack"]
@@ -64,10 +65,11 @@ def context_documents(cu_seqlens: torch.Tensor | None, position_ids: torch.Tenso
 
 # The documents of the SDPA calls of ``_ContextParallel`` modules made inside
 # ``attention_documents`` blocks (cplib/frontend/style.py; a stack, so blocks
-# nest): (cu_seqlens, per_document, placement). A ``context_parallel``
-# region's calls take the region's documents and refuse these
-# (cplib/frontend/sdpa_dispatch.py).
-documents_stack: list[tuple[torch.Tensor, bool, bool]] = []
+# nest): (cu_seqlens, the layout the shards are in where the documents cut
+# it, Layout.PER_DOCUMENT or Layout.PLACEMENT, else None). A
+# ``context_parallel`` region's calls take the region's documents and refuse
+# these (cplib/frontend/sdpa_dispatch.py).
+documents_stack: list[tuple[torch.Tensor, Layout | None]] = []
 
 # The window of the SDPA calls made inside `attention_window` blocks
 # (cplib/frontend/attention_blocks.py); a stack so blocks nest. Set and read

@@ -28,6 +28,7 @@ from ..comm.native import check_mesh, ops
 from ..integrations import registry
 from .options import _cp_options, rotate_method_name
 from .shard_layout import check_layout_read
+from ..attention.names import layout_of
 
 __all__ = ["enable_dtensor_sdpa", "disable_dtensor_sdpa"]
 
@@ -81,9 +82,10 @@ def _check(named: dict[str, Any], op: Any) -> Any:
             raise NotImplementedError(f"cplib: the context-parallel dispatcher takes no {mask} "
                                       "on DTensors (is_causal=True or no mask)")
     (mesh,) = meshes
-    check_layout_read(_cp_options.shard_layout, load_balanced=_cp_options.enable_load_balance,
-                      per_document=False, placement=False, cu_seqlens=None,
-                      world_size=mesh.size(), ulysses_degree=1)
+    check_layout_read(_cp_options.shard_layout,
+                      read=layout_of("scaled_dot_product_attention",
+                                     _cp_options.enable_load_balance),
+                      cu_seqlens=None, world_size=mesh.size(), ulysses_degree=1)
     return mesh
 
 

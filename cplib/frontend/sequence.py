@@ -33,6 +33,7 @@ from ..comm.handshake import agreed
 from ..comm.native import check_mesh
 from ..ring.load_balancer import shard_lengths
 from .sdpa_dispatch import CPDispatchMode
+from .shard_layout import ShardLayout, shard_layout_of
 from .sharding import shard_key, shard_tensor, sharded_as
 from .unshard import unshard
 
@@ -61,6 +62,12 @@ class SequenceShards:
     @property
     def group(self) -> dist.ProcessGroup:
         return check_mesh(self.mesh)
+
+    @property
+    def layout(self) -> ShardLayout:
+        """The load balancer's layout (``layout.kind``: a cplib Layout, or
+        None where SDPA cannot read it)."""
+        return shard_layout_of(self.load_balancer)
 
     def lengths(self) -> list[int]:
         n = self.mesh.size()

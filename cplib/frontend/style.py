@@ -18,7 +18,7 @@ from ..attention.args import window_arg
 from ..flex.hook import flex_input_hook, register_flex_cp
 from ..comm.handshake import agreed, handshake, register_groups
 from .options import RingConfig, _cp_options, _RotateMethod, explicit_rotation, rotate_method_name
-from ..attention.names import layout_of
+from ..attention.names import Layout, layout_of
 from .shard_layout import check_layout_read
 from ..integrations import on_context_parallel_start
 from .documents import documents_stack as _documents
@@ -179,7 +179,9 @@ def _flex_layout() -> torch.Tensor | None:
 
 def _sdpa_forward(forward: Any, group_name: str, world: int, groups: UspGroups, window: Any,
                   strategy: AutoStrategy | None, *args: Any, **kwargs: Any) -> Any:
-    cu_seqlens, per_document, placement = _documents[-1] if _documents else (None, False, False)
+    # The documents of attention_documents, and the layout they cut (None: the
+    # load balance's).
+    cu_seqlens, documents_layout = _documents[-1] if _documents else (None, None)
 
     # A rotation set explicitly after parallelize_module wins over the
     # strategy's choice too (it is read per call, as the rotation itself is).
@@ -192,16 +194,15 @@ def _sdpa_forward(forward: Any, group_name: str, world: int, groups: UspGroups, 
                 "cplib: this module was parallelized with _ContextParallel but the context "
                 "parallel dispatcher is off; call cplib._enable_context_parallel_dispatcher() "
                 "first")
-        if placement and groups.ulysses_degree > 1:
+        if documents_layout == Layout.PLACEMENT and groups.ulysses_degree > 1:
             raise NotImplementedError(
                 f"cplib: attention_documents(placement=True) with ulysses_degree="
                 f"{groups.ulysses_degree}: the placement is a ring layout")
-        check_layout_read(_cp_options.shard_layout, load_balanced=_cp_options.enable_load_balance,
-                          per_document=per_document, placement=placement, cu_seqlens=cu_seqlens,
+        layout = documents_layout or layout_of("_ContextParallel",
+                                               _cp_options.enable_load_balance)
+        check_layout_read(_cp_options.shard_layout, read=layout, cu_seqlens=cu_seqlens,
                           world_size=world, ulysses_degree=groups.ulysses_degree)
-        return RingConfig(groups.ring_group or group_name, world,
-                          layout_of("_ContextParallel", _cp_options.enable_load_balance,
-                                    per_document, placement),
+        return RingConfig(groups.ring_group or group_name, world, layout,
                           rotate_method_name(_cp_options.rotate_method), groups.ulysses_degree,
                           groups.ulysses_group,
                           seq_len=None if cu_seqlens is None else int(cu_seqlens[-1]),

@@ -15,20 +15,34 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..attention.layout import shard_ranges
+from ..attention.names import Layout, layout_words
 
-__all__ = ["SequenceLayout"]
+__all__ = ["SequenceLayout", "LAYOUTS_READ_IN_ORDER"]
+
+# The layouts recurrent and conv layers run on.
+LAYOUTS_READ_IN_ORDER = (Layout.SEQUENTIAL, Layout.HEAD_TAIL)
 
 
 @dataclass(frozen=True)
 class SequenceLayout:
     """The sequence layout of one context: ``world_size`` ranks over
-    ``group_name``, ``seq_len`` positions, sequential or ``head_tail``."""
+    ``group_name``, ``seq_len`` positions, in ``layout``
+    (``Layout.SEQUENTIAL`` or ``Layout.HEAD_TAIL``)."""
 
     group_name: str
     world_size: int
     rank: int
     seq_len: int
-    head_tail: bool
+    layout: Layout
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layout, str) or self.layout not in LAYOUTS_READ_IN_ORDER:
+            raise ValueError(f"cplib: SequenceLayout's layout must be one of "
+                             f"{[str(x) for x in LAYOUTS_READ_IN_ORDER]}, got {self.layout!r}")
+
+    @property
+    def head_tail(self) -> bool:
+        return self.layout == Layout.HEAD_TAIL
 
     def pieces(self, rank: int | None = None) -> list[tuple[int, int]]:
         """(global start, length) of ``rank``'s pieces (this rank's by default),
@@ -65,10 +79,10 @@ class SequenceLayout:
         for r in range(self.world_size):
             sizes = [n for _, n in self.pieces(r)]
             if len(sizes) != self.pieces_per_rank or min(sizes) < minimum:
-                kind = "head-tail" if self.head_tail else "sequential"
                 raise ValueError(
-                    f"cplib: {what} under context parallelism needs every {kind} chunk of the "
-                    f"sequence to hold at least {minimum} position(s); a sequence of "
+                    f"cplib: {what} under context parallelism needs every "
+                    f"{layout_words(self.layout)} chunk of the sequence to hold at least "
+                    f"{minimum} position(s); a sequence of "
                     f"{self.seq_len} over {self.world_size} ranks gives rank {r} chunks of "
                     f"{sizes}: use a longer sequence or fewer ranks")
 
@@ -81,10 +95,8 @@ class SequenceLayout:
         unsupported = None
         if config.ulysses_degree != 1:
             unsupported = f"ulysses_degree={config.ulysses_degree} (USP)"
-        elif config.per_document:
-            unsupported = "load_balance='per_document'"
-        elif config.placement:
-            unsupported = "load_balance='placement'"
+        elif config.layout not in LAYOUTS_READ_IN_ORDER:  # load_balance names these layouts
+            unsupported = f"load_balance='{config.layout}'"
         if unsupported is not None:
             raise NotImplementedError(
                 f"cplib: {what} under cplib.context_parallel with {unsupported}: recurrent and "
@@ -92,7 +104,7 @@ class SequenceLayout:
                 "load_balance=True or False with ulysses_degree=1")
         seq_len = config.seq_len if config.seq_len is not None else local_len * n
         layout = cls(config.group_name, n, handle.mesh.get_local_rank(), seq_len,
-                     bool(config.load_balanced))
+                     Layout(config.layout))
         if layout.local_len != local_len:
             raise ValueError(
                 f"cplib: {what} got {local_len} positions on rank {layout.rank}, but the "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..attention.args import check_cu_seqlens, group_rank, is_fake
 from ..attention.layout import local_length
-from ..attention.names import ROTATIONS, Layout
+from ..attention.names import DOCUMENT_LAYOUTS, ROTATIONS, Layout, layout_words
 from ..comm.native import group_size
 
 __all__ = ["check_extras", "rotate_arg"]
@@ -29,7 +29,7 @@ def check_extras(op: str, q, k, call) -> None:
     if (cu_seqlens is not None or call.window is not None) and sq != sk:
         raise ValueError(f"cplib.{op}: cu_seqlens and window need q and k/v of one global "
                          f"length, got q {sq} and kv {sk}")
-    documented = layout in (Layout.PER_DOCUMENT, Layout.PLACEMENT)
+    documented = layout in DOCUMENT_LAYOUTS
     if documented and (cu_seqlens is None or seq_len is None):
         what = ("per_document=True (head-tail inside every document)"
                 if layout == Layout.PER_DOCUMENT
@@ -46,12 +46,9 @@ def check_extras(op: str, q, k, call) -> None:
             # The placement gives every rank its sequential share of tokens.
             want = local_length(seq_len, n, rank, layout == Layout.HEAD_TAIL, docs)
             if lq != want or lk != want:
-                words = {Layout.SEQUENTIAL: "sequential", Layout.HEAD_TAIL: "head-tail",
-                         Layout.PER_DOCUMENT: "per-document head-tail",
-                         Layout.PLACEMENT: "document placement"}
-                raise ValueError(f"cplib.{op}: seq_len={seq_len} over {n} ranks ({words[layout]} "
-                                 f"layout) gives rank {rank} {want} rows, but q has {lq} and "
-                                 f"k/v {lk}")
+                raise ValueError(f"cplib.{op}: seq_len={seq_len} over {n} ranks "
+                                 f"({layout_words(layout)} layout) gives rank {rank} {want} "
+                                 f"rows, but q has {lq} and k/v {lk}")
     window = call.window
     if window is not None:
         w = list(window)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from ..attention.names import Layout
 from .calibration import Calibration
 from .candidates import FLEX, Candidate
 from .flex_cost import flex_cost
@@ -44,7 +45,8 @@ def _family_ulysses(c: Candidate, w: Workload, cal: Calibration) -> Prediction:
     u = c.ulysses_degree
     # Every rank of the group runs the whole sequence's attention on its heads:
     # the ring's plan on a ring of one (what the op runs for masks too).
-    local = ring_part(w, cal, 1, u, w.q_heads // u, w.kv_heads_after(u), "p2p", "sequential")
+    local = ring_part(w, cal, 1, u, w.q_heads // u, w.kv_heads_after(u), "p2p",
+                      str(Layout.SEQUENTIAL))
     return combine(c, w, cal, [ulysses_part(w, cal, u), local])
 
 

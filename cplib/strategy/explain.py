@@ -82,8 +82,9 @@ def explain(context: Any = None, *, seq_len: int | None = None, q_heads: int | N
     rank), ``rotate`` and ``ulysses_degree`` constrain the choice as explicit
     settings do; ``margin``: torch's default (the ring with all-gather) is kept
     unless another candidate is predicted more than this much faster.
-    ``layout``: the layout the shards are in ("head_tail",
-    "sequential", "per_document"), None to let the candidates choose.
+    ``layout``: the layout the shards are in (a
+    cplib.attention.names.Layout's name: "head_tail", "sequential",
+    "per_document", "placement"), None to let the candidates choose.
 
     ``explain(cp)``, for the handle of a ``context_parallel(...,
     strategy="auto")`` block, returns the choices made in it so far (one per

@@ -40,8 +40,9 @@ class Workload:
     context-parallel group of ``world_size`` ranks, ``ranks_per_node`` of
     them per node. The mask: ``is_causal``, ``window`` (left, right), with
     ``NO_LIMIT`` for an open side, and ``documents`` (cu_seqlens, global).
-    ``layout``: how the sequence is cut over the ranks ("head_tail",
-    "sequential", "per_document", or one a layout hook registered), or None
+    ``layout``: how the sequence is cut over the ranks (a
+    cplib.attention.names.Layout's name: "head_tail", "sequential",
+    "per_document", "placement"), or None
     when the candidate may choose it. ``backward``: forward + backward (the
     training step) or forward only. ``extras``: (name, value) pairs read by
     candidate families added later (a flex block mask's density, say)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..attention.args import backend_arg, check_cu_seqlens, scale_arg, window_arg
+from ..attention.names import layout_of, layout_words
 from ..comm.handshake import agreed, forward_error
 from ..comm.native import GroupLike, group_name_of
 from ..ring.args import rotate_arg
@@ -204,8 +205,7 @@ def _piece_lengths(op: str, q, k, uname: str, rname: str, degree: int, ring_degr
                                 bool(load_balanced or per_document), docs)
     mine = lengths[_rank_in(uname)]
     if q.shape[2] != mine or k.shape[2] != mine or min(lengths) < 1:
-        layout = ("per-document head-tail" if per_document
-                  else "head-tail" if load_balanced else "sequential")
+        layout = layout_words(layout_of(op, load_balanced, per_document))
         raise ValueError(f"cplib.{op}: seq_len={total} over {ring_degree} ring positions x "
                          f"{degree} Ulysses ranks ({layout} layout) gives this Ulysses group "
                          f"pieces of {lengths} rows, but q has {q.shape[2]} and k/v "

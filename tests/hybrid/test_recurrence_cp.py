@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cplib.hybrid.delta_rule import delta_rule_by_heads, delta_rule_by_state
+from cplib.attention.names import Layout
 from cplib.hybrid.layout import SequenceLayout
 from cplib.hybrid.ssd import ssd_by_state
 from harness import assert_close
@@ -25,7 +26,7 @@ TOL = dict(atol=2e-5, rtol=2e-5)
 
 def _layout(s: int, head_tail: bool) -> SequenceLayout:
     return SequenceLayout(dist.group.WORLD.group_name, dist.get_world_size(), dist.get_rank(),
-                          s, head_tail)
+                          s, Layout.HEAD_TAIL if head_tail else Layout.SEQUENTIAL)
 
 
 def _local(layout: SequenceLayout, full: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from cplib.hybrid.conv import causal_conv_by_halo
+from cplib.attention.names import Layout
 from cplib.hybrid.layout import SequenceLayout
 from harness import assert_close
 
@@ -22,7 +23,7 @@ WORLD_SIZES = [1, 2, 4]
 
 def _layout(s: int, head_tail: bool) -> SequenceLayout:
     return SequenceLayout(dist.group.WORLD.group_name, dist.get_world_size(), dist.get_rank(),
-                          s, head_tail)
+                          s, Layout.HEAD_TAIL if head_tail else Layout.SEQUENTIAL)
 
 
 def _local(layout: SequenceLayout, full: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -14,8 +14,7 @@ from typing import Any
 
 from ...comm.native import check_mesh
 from ...frontend.sequence import SequenceShards, active_handle, layout_in_scope, shards_of
-from ...frontend.shard_layout import HEAD_TAIL, SEQUENTIAL, shard_layout_of
-from ...hybrid.layout import SequenceLayout
+from ...hybrid.layout import LAYOUTS_READ_IN_ORDER, SequenceLayout
 
 __all__ = ["layout_in_effect"]
 
@@ -33,15 +32,15 @@ def layout_in_effect(x: Any, what: str) -> SequenceLayout | None:
 
 
 def _layout_of(shards: SequenceShards, local_len: int, what: str) -> SequenceLayout:
-    kind = shard_layout_of(shards.load_balancer)
-    if kind.kind not in (SEQUENTIAL, HEAD_TAIL) or kind.ulysses_degree != 1:
+    kind = shards.layout
+    if kind.kind not in LAYOUTS_READ_IN_ORDER or kind.ulysses_degree != 1:
         raise NotImplementedError(
             f"cplib: {what} on {shards.source}, cut with {kind.balancer}: recurrent and "
             "convolution layers run on sequential or head-tail shards only; shard with "
             "_HeadTailLoadBalancer or without a load balancer")
     mesh = shards.mesh
     layout = SequenceLayout(check_mesh(mesh).group_name, mesh.size(), mesh.get_local_rank(),
-                            shards.seq_len, kind.kind == HEAD_TAIL)
+                            shards.seq_len, kind.kind)
     if layout.lengths() != shards.lengths():
         raise NotImplementedError(
             f"cplib: {what} on {shards.source}, cut into shards of {shards.lengths()} "
