@@ -66,7 +66,9 @@ from .merge.op import merge_partial_
 # integrations: torch's context-parallel names replaced by cplib's where
 # accelerate, HF Trainer and torchtitan import them; cplib's reach into
 # transformers (cplib/integrations/, one registry of every replacement).
+from .integrations import install_integrations as _install_integrations
 from .integrations.torch_names import patch_torch, unpatch_torch
+from .frontend.start_hooks import on_context_parallel_start as _on_context_parallel_start
 from . import loss  # noqa: F401  (cplib.loss.cross_entropy: a loss of your own under CP)
 
 # conv: halo-exchange convolution and its DTensor handlers.
@@ -78,6 +80,10 @@ from .conv.tp_conv import tp_conv
 # reached through cplib/integrations/transformers/, installed whenever context
 # parallelism starts: never a per-shard recurrence, loss or attention).
 from .hybrid import recurrence_exchange
+
+# Every start of context parallelism (a region, _context_parallel_shard,
+# _ContextParallel) puts the integrations in place (frontend/start_hooks.py).
+_on_context_parallel_start(_install_integrations)
 
 # Public names for what torch keeps private (same objects).
 LoadBalancer = _LoadBalancer

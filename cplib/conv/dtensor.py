@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ..comm.native import ops
-from ..integrations import registry
+from .. import patch_registry as registry
 from .tp_conv import _local_out_shape
 
 __all__ = ["enable_dtensor_conv", "disable_dtensor_conv"]

@@ -23,7 +23,7 @@ from .options import (RingConfig, _cp_options, _RotateMethod, explicit_rotation,
 from .sdpa_dispatch import CPDispatchMode
 from ..comm.native import check_mesh
 from .sharding import keep_shards_for_backward, shard_tensor
-from ..integrations import on_context_parallel_start
+from .start_hooks import run_start_hooks
 from .unshard import unshard
 from ..ulysses.usp_layout import ulysses_layout, usp_groups
 from ..strategy.auto import AutoStrategy, parse_strategy
@@ -102,10 +102,14 @@ def _layout_key(group_name: str, world_size: int, plan: ContextPlan) -> tuple:
             _explicit_seq_len(world_size, plan), docs)
 
 
-def _check_nesting(enclosing: list[CPDispatchMode], key: tuple) -> None:
-    """A region inside another runs every attention call in its own layout,
-    the calls on the outer region's shards included: refused unless the two
-    place the shards alike (on every rank: the keys are local and equal)."""
+def _check_nesting(enclosing: list[CPDispatchMode], group_name: str, world_size: int,
+                   plan: ContextPlan) -> ContextPlan:
+    """``plan``, unless it is a region inside another that places the shards
+    otherwise: it runs every attention call in its own layout, the calls on
+    the outer region's shards included (refused on every rank: the keys are
+    local and equal). ``plan_context`` refused every buffer the outer
+    regions hold sharded."""
+    key = _layout_key(group_name, world_size, plan)
     if enclosing and enclosing[-1].handle.layout_key != key:
         outer = enclosing[-1].handle.layout_key
         raise NotImplementedError(
@@ -116,6 +120,7 @@ def _check_nesting(enclosing: list[CPDispatchMode], key: tuple) -> None:
             "attention inside it on the outer region's shards would read them in the inner "
             "layout; nest only regions of the same mesh and load_balance, or exit the outer "
             "region first")
+    return plan
 
 
 def _ring_config(groups, group_name: str, world_size: int, plan: ContextPlan, window: Any,
@@ -207,7 +212,7 @@ def context_parallel(
     in the same layout, or raises NotImplementedError on entry.
     """
     group = check_mesh(mesh, register=False)
-    on_context_parallel_start()  # local: cplib's interception of transformers in place
+    run_start_hooks()  # local: cplib's integrations in place (start_hooks.py)
     # The handshake's CPU side group on NCCL (a collective, the first time
     # only) before the first handshake, which then runs on it in host memory
     # (and no warning says the group has none).
@@ -217,13 +222,11 @@ def context_parallel(
     # 1. Every check before the handshake, whose all-gather comes before any
     # other collective (usp_groups); an error on one rank raises on all.
     regions = _enclosing_regions()
-    enclosing = [b for mode in regions for b in mode.buffers]  # held sharded by outer regions
 
     def plan(u: int = ulysses_degree, rotate=rotate_method, balance=load_balance) -> ContextPlan:
-        planned = plan_context(buffers, world_size, buffer_seq_dims, no_restore_buffers, rotate,
-                               balance, u, cu_seqlens, position_ids, window, modules, enclosing)
-        _check_nesting(regions, _layout_key(group.group_name, world_size, planned))
-        return planned
+        return _check_nesting(regions, group.group_name, world_size, plan_context(
+            buffers, world_size, buffer_seq_dims, no_restore_buffers, rotate, balance, u,
+            cu_seqlens, position_ids, window, modules, [b for m in regions for b in m.buffers]))
 
     modules = [] if modules is None else list(modules)
     # 2. Every rank agrees on the plan and the call; strategy="auto" may choose more.

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..comm.handshake import agreed
 from ..comm.native import check_mesh, ops
-from ..integrations import registry
+from .. import patch_registry as registry
 from .options import _cp_options, rotate_method_name
 from .shard_layout import check_layout_read
 from ..attention.names import layout_of

@@ -43,9 +43,9 @@ AUTOGRAD_ENTRIES = frozenset({torch.Tensor.backward, torch.autograd.backward,
 def may_be_recomputed() -> bool:
     """Whether a call made now may run again in a backward:
     torch.utils.checkpoint runs its forward without grad (reentrant) or under
-    its saved-tensor hooks (not reentrant; a region's own hooks are not one). Traced, it may be a function an
-    eager checkpoint calls (body_with_mode), whose hooks a trace cannot read:
-    yes."""
+    its saved-tensor hooks (not reentrant; a region's own hooks are not
+    one). Traced, it may be a function an eager checkpoint calls
+    (body_with_mode), whose hooks a trace cannot read: yes."""
     if torch.compiler.is_compiling():
         return True
     if not torch.is_grad_enabled():

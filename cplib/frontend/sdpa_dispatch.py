@@ -110,8 +110,7 @@ def _check_sdpa_args(q, k, v, attn_mask, dropout_p, enable_gqa) -> None:
             "heads and sequence length"
         )
     hq, hkv = q.shape[1], k.shape[1]
-    # One K/V head broadcasts over the query heads, as torch's SDPA takes it
-    # without enable_gqa (Falcon's multi-query attention passes it so).
+    # One K/V head broadcasts over the query heads without enable_gqa, as in torch (Falcon).
     if hq != hkv and hkv != 1 and not enable_gqa:
         raise ValueError(
             f"cplib: query has {hq} heads but key/value have {hkv}; pass enable_gqa=True for "

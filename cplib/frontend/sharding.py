@@ -15,6 +15,7 @@ the cut is ``torch.chunk``'s.
 from __future__ import annotations
 
 import contextlib
+import weakref
 import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -28,6 +29,7 @@ from ..ring.load_balancer import _LoadBalancer, rearrange, shard_lengths
 from ..comm.handshake import agreed, handshake
 from ..comm.native import check_mesh
 from .options import _cp_options
+from .start_hooks import run_start_hooks
 
 __all__ = ["_context_parallel_shard", "shard"]
 
@@ -129,18 +131,41 @@ def shard_key(group_name: str, world_size: int, seq_len: int,
     return (group_name, world_size, seq_len, perm)
 
 
-# The attribute :func:`shard` sets on each shard it returns: (mesh, load
-# balancer, the buffer's sequence length, who cut it). The sharded tensors
-# carry their own layout (DESIGN.md section 15): on the module path, where no
-# region says what is context parallel, a loss or a model given one of them
-# reads the layout there, and nothing is recorded for later calls to match.
+# The attribute :func:`shard` sets on each shard it returns: _ShardedAs. The
+# sharded tensors carry their own layout (DESIGN.md section 15): on the module
+# path, where no region says what is context parallel, a loss or a model
+# given one of them reads the layout there, and nothing is recorded for later
+# calls to match.
 SHARDED_ATTR = "_cplib_sharded"
+
+
+class _ShardedAs:
+    """Where a shard came from, without holding its group: a tensor the user
+    keeps must not keep a process group alive past destroy_process_group()
+    (comm.md). The mesh is held weakly and found again by its group's name."""
+
+    def __init__(self, mesh: DeviceMesh, load_balancer: Any, seq_len: int, source: str):
+        self._mesh = weakref.ref(mesh)
+        self._group_name = check_mesh(mesh).group_name
+        self._device_type = mesh.device_type
+        self.load_balancer, self.seq_len, self.source = load_balancer, seq_len, source
+
+    def mesh(self) -> DeviceMesh:
+        mesh = self._mesh()
+        if mesh is None:  # the user let go of the mesh, not of the group
+            from torch.distributed.distributed_c10d import _resolve_process_group
+
+            mesh = DeviceMesh.from_group(_resolve_process_group(self._group_name),
+                                         self._device_type)
+            self._mesh = weakref.ref(mesh)
+        return mesh
 
 
 def sharded_as(t: Any) -> tuple | None:
     """(mesh, load_balancer, seq_len, source) of the layout :func:`shard` cut
     ``t`` in (None: not one of its outputs, or a copy of one)."""
-    return getattr(t, SHARDED_ATTR, None) if isinstance(t, torch.Tensor) else None
+    tag = getattr(t, SHARDED_ATTR, None) if isinstance(t, torch.Tensor) else None
+    return None if tag is None else (tag.mesh(), tag.load_balancer, tag.seq_len, tag.source)
 
 
 def _shard_block_mask(mesh: DeviceMesh, mask: Any, load_balancer: _LoadBalancer | None) -> Any:
@@ -216,7 +241,7 @@ def shard(mesh: DeviceMesh, buffers: Sequence[torch.Tensor] | Mapping[str, torch
         lengths = shard_lengths(b.shape[d], n, load_balancer)
         out[i] = shard_tensor(b, d, rank, n, indices, lengths)
         # Which layout cut it (sharded_as): what a loss or a model given it reads.
-        setattr(out[i], SHARDED_ATTR, (mesh, load_balancer, b.shape[d], _source))
+        setattr(out[i], SHARDED_ATTR, _ShardedAs(mesh, load_balancer, b.shape[d], _source))
     for i, b in enumerate(flat):
         if block_mask is not None and isinstance(b, block_mask):
             out[i] = _shard_block_mask(mesh, b, load_balancer)
@@ -232,9 +257,8 @@ def _context_parallel_shard(mesh: DeviceMesh, buffers: Any, seq_dims: Any,
     read their inputs against inside their forward: shard_layout.py). The
     layout a loss or a model reads travels on the shards (:func:`sharded_as`)."""
     from .shard_layout import shard_layout_of
-    from ..integrations import on_context_parallel_start
 
-    on_context_parallel_start()  # local: cplib's interception of transformers in place
+    run_start_hooks()  # local: cplib's integrations in place (start_hooks.py)
     result = shard(mesh, buffers, seq_dims, load_balancer, _source="_context_parallel_shard")
     _cp_options.enable_load_balance = load_balancer is not None
     _cp_options.shard_layout = shard_layout_of(load_balancer)._replace(load_balancer=load_balancer)

@@ -20,7 +20,7 @@ from ..comm.handshake import agreed, handshake, register_groups
 from .options import RingConfig, _cp_options, _RotateMethod, explicit_rotation, rotate_method_name
 from ..attention.names import Layout, layout_of
 from .shard_layout import check_layout_read
-from ..integrations import on_context_parallel_start
+from .start_hooks import run_start_hooks
 from .documents import documents_stack as _documents
 from .sdpa_dispatch import CPDispatchMode, agreed_before_attention, dispatcher_enabled
 from ..comm.native import check_mesh
@@ -84,7 +84,7 @@ class _ContextParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         group = check_mesh(mesh, register=False)
-        on_context_parallel_start()  # local: cplib's interception of transformers in place
+        run_start_hooks()  # local: cplib's integrations in place (start_hooks.py)
         register_groups(group)  # its CPU side group on NCCL, before the first handshake
         sdpa = self.attention_type == self.AttentionType.SDPA
 

@@ -20,7 +20,7 @@ module does.
 
 from __future__ import annotations
 
-from ..integrations import registry
+from .. import patch_registry as registry
 from ..integrations.transformers import install as _install_integration
 from ..integrations.transformers.attention import cplib_attention_forward, cplib_mask
 

@@ -6,10 +6,10 @@ which switch, and how to take it back."""
 
 from __future__ import annotations
 
-__all__ = ["on_context_parallel_start", "uninstall"]
+__all__ = ["install_integrations", "uninstall"]
 
 
-def on_context_parallel_start() -> None:
+def install_integrations() -> None:
     """What runs whenever cplib's context parallelism starts (a region is
     entered, ``_context_parallel_shard`` cuts a batch, ``_ContextParallel``
     parallelizes a module): the transformers integration, where transformers'
@@ -24,6 +24,6 @@ def uninstall(owner: str | None = None) -> int:
     ``owner`` alone: ``"torch"``, ``"transformers"``, ``"dtensor"``, when
     given); returns how many. The next switch or context-parallel start
     installs again."""
-    from . import registry
+    from .. import patch_registry as registry
 
     return registry.restore(owner)

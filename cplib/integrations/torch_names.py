@@ -21,7 +21,7 @@ import sys
 import types
 import warnings
 
-from . import registry
+from .. import patch_registry as registry
 
 __all__ = ["patch_torch", "unpatch_torch", "torch_is_patched", "PATCHED_MODULES", "OWNER"]
 

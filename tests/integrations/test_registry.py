@@ -1,5 +1,5 @@
 """One registry of every attribute cplib replaces in another library
-(cplib/integrations/registry.py): each replacement is recorded with its
+(cplib/patch_registry.py): each replacement is recorded with its
 owner and original, and uninstalling puts back the very object that was
 there, for every switch (``import cplib.hf``, ``cplib.patch_torch()``, a
 context-parallel start, the dispatcher, the DTensor conv) and every model
@@ -15,7 +15,7 @@ import types
 import pytest
 import torch
 
-from cplib.integrations import registry
+from cplib import patch_registry as registry
 
 
 def test_replace_records_the_original_and_restore_puts_it_back():

@@ -1,7 +1,7 @@
 """Everything cplib knows about Hugging Face transformers, in one package.
 
 What it installs, all through cplib's patch registry (owner ``"transformers"``,
-cplib/integrations/registry.py), so that :func:`uninstall` (and
+cplib/patch_registry.py), so that :func:`uninstall` (and
 ``cplib.unpatch_torch()``) puts every original back:
 
 * the causal-LM, masked-LM and token-classification losses over the whole
@@ -31,7 +31,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from .. import registry
+from ... import patch_registry as registry
 from .attention_guard import install_attention_guard
 from .families import guarded_attn_implementation
 from .forward_guard import guarded_forward
@@ -75,28 +75,35 @@ def _post_init(post_init: Any) -> Any:
     return post_init_reaching_the_model
 
 
+# The model modules reached so far (each once; forgotten on uninstall).
+_reached: set[str] = set()
+
+
 def install(import_transformers: bool = False) -> None:
-    """Installs the integration (once; later calls return at once). Without
+    """Installs the integration (once) and reaches the model modules imported
+    since the last call (a layer class built without a model, a model
+    module imported after a model of another family was built). Without
     ``import_transformers``, only where transformers' models are imported
     already: before that no model of it exists."""
-    if installed():
-        return
     if not import_transformers and "transformers.modeling_utils" not in sys.modules:
         return
     from transformers.modeling_utils import PreTrainedModel
 
     with registry.lock():
-        if installed():
-            return
-        install_losses()
-        install_attention_guard()
-        registry.replace(OWNER, PreTrainedModel, "get_correct_attn_implementation",
-                         guarded_attn_implementation)
-        registry.replace(OWNER, PreTrainedModel, "post_init", _post_init)
-        for name, module in model_modules():  # models built before the install
-            _reach_module(name, module)
+        if not installed():
+            install_losses()
+            install_attention_guard()
+            registry.replace(OWNER, PreTrainedModel, "get_correct_attn_implementation",
+                             guarded_attn_implementation)
+            registry.replace(OWNER, PreTrainedModel, "post_init", _post_init)
+        for name, module in model_modules():
+            if name not in _reached:
+                _reach_module(name, module)
+                _reached.add(name)
 
 
 def uninstall() -> None:
     """Puts back everything :func:`install` replaced in transformers."""
-    registry.restore(OWNER)
+    with registry.lock():
+        registry.restore(OWNER)
+        _reached.clear()

@@ -61,7 +61,7 @@ def cplib_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0
 
 def _refuse_full_mask_layers(config: Any) -> None:
     """NotImplementedError for a model with layers that read the S x S mask
-    (cplib/clients/hybrid_families.py's FULL_MASK_LAYERS), which this
+    (cplib/integrations/transformers/hybrid_families.py's FULL_MASK_LAYERS), which this
     implementation does not build: raised from the config alone, when the
     model makes its masks, so on every rank and before any layer's exchange."""
     module = type(config).__module__.split(".")

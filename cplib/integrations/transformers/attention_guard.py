@@ -55,7 +55,7 @@ import torch
 
 from torch.overrides import _get_current_function_mode_stack
 
-from .. import registry
+from ... import patch_registry as registry
 from ...flex.cp_mode import FlexCPMode
 from ...frontend.sdpa_dispatch import active_config, max_over_cp_ranks
 from ...frontend.sequence import SequenceShards, layout_in_scope, sequence_shards

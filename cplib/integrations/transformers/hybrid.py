@@ -32,7 +32,7 @@ import functools
 import inspect
 from typing import Any, Callable
 
-from .. import registry
+from ... import patch_registry as registry
 from ...frontend.sequence import active_handle as _active_handle
 from ...hybrid.layout import SequenceLayout
 from .hybrid_families import FAMILIES, KERNEL_ROLES, SELECTORS, Mixer

@@ -1,6 +1,6 @@
 """The sequence-mixing layers that are not attention in transformers' models,
 and what each does under ``cplib.context_parallel``: runs exactly (its
-kernel functions get the exchange, cplib/clients/hf_hybrid.py) or raises, naming the
+kernel functions get the exchange, cplib/integrations/transformers/hybrid.py) or raises, naming the
 layer. Enumerated from transformers 5.23's source: every ``modeling_*.py``
 with a causal conv, a linear-attention / delta-rule / SSM scan or another
 recurrence over the sequence (``tests/hybrid/test_hybrid_families.py`` reads
@@ -96,14 +96,14 @@ SELECTORS: dict[str, tuple[Mixer, ...]] = {
 
 # Layer types that need transformers' S x S mask, which
 # attn_implementation="cplib" does not build: family -> (layer type in
-# config.layer_types, the class that reads the mask). cplib/hf/_attention.py
+# config.layer_types, the class that reads the mask). cplib/integrations/transformers/attention.py
 # refuses them when the mask is made, before any layer runs.
 FULL_MASK_LAYERS: dict[str, tuple[str, str]] = {
     "qwen4_exp": ("indexed_attention", "Qwen4ExpTextQSAIndexer"),
 }
 
 # The kernel functions a family's layers call by their module-level name, and
-# the role each plays under CP (cplib/clients/hf_hybrid.py gives each its exchange).
+# the role each plays under CP (cplib/integrations/transformers/hybrid.py gives each its exchange).
 KERNEL_ROLES: dict[str, str] = {
     "causal_conv1d_fn": "conv",
     "torch_chunk_gated_delta_rule": "delta",

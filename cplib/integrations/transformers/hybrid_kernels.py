@@ -1,5 +1,5 @@
 """What each of transformers' sequence-mixing kernel functions does under
-``cplib.context_parallel`` (its role in cplib/clients/hybrid_families.py): the
+``cplib.context_parallel`` (its role in cplib/integrations/transformers/hybrid_families.py): the
 user's kernel, with cplib's exchange around it (cplib/hybrid/). Arguments are
 read by the names of transformers' torch versions of these functions, which
 its layers call them with."""

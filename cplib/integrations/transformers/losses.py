@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 import torch
 
-from .. import registry
+from ... import patch_registry as registry
 from ...frontend.sequence import labels_in_layout, layout_source, sequence_shards, shards_of
 from ...loss import shifted, token_loss_sum
 from .models import OWNER

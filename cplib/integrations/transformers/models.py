@@ -10,7 +10,7 @@ import sys
 import types
 from typing import Any, Callable
 
-from .. import registry
+from ... import patch_registry as registry
 
 __all__ = ["OWNER", "model_modules", "model_classes", "family_of", "guard_forward"]
 
