@@ -179,7 +179,7 @@ def _hang_stacks(pool) -> str:
                 frames = re.findall(r'File "([^"]+)", line (\d+) in (\S+)', fh.read())
         except OSError:
             continue
-        owned = [f"{path.split('site-packages/')[-1]}:{line} {name}" for path, line, name in frames
+        owned = [f"{family_runs.owned_path(path)}:{line} {name}" for path, line, name in frames
                  if any(k in path for k in ("/cplib/", "/transformers/", "/accelerate/"))]
         if owned:
             out.append(f"rank {rank} waits in {' < '.join(owned[:3])}")

@@ -92,6 +92,13 @@ def _names(family: str, model) -> set[str]:
 _OWNERS = (("/cplib/", "cplib"), ("/accelerate/", "accelerate"), ("/transformers/", "transformers"))
 
 
+def owned_path(path: str) -> str:
+    """A file of cplib, accelerate or transformers from its package on
+    (wherever it is installed)."""
+    starts = [path.rfind(key) for key, _ in _OWNERS if key in path]
+    return path[min(starts) + 1:] if starts else path
+
+
 def _failure(exc: BaseException, stage: str, names: set[str]) -> dict[str, Any]:
     """An exception as the report reads it: its type and message, the
     innermost frame in cplib, accelerate or transformers (where to look for
@@ -101,7 +108,7 @@ def _failure(exc: BaseException, stage: str, names: set[str]) -> dict[str, Any]:
     for f in reversed(traceback.extract_tb(exc.__traceback__)):
         owner = next((o for key, o in _OWNERS if key in f.filename), None)
         if owner is not None:
-            frame = f"{f.filename.split('site-packages/')[-1]}:{f.lineno} {f.name}"
+            frame = f"{owned_path(f.filename)}:{f.lineno} {f.name}"
             where, by = (where, by) if where else (frame, owner)
             stack.append(frame)
     timed_out = "Timed out" in msg or ("timeout" in msg.lower() and "gloo" in msg.lower())
