@@ -32,7 +32,7 @@ from .allgather import flex_cp_allgather
 from .call import FlexCall, hop_outputs, is_graph_call, parse_hop_call
 from .call_checks import call_error, score_mod_fingerprint
 from .plan import SHARD_ATTR, FlexShard, dense_shard, positions_mod
-from .ring import RingCall, ring_attention
+from .ring import FlexRingCall, ring_attention
 from .ring_ops import ring_begin, ring_end
 from .stand_in import real_mask
 
@@ -108,7 +108,7 @@ def _cp_call(mode: FlexCPMode, hop, args: tuple, kwargs: dict):
         return _raise_in_handshake(call.query, call.key, call.value, error, mode.group_name)
     fields = _fields(call, shard, mask, mode.ring)
     if mode.ring:
-        ring = RingCall(shard, call.score_mod, call.scale, call.enable_gqa, call.options)
+        ring = FlexRingCall(shard, call.score_mod, call.scale, call.enable_gqa, call.options)
         out, lse = ring_attention(call.query, call.key, call.value, ring, fields,
                                   mode.group_name)
         return hop_outputs(call, out, lse)

@@ -38,13 +38,12 @@ from torch.utils._pytree import tree_map
 from ..comm.handshake import agreed, share_error
 from ..comm.native import check_mesh, group_name_of, ops
 from .allgather import flex_cp_allgather
+from .call import FLEX_PARAMS, flex_arg, put_flex_args
 from .cp_mode import FlexCPMode, flex_modules_inside
-from .plan import SHARD_ATTR
+from .plan import SHARD_ATTR, positions_mod
 from .stand_in import stand_in_for
 
 __all__ = ["flex_input_hook", "register_flex_cp"]
-
-_QKV_NAMES = ("query", "key", "value")
 
 
 def flex_input_hook(
@@ -62,8 +61,8 @@ def flex_input_hook(
     args_list, kwargs = list(args), dict(kwargs)
 
     def find(i: int) -> torch.Tensor:
-        name = _QKV_NAMES[i]
-        t = args_list[i] if i < len(args_list) else kwargs.get(name)
+        name = FLEX_PARAMS[i]
+        t = flex_arg(args_list, kwargs, name)
         if not isinstance(t, torch.Tensor):
             raise ValueError(
                 f"cplib: the context-parallel flex_attention module needs `{name}` as a tensor "
@@ -79,38 +78,20 @@ def flex_input_hook(
     given = [t for t in (*args_list, *kwargs.values()) if isinstance(t, torch.Tensor)]
     key, value = agreed("flex_cp_allgather", group_name_of(group_name), given, inputs)
     key, value = flex_cp_allgather(key, value, seq_dim, group_name)
-    _put(args_list, kwargs, {"key": key, "value": value})
+    put_flex_args(args_list, kwargs, {"key": key, "value": value})
     _globalize_score_mod(args_list, kwargs)
     return tuple(args_list), kwargs
-
-
-def _put(args_list: list, kwargs: dict, values: dict[str, Any]) -> None:
-    from .ring_args import FLEX_PARAMS
-
-    for name, value in values.items():
-        i = FLEX_PARAMS.index(name)
-        if i < len(args_list):
-            args_list[i] = value
-        else:
-            kwargs[name] = value
 
 
 def _globalize_score_mod(args_list: list, kwargs: dict) -> None:
     """score_mod on global positions, for a block mask sharded by cplib
     (the all-gathered keys are in rearranged order, queries local)."""
-    from .plan import SHARD_ATTR, positions_mod
-    from .ring_args import FLEX_PARAMS
-
-    def get(name: str) -> Any:
-        i = FLEX_PARAMS.index(name)
-        return args_list[i] if i < len(args_list) else kwargs.get(name)
-
-    score_mod, block_mask = get("score_mod"), get("block_mask")
-    shard = getattr(block_mask, SHARD_ATTR, None)
+    score_mod = flex_arg(args_list, kwargs, "score_mod")
+    shard = getattr(flex_arg(args_list, kwargs, "block_mask"), SHARD_ATTR, None)
     if score_mod is None or shard is None:
         return
-    _put(args_list, kwargs, {"score_mod": positions_mod(score_mod, shard.q_positions,
-                                                        shard.positions, score=True)})
+    put_flex_args(args_list, kwargs, {"score_mod": positions_mod(
+        score_mod, shard.q_positions, shard.positions, score=True)})
 
 
 def _stand_in(x: Any) -> Any:

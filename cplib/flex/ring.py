@@ -11,7 +11,7 @@ for the global loss, then sends the block's dK|dV back to its owner.
 Without a score_mod it calls flex's backward op on the block with the
 merged output O and lse of its query rows (the block's softmax is
 exp(s - lse), a slice of the global one): no block's forward runs again.
-With a score_mod (see RingCall.direct_backward) it recomputes the block's
+With a score_mod (see FlexRingCall.direct_backward) it recomputes the block's
 (o_b, lse_b) once with autograd and backpropagates
 
     grad o_b   = w_b * dO,                                   w_b = exp(lse_b - LSE)
@@ -39,9 +39,9 @@ from ..merge.op import merge_partial_
 from .plan import FlexShard, RingStep, positions_mod
 from .ring_ops import pack, ring_begin, ring_end, ring_shift
 
-__all__ = ["RingCall", "ring_attention"]
+__all__ = ["FlexRingCall", "ring_attention"]
 
-# flex's backward op (see RingCall.direct_backward).
+# flex's backward op (see FlexRingCall.direct_backward).
 _FLEX_BACKWARD = torch.ops.higher_order.flex_attention_backward
 
 
@@ -62,8 +62,10 @@ _TRACE_AUTOGRAD = DynamoConfigPatchProxy(torch._dynamo.config.patch(trace_autogr
 _REQUIRES_GRAD_TRACEABLE = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 13)
 
 
-class RingCall:
-    """Everything one ring call needs besides q, k and v."""
+class FlexRingCall:
+    """Everything one flex ring call needs besides q, k and v, made from the
+    call's record (call.py's FlexCall) and its mask's plan. (The SDPA ring's
+    record is cplib.ring.call.RingCall.)"""
 
     def __init__(self, shard: FlexShard, score_mod: Callable | None, scale: float | None,
                  enable_gqa: bool, kernel_options: dict[str, Any] | None) -> None:
@@ -136,7 +138,7 @@ def _rows_of(t: torch.Tensor, step: RingStep) -> torch.Tensor:
     return t if (start, end) == (0, t.shape[2]) else t[:, :, start:end]
 
 
-def _attend(q, kb, vb, step: RingStep, score_mod, call: RingCall):
+def _attend(q, kb, vb, step: RingStep, score_mod, call: FlexRingCall):
     """(o_b, lse_b) of the step's query rows ``q`` (``_rows_of``)."""
     out, aux = fa.flex_attention(q, kb, vb, score_mod=score_mod, block_mask=step.mask,
                                  scale=call.scale, enable_gqa=call.enable_gqa,
@@ -145,7 +147,7 @@ def _attend(q, kb, vb, step: RingStep, score_mod, call: RingCall):
     return out, aux.lse
 
 
-def _forward(q, k, v, token, call: RingCall, group_name: str):
+def _forward(q, k, v, token, call: FlexRingCall, group_name: str):
     acc = acc_dtype(q.dtype)
     b, h, rows = q.shape[:3]
     out = q.new_zeros((b, h, rows, v.shape[3]), dtype=acc)
@@ -209,7 +211,7 @@ def _block_grads(q, kb, vb, lse, d_out, delta, step, score_mod, call, need_q, ne
     return dq, dk, dv
 
 
-def _direct_backward_args(q, k, v, lse, d_lse, call: RingCall):
+def _direct_backward_args(q, k, v, lse, d_lse, call: FlexRingCall):
     """What every step's call of flex's backward op shares, computed once:
     lse and its gradient in the op's base, the scale, the kernel options."""
     options = fa._apply_kernel_options(q, k, v, False, call.kernel_options, AuxRequest(lse=True))
@@ -248,7 +250,7 @@ def _absorb(dk, dv, recv, k, v, step: RingStep) -> None:
         dv.index_add_(2, step.send_index, rv.to(dv.dtype))
 
 
-def _backward(q, k, v, out, lse, d_out, d_lse, call: RingCall, group_name: str,
+def _backward(q, k, v, out, lse, d_out, d_lse, call: FlexRingCall, group_name: str,
               need_q: bool, need_kv: bool):
     acc = acc_dtype(q.dtype)
     # Rows no key sees (lse -inf) get weight 0 from every block.
@@ -321,7 +323,7 @@ class _FlexRing(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: RingCall,
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: FlexRingCall,
                    fields: dict[str, int], group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of this rank's queries over the whole sequence; ``fields``
     join the call's handshake (inputs already checked)."""

@@ -28,7 +28,7 @@ from ..strategy.candidates import FLEX
 from ..strategy.flex_cost import FlexStats
 from ..strategy.workload import Workload, element_size, ranks_per_node
 from .plan import SHARD_ATTR, dense_block_map, dense_shard
-from .ring_args import parse_call
+from .call import parse_call
 
 __all__ = ["flex_use_ring", "flex_stats"]
 

@@ -180,6 +180,6 @@ def test_flex_ring_backward_without_score_mod_calls_flex_backward_directly():
     direct = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 13)
     assert ring._DIRECT_BACKWARD_TRACEABLE == direct
     no_steps = SimpleNamespace(steps=())
-    assert ring.RingCall(no_steps, None, None, False, None).direct_backward == direct
-    assert not ring.RingCall(no_steps, _positional_score_mod(8), None, False,
+    assert ring.FlexRingCall(no_steps, None, None, False, None).direct_backward == direct
+    assert not ring.FlexRingCall(no_steps, _positional_score_mod(8), None, False,
                              None).direct_backward
