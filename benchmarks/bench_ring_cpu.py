@@ -219,6 +219,8 @@ def masked_series() -> None:
              "seconds / rank", {"cplib p2p": ([r["window"] for r in data],
                                               [r["seconds"] for r in data])})
     if "documents" in series:
+        from cplib.attention.names import layout_of, layout_words
+
         g = torch.Generator().manual_seed(1)
         cuts = sorted((torch.randperm(s - 1, generator=g)[:7] + 1).tolist())
         docs = [0] + cuts + [s]
@@ -230,7 +232,7 @@ def masked_series() -> None:
         rows, data = [], []
         for j, (_, (c, lb, rot, cu, w, per_doc)) in enumerate(jobs):
             name = "8 docs" if cu else "dense"
-            layout = "per-document head-tail" if per_doc else "head-tail"
+            layout = layout_words(layout_of("bench", True, per_doc))
             t = max(r[j][0] for r in per_rank)
             sent = max(r[j][1] for r in per_rank)
             rows.append((name, layout, rot, t, sent / 2**20, ideal[name], t / ideal[name]))
