@@ -103,14 +103,16 @@ def _holders_of_torch_names() -> list[str]:
 
 
 def unpatch_torch() -> None:
-    """Puts back what :func:`patch_torch` replaced in torch and everything
-    cplib installed into transformers (a no-op where nothing is installed).
-    The next context-parallel start installs into transformers again."""
+    """Puts back what :func:`patch_torch` replaced in torch, and everything
+    cplib installed into transformers unless ``import cplib.hf`` keeps it
+    (its ``"cplib"`` models need it): a no-op where nothing is installed. The
+    next context-parallel start installs into transformers again."""
     from .transformers import uninstall
 
     with registry.lock():
         registry.restore(OWNER)
-        uninstall()
+        if not registry.patches("cplib.hf"):
+            uninstall()
 
 
 def torch_is_patched() -> bool:

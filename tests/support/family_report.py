@@ -120,7 +120,9 @@ def classify(results: list[dict]) -> dict[str, Any]:
         refused_at_build = all(not o["ok"] and o["stage"] == "build" for o in outcomes)
         if not_decoder:
             runs[name] = {"class": "not_decoder", "error": not_decoder}
-        elif refused_at_build:  # the switch cannot be set: whatever the reference does
+        elif refused_at_build or all(not o["ok"] for o in outcomes):
+            # The switch cannot be set, or the run raised on every rank: its
+            # class is its failure's, whatever the reference does.
             runs[name] = _failed(outcomes)
         elif ref is not None and not ref["ok"]:  # nothing to hold the run to
             runs[name] = dict(base)

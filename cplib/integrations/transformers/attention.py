@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .hybrid_families import FULL_MASK_LAYERS
+from .mask_functions import unknown_part
 from .padding import UNPADDED, dead_rows_of, dead_rows_under_cp, eager_dead_rows
 from ...frontend.options import RingConfig
 from ...frontend.sequence import sequence_shards
@@ -39,8 +39,14 @@ def cplib_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0
     and ``position_ids``, so no (q_length, kv_length) mask is ever built.
     Under context parallelism the ranks agree on it (one flag reduced over
     the group): the ops take the mask as one more q/k coordinate, so every
-    rank must pass it as soon as one rank holds padding."""
-    _refuse_full_mask_layers(kwargs.get("config"))
+    rank must pass it as soon as one rank holds padding. A mask function
+    with a part of the model's own (mask_functions.py) is never dropped:
+    under context parallelism it raises, in one process the layer gets
+    eager's mask."""
+    unknown = unknown_part(mask_function)
+    if unknown is not None:
+        return _eager_mask_of(unknown, batch_size, q_length, kv_length, q_offset, kv_offset,
+                              mask_function, attention_mask, **kwargs)
     if attention_mask is None or attention_mask.dim() != 2:
         return None
     padded = torch.tensor([0 if bool(attention_mask.all()) else 1],
@@ -59,22 +65,21 @@ def cplib_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0
     return mask
 
 
-def _refuse_full_mask_layers(config: Any) -> None:
-    """NotImplementedError for a model with layers that read the S x S mask
-    (cplib/integrations/transformers/hybrid_families.py's FULL_MASK_LAYERS), which this
-    implementation does not build: raised from the config alone, when the
-    model makes its masks, so on every rank and before any layer's exchange."""
-    module = type(config).__module__.split(".")
-    family = module[2] if len(module) > 2 and module[:2] == ["transformers", "models"] else None
-    if family not in FULL_MASK_LAYERS:
-        return
-    layer_type, reader = FULL_MASK_LAYERS[family]
-    if layer_type in (getattr(config, "layer_types", None) or ()):
+def _eager_mask_of(unknown: str, batch_size: int, q_length: int, kv_length: int,
+                   q_offset: int, kv_offset: int, mask_function: Any,
+                   attention_mask: torch.Tensor | None, **kwargs: Any) -> torch.Tensor:
+    if active_config() is not None:
+        config = kwargs.get("config")
+        name = type(config).__module__.split(".")[2] if config is not None else "the model"
         raise NotImplementedError(
-            f"cplib: attn_implementation=\"cplib\" cannot run {family}'s {layer_type!r} "
-            f"layers: {reader} selects tokens from transformers' S x S mask, which cplib does "
-            "not build (and under context parallelism it would see one shard's tokens); use "
-            "attn_implementation=\"sdpa\" or \"eager\" outside context parallelism")
+            f"cplib: {name}'s attention mask holds a part of the model's own ({unknown}), "
+            "which cplib's attention does not carry under context parallelism; run it "
+            "without context parallelism")
+    from transformers.masking_utils import eager_mask
+
+    return eager_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
+                      attention_mask, dtype=kwargs.get("dtype", torch.float32),
+                      use_vmap=kwargs.get("use_vmap", False), device=kwargs.get("device", "cpu"))
 
 
 def cplib_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Mixer", "FAMILIES", "SELECTORS", "FULL_MASK_LAYERS", "KERNEL_ROLES", "mixer_of"]
+__all__ = ["Mixer", "FAMILIES", "SELECTORS", "KERNEL_ROLES", "mixer_of"]
 
 DELTA = "delta rule: conv by halo, then head re-sharding or state passing"
 SSD = "Mamba2 SSD: conv by halo, then state passing"
@@ -92,14 +92,6 @@ SELECTORS: dict[str, tuple[Mixer, ...]] = {
     "qwen4_exp": (_refused("Qwen4ExpTextQSAIndexer",
                            "its indexer selects key blocks among every earlier token of the "
                            "sequence (sparse attention), which a shard does not hold"),),
-}
-
-# Layer types that need transformers' S x S mask, which
-# attn_implementation="cplib" does not build: family -> (layer type in
-# config.layer_types, the class that reads the mask). cplib/integrations/transformers/attention.py
-# refuses them when the mask is made, before any layer runs.
-FULL_MASK_LAYERS: dict[str, tuple[str, str]] = {
-    "qwen4_exp": ("indexed_attention", "Qwen4ExpTextQSAIndexer"),
 }
 
 # The kernel functions a family's layers call by their module-level name, and
