@@ -32,13 +32,14 @@ from torch.overrides import _get_current_function_mode_stack
 from ..comm.handshake import agreed
 from ..comm.native import check_mesh
 from ..ring.load_balancer import shard_lengths
-from .sdpa_dispatch import CPDispatchMode
+from .sdpa_dispatch import CPDispatchMode, dispatcher_enabled
 from .shard_layout import ShardLayout, shard_layout_of
 from .sharding import shard_key, shard_tensor, sharded_as
 from .unshard import unshard
 
 __all__ = ["SequenceShards", "active_handle", "layout_source", "sequence_shards",
-           "labels_in_layout", "sharded_scope", "layout_in_scope", "shards_of"]
+           "labels_in_layout", "sharded_scope", "layout_in_scope", "shards_of",
+           "traced_on_the_module_path"]
 
 
 def active_handle() -> Any:
@@ -107,9 +108,25 @@ _scope: contextvars.ContextVar[SequenceShards | None] = contextvars.ContextVar(
     "cplib_sharded_scope", default=None)
 
 
+def traced_on_the_module_path(what: str) -> None:
+    """NotImplementedError where a trace (``torch.compile``) reaches ``what``
+    outside any region while the module path is on: a trace sees neither
+    the module-path scope nor the layout a shard carries, so it cannot tell
+    a shard from a whole sequence. A region is seen (its dispatch mode)."""
+    if torch.compiler.is_compiling() and active_handle() is None and dispatcher_enabled():
+        raise NotImplementedError(
+            f"cplib: {what} inside a torch.compile'd function on the _ContextParallel module "
+            "path: a trace cannot see the layout its inputs were sharded in; compute it outside "
+            "the compiled function (the model's logits, then cplib.loss.cross_entropy), or "
+            "run the model in a cplib.context_parallel region")
+
+
 def shards_of(t: Any) -> SequenceShards | None:
     """The layout ``t`` was cut in by ``_context_parallel_shard`` or
-    ``cplib.shard`` (None: not one of their outputs)."""
+    ``cplib.shard`` (None: not one of their outputs; in a trace: unseen,
+    traced_on_the_module_path)."""
+    if torch.compiler.is_compiling():
+        return None
     tag = sharded_as(t)
     if tag is None:
         return None
@@ -129,8 +146,9 @@ def sharded_scope(shards: SequenceShards) -> Iterator[None]:
 
 
 def layout_in_scope() -> SequenceShards | None:
-    """The module-path scope's layout (None: none open)."""
-    return _scope.get()
+    """The module-path scope's layout (None: none open; in a trace: unseen,
+    traced_on_the_module_path)."""
+    return None if torch.compiler.is_compiling() else _scope.get()
 
 
 def layout_source() -> str | None:
@@ -139,7 +157,7 @@ def layout_source() -> str | None:
     refuses."""
     if active_handle() is not None:
         return _REGION
-    shards = _scope.get()
+    shards = layout_in_scope()
     return None if shards is None else shards.source
 
 
@@ -152,7 +170,7 @@ def sequence_shards(local_len: int) -> SequenceShards | None:
         if seq_len is None:  # equal sequential shards
             seq_len = local_len * handle.mesh.size()
         return SequenceShards(handle.mesh, handle.load_balancer, seq_len, _REGION)
-    return _scope.get()
+    return layout_in_scope()
 
 
 def _check(shards: SequenceShards | None, logits: torch.Tensor, labels: torch.Tensor,

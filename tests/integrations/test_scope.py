@@ -95,3 +95,18 @@ def _scope() -> list[str]:
 
 def test_a_one_process_forward_after_cp_calls_is_bitwise_the_one_before(ranks):
     assert ranks(2).run(_scope) == [["llama", "mixtral", "qwen3_next"]] * 2
+
+
+def test_a_model_compiles_in_one_graph_with_the_integration_installed():
+    """Every model's forward is guarded (forward_guard.py): outside context
+    parallelism the guard reads nothing a trace cannot, so
+    ``torch.compile(fullgraph=True)`` holds the model in one graph (before
+    the guard's scope lookup broke it)."""
+    import cplib.hf  # noqa: F401  (the integration installed)
+
+    model = tiny_llama().eval()
+    ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        got = torch.compile(model, backend="eager", fullgraph=True)(input_ids=ids).logits
+    torch.testing.assert_close(got, want)

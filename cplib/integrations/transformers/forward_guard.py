@@ -41,13 +41,18 @@ def _sharded_input(args: tuple, kwargs: dict) -> SequenceShards | None:
     return None
 
 
-def _under_context_parallelism(forward: Callable[..., Any], slots: dict[str, int], model: Any,
-                               args: tuple, kwargs: dict) -> Any:
-    where = layout_source()
+def _refuse_under_context_parallelism(model: Any, where: str) -> None:
     cls = type(model)
     check_family(cls, getattr(model, "config", None), where)
     if pools_one_token(cls):
         raise pooled_refusal(cls, where)
+
+
+def _under_context_parallelism(forward: Callable[..., Any], slots: dict[str, int], model: Any,
+                               args: tuple, kwargs: dict) -> Any:
+    where = layout_source()
+    _refuse_under_context_parallelism(model, where)
+    cls = type(model)
     given = given_targets(slots, args, kwargs)
     if not given:
         return forward(model, *args, **kwargs)
@@ -62,11 +67,15 @@ def guarded_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
     slots = target_slots(forward)
 
     def forward_under_cplib(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            # A trace sees a region (its dispatch mode), and refuses what it
+            # cannot check (the scope, the shards' layout, the own-loss count).
+            if active_handle() is not None:
+                _refuse_under_context_parallelism(self, layout_source())
+            return forward(self, *args, **kwargs)
         if active_handle() is not None or layout_in_scope() is not None:
             return _under_context_parallelism(forward, slots, self, args, kwargs)
-        # A compiled model is traced without the scan (dynamo would break the
-        # graph on the tensors' attribute); its losses still read the labels'.
-        shards = None if torch.compiler.is_compiling() else _sharded_input(args, kwargs)
+        shards = _sharded_input(args, kwargs)
         if shards is None:
             return forward(self, *args, **kwargs)
         with sharded_scope(shards):

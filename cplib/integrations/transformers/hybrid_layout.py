@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from ...comm.native import check_mesh
-from ...frontend.sequence import SequenceShards, active_handle, layout_in_scope, shards_of
+from ...frontend.sequence import (SequenceShards, active_handle, layout_in_scope, shards_of,
+                                  traced_on_the_module_path)
 from ...hybrid.layout import LAYOUTS_READ_IN_ORDER, SequenceLayout
 
 __all__ = ["layout_in_effect"]
@@ -25,6 +26,7 @@ def layout_in_effect(x: Any, what: str) -> SequenceLayout | None:
     handle = active_handle()
     if handle is not None:
         return SequenceLayout.of_context(handle, x.shape[1], what)
+    traced_on_the_module_path(what)
     shards = layout_in_scope() or shards_of(x)
     if shards is None or shards.mesh.size() == 1:
         return None

@@ -41,7 +41,8 @@ from typing import Any, Callable
 import torch
 
 from ... import patch_registry as registry
-from ...frontend.sequence import labels_in_layout, layout_source, sequence_shards, shards_of
+from ...frontend.sequence import (labels_in_layout, layout_source, sequence_shards, shards_of,
+                                  traced_on_the_module_path)
 from ...loss import shifted, token_loss_sum
 from .models import OWNER
 from .router_loss import caller_scales, context_parallel_router_loss
@@ -55,6 +56,7 @@ def _sharded(logits: torch.Tensor, labels: Any) -> bool:
     """Whether a loss of ``logits`` against ``labels`` is under context
     parallelism: a scope is open, or the labels carry the layout they were
     cut in (cplib/frontend/sequence.py)."""
+    traced_on_the_module_path("a Hugging Face loss")
     return sequence_shards(logits.shape[-2]) is not None or shards_of(labels) is not None
 
 
