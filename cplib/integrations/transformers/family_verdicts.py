@@ -133,7 +133,11 @@ _PADDING_POSITIONS = ("camembert data2vec roberta roberta_prelayernorm xlm_rober
                       "xlm_roberta_xl xmod kosmos2_5").split()
 _NOT_DECODERS = ("aimv2 align altclip blip chinese_clip clap clvp cpmant embedding_gemma2 flava "
                  "reformer siglip siglip2 t5gemma2 tipsv2 videoprism xlm xlnet").split()
-_SPARSE = "axk2 deepseek_v32 dots3_note glm_moe_dsa hy_v4 minimax_m3_vl mistral_large4".split()
+_SPARSE = "minimax_m3_vl".split()
+# DeepSeek Sparse Attention, exact under context parallelism and with
+# "cplib" (sparse/: the indexer over the whole sequence, the selected keys'
+# latents read from their owners).
+_DSA = "axk2 deepseek_v32 dots3_note glm_moe_dsa hy_v4 mistral_large4".split()
 
 
 def _everywhere(refusal: Refusal) -> Verdict:
@@ -144,8 +148,12 @@ def _under_cp(refusal: Refusal) -> Verdict:
     return Verdict(refusal, refusal)
 
 
+# Encoders (no decoder of theirs in the family test), exact by the test named.
+_ENCODERS = {"modernbert": "tests/hf/test_hf_task_losses.py"}
+
 FAMILIES: dict[str, Verdict] = {
     **{f: Verdict() for f in _EXACT},
+    **{f: Verdict() for f in _ENCODERS},
     **{f: Verdict(attention_free=True) for f in _ATTENTION_FREE},
     **{f: _everywhere(INLINE) for f in _INLINE},
     **{f: _under_cp(POSITIONS) for f in _NO_POSITION_IDS},
@@ -155,6 +163,7 @@ FAMILIES: dict[str, Verdict] = {
     **{f: _under_cp(PADDING_POSITIONS) for f in _PADDING_POSITIONS},
     **{f: _under_cp(NOT_A_DECODER) for f in _NOT_DECODERS},
     **{f: _everywhere(SPARSE) for f in _SPARSE},
+    **{f: Verdict() for f in _DSA},
     # Their indexed layers only where the config has some (linear ones are exact).
     "glm5_next": _everywhere(SPARSE_LAYERS),
     "qwen4_exp": _everywhere(SPARSE_LAYERS),
