@@ -87,13 +87,14 @@ def _style(seq_dim=2, ulysses_degree=1, flex=False):
 
 
 def _style_on(bad_rank, **bad):
-    """parallelize_module with ``bad`` style arguments on ``bad_rank``, then a
-    forward (which the style's checks must stop on every rank)."""
+    """parallelize_module with ``bad`` style arguments on ``bad_rank`` (None:
+    every rank), then a forward (which the style's checks must stop on every
+    rank)."""
     def case(rank, g):
         from torch.distributed.tensor.parallel import parallelize_module
 
         attn = parallelize_module(_Attention(), mesh(g),
-                                  _style(**(bad if rank == bad_rank else {})))
+                                  _style(**(bad if bad_rank in (None, rank) else {})))
         q = torch.randn(1, 2, 8, 4)
         cplib._enable_context_parallel_dispatcher()
         try:
@@ -190,6 +191,10 @@ FRONTEND_CASES = [
     ("cp-mha/one/need-weights", 2, _cp_mha_need_weights_on_rank_1, NotImplementedError,
      "need_weights=False"),
     ("style/one/seq-dim", 2, _style_on(1, seq_dim=1), NotImplementedError, "seq_dim=1"),
+    # One of issue 53's two aborts at exit.
+    ("style/same/ulysses-degree", 2, _style_on(None, ulysses_degree=3), ValueError,
+     "invalid input on every rank (rank 0's error): cplib: ulysses_degree=3 does not divide "
+     "the context-parallel world size 2"),
     ("style/disagree/ulysses-degree", 2, _style_on(1, ulysses_degree=2), ValueError,
      "disagree on ulysses_degree (rank 0: 1, rank 1: 2)"),
     ("style/one/dispatcher-off", 2, _style_dispatcher_on_rank_0, RuntimeError,
