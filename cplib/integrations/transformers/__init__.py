@@ -10,6 +10,8 @@ cplib/patch_registry.py), so that :func:`uninstall` (and
 * hybrid models' recurrent and conv layers carried across the ranks or
   refused (hybrid.py, hybrid_families.py);
 * the refusal of attention paths that stay within a shard (attention_guard.py);
+* the sparse-attention (DeepSeek Sparse Attention) layers' indexer over the
+  whole sequence and their attention over the selected keys (sparse/);
 * every model's forward guarded (forward_guard.py): the module-path scope of
   sharded inputs, and the refusal of families classified as not exact
   (families.py), of pooled heads (pooled.py) and of losses a model computes
@@ -38,6 +40,7 @@ from .forward_guard import guarded_forward
 from .hybrid import patch_hybrid_module
 from .losses import install_losses, wrap_router_loss
 from .models import OWNER, guard_forward, model_classes, model_modules
+from .sparse import patch_sparse_module
 
 __all__ = ["install", "uninstall", "installed", "OWNER"]
 
@@ -50,6 +53,7 @@ def _reach_module(name: str, module: Any) -> None:
     """What the integration replaces in one model module: its hybrid layers'
     kernels and mixers, its router loss, its model classes' forward."""
     patch_hybrid_module(name, module)
+    patch_sparse_module(name, module)
     wrap_router_loss(module)
     for cls in model_classes(module):
         guard_forward(cls, guarded_forward)

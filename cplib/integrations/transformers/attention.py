@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .mask_functions import unknown_part
+from .sparse.one_process import wants_full_mask, with_selection
 from .padding import UNPADDED, dead_rows_of, dead_rows_under_cp, eager_dead_rows
 from ...frontend.options import RingConfig
 from ...frontend.sequence import sequence_shards
@@ -43,7 +44,7 @@ def cplib_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0
     with a part of the model's own (mask_functions.py) is never dropped:
     under context parallelism it raises, in one process the layer gets
     eager's mask."""
-    unknown = unknown_part(mask_function)
+    unknown = unknown_part(mask_function) or wants_full_mask(kwargs.get("config"))
     if unknown is not None:
         return _eager_mask_of(unknown, batch_size, q_length, kv_length, q_offset, kv_offset,
                               mask_function, attention_mask, **kwargs)
@@ -111,6 +112,8 @@ def cplib_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         out = _context_parallel(config, query, key, value, attention_mask, scaling, causal,
                                 window, s_aux)
     else:
+        if kwargs.get("indices") is not None:  # a sparse layer's selection (sparse/one_process.py)
+            attention_mask = with_selection(attention_mask, kwargs["indices"], key.shape[2])
         out = _single_device(query, key, value, attention_mask, scaling, causal, window, s_aux,
                              kwargs.get("position_ids"))
     return out.transpose(1, 2).contiguous(), None

@@ -60,6 +60,7 @@ from ...flex.cp_mode import FlexCPMode
 from ...frontend.sdpa_dispatch import active_config, max_over_cp_ranks
 from ...frontend.sequence import SequenceShards, layout_in_scope, sequence_shards
 from .models import OWNER
+from .sparse import attention_taken_over
 
 __all__ = ["install_attention_guard"]
 
@@ -237,6 +238,9 @@ def _packed_search(find: Callable) -> Callable:
 def _guarded_get_interface(original: Callable) -> Callable:
     @functools.wraps(original)
     def get_interface(self: Any, attn_implementation: str, default: Callable) -> Callable:
+        taken = attention_taken_over()  # a sparse layer under CP: its own (sparse/)
+        if taken is not None:
+            return taken
         fn = original(self, attn_implementation, default)
         if active_config() is None:
             return fn
