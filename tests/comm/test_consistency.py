@@ -41,8 +41,9 @@ def _check_mismatches() -> list[str]:
     messages = [
         # A different local length.
         _expect_same_error(_ring_call(8 if rank == 0 else 6)),
-        # An odd one fails load_balanced's own check on rank 1, and every rank says so.
-        _expect_same_error(_ring_call(8 if rank == 0 else 7)),
+        # A bad scale fails rank 1's own check, and every rank says so.
+        _expect_same_error(lambda: cplib.ring_sdpa(
+            *[torch.randn(1, 2, 8, 8)] * 3, dist.group.WORLD, scale=-1.0 if rank == 1 else None)),
         _expect_same_error(_ring_call(8, is_causal=rank != 1)),
         _expect_same_error(lambda: cplib.flex_cp_allgather(
             torch.randn(1, 2, 4 + rank, 8), torch.randn(1, 2, 4 + rank, 8), 2, dist.group.WORLD)),
@@ -60,10 +61,11 @@ def _check_mismatches() -> list[str]:
 def test_every_rank_raises_the_same_error(ranks, world_size):
     results = ranks(world_size).run(_check_mismatches)
     assert all(r == results[0] for r in results), "ranks raised different errors"
-    ring_len, ring_odd, ring_causal, flex, conv = results[0]
-    assert re.search(r"ranks disagree on q\.size\(2\) \(rank 0: 8, rank 1: 6", ring_len), ring_len
-    assert re.search(r"ring_sdpa: invalid input on rank 1[: ].*load_balanced needs even local "
-                     r"lengths", ring_odd), ring_odd
+    ring_len, ring_scale, ring_causal, flex, conv = results[0]
+    # Causal, load-balanced shards of lengths no one sequence's layout gives.
+    assert re.search(r"local lengths differ \(q \[8, 6[],]", ring_len), ring_len
+    assert re.search(r"ring_sdpa: invalid input on rank 1[: ].*scale=-1\.0 must be a finite "
+                     r"positive number", ring_scale), ring_scale
     assert "ranks disagree on is_causal (rank 0: True, rank 1: False" in ring_causal, ring_causal
     assert "flex_cp_allgather: ranks disagree on k.size(2)" in flex, flex
     assert "tp_convolution: ranks disagree on padding[0]" in conv, conv
@@ -94,7 +96,7 @@ def test_switch_off_behaves_as_before(ranks):
 
 def test_threaded_group(threaded):
     results = threaded(2, lambda: _error_of(_ring_call(8 + 2 * dist.get_rank())))
-    assert results[0] == results[1] and "q.size(2) (rank 0: 8, rank 1: 10" in results[0]
+    assert results[0] == results[1] and "local lengths differ (q [8, 10]" in results[0]
 
 
 def test_switch_restores_previous_setting(monkeypatch):

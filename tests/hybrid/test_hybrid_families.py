@@ -15,6 +15,7 @@ import importlib
 import os
 import re
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -114,8 +115,8 @@ def test_every_sequence_mixer_of_transformers_is_listed():
 
 
 # Families whose attention layers cplib's attention refuses (with its own
-# NotImplementedError): what it names.
-ATTENTION_REFUSED = {"inkling": "position_bias", "inkling2": "position_bias"}
+# NotImplementedError, as "cplib" is set: family_verdicts.py): what it names.
+ATTENTION_REFUSED = {"inkling": "position bias", "inkling2": "position bias"}
 
 
 def _family_under_cp(family: str) -> str:
@@ -124,13 +125,15 @@ def _family_under_cp(family: str) -> str:
     from cplib.integrations.transformers.hybrid_families import FAMILIES
 
     n = dist.get_world_size()
+    if family in ATTENTION_REFUSED:
+        with pytest.raises(NotImplementedError, match=ATTENTION_REFUSED[family]):
+            tiny_model(family)
+        return f"refused {ATTENTION_REFUSED[family]}"
     model = tiny_model(family)
     present = {type(m).__name__ for m in model.modules()}
     mixers = [m for m in FAMILIES[family] if m.name in present]
     assert mixers, f"{family}: the tiny model has none of {[m.name for m in FAMILIES[family]]}"
-    refused = [m.name for m in mixers if m.refusal is not None]
-    expected = refused[:1] or ([ATTENTION_REFUSED[family]] if family in ATTENTION_REFUSED
-                               else [])
+    expected = [m.name for m in mixers if m.refusal is not None][:1]
     ids = torch.randint(0, VOCAB, (1, 16 * n), generator=torch.Generator().manual_seed(2))
     pos = torch.arange(16 * n)[None]
     with torch.no_grad():

@@ -1,11 +1,12 @@
 """Qwen4-Exp's indexed attention layers (the QSA indexer: per query, top-k key
 blocks among every earlier token, read from transformers' S x S mask).
-``attn_implementation="cplib"`` builds no such mask: the model raises
-NotImplementedError naming the family and the indexer when it makes its
-masks, in one process and under context parallelism on every rank (before
-any layer runs). With SDPA under context parallelism the indexer itself is
-refused by name on every rank (a shard holds only its own tokens). Before,
-the indexer failed inside transformers with an AttributeError."""
+``attn_implementation="cplib"`` builds no such mask: setting it on a model
+with such layers raises NotImplementedError naming the family and its
+indexed attention (cplib/integrations/transformers/family_verdicts.py). With
+SDPA under context parallelism the model is refused by name on every rank,
+at its forward's start (a shard holds only its own tokens). A model of only
+linear layers runs (tests/hybrid/test_hybrid_families.py). Before, the
+indexer failed inside transformers with an AttributeError."""
 
 from __future__ import annotations
 
@@ -25,26 +26,27 @@ def _ids(s: int) -> torch.Tensor:
 
 
 def test_cplib_attention_refuses_the_qsa_indexer_by_name():
-    model = tiny_model("qwen4_exp", attn_implementation="cplib", overrides=QSA)
-    with pytest.raises(NotImplementedError, match="qwen4_exp.*Qwen4ExpTextQSAIndexer"):
-        model(input_ids=_ids(16), use_cache=False)
-    # The same model on SDPA runs (transformers' own path).
-    model.set_attn_implementation("sdpa")
+    with pytest.raises(NotImplementedError, match="qwen4_exp.*indexed"):
+        tiny_model("qwen4_exp", attn_implementation="cplib", overrides=QSA)
+    # The same model on SDPA runs (transformers' own path), and refuses the switch.
+    model = tiny_model("qwen4_exp", attn_implementation="sdpa", overrides=QSA)
     assert model(input_ids=_ids(16), use_cache=False).logits.shape == (1, 16, VOCAB)
+    with pytest.raises(NotImplementedError, match="qwen4_exp.*indexed"):
+        model.set_attn_implementation("cplib")
 
 
 def _under_cp(attn: str) -> str:
     import cplib
 
     n = dist.get_world_size()
-    model = tiny_model("qwen4_exp", attn_implementation=attn, overrides=QSA)
     ids, pos = _ids(16 * n), torch.arange(16 * n)[None]
     try:
+        model = tiny_model("qwen4_exp", attn_implementation=attn, overrides=QSA)
         with torch.no_grad(), cplib.context_parallel(
                 DeviceMesh("cpu", list(range(n))), buffers=[ids, pos], buffer_seq_dims=[1, 1]):
             model(input_ids=ids, position_ids=pos, use_cache=False)
     except NotImplementedError as exc:
-        assert "Qwen4ExpTextQSAIndexer" in str(exc), str(exc)
+        assert "qwen4_exp" in str(exc) and "indexed" in str(exc), str(exc)
         return str(exc).split(":")[1]
     return "ran"
 

@@ -46,7 +46,9 @@ _current: contextvars.ContextVar[SparseCall | None] = contextvars.ContextVar(
 
 
 def current() -> SparseCall | None:
-    return _current.get()
+    # A trace never holds a sparse call (layer.py runs them eagerly), and
+    # dynamo cannot read a ContextVar: a compiled dense model asks here too.
+    return None if torch.compiler.is_compiling() else _current.get()
 
 
 def open_call(call: SparseCall) -> contextvars.Token:
@@ -60,7 +62,7 @@ def close_call(token: contextvars.Token) -> None:
 def attention_taken_over() -> Callable[..., Any] | None:
     """The attention function of the sparse layer running now under context
     parallelism (None: no such layer)."""
-    call = _current.get()
+    call = current()
     return None if call is None else call.attention
 
 

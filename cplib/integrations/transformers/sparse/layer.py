@@ -117,6 +117,12 @@ def layer_forward(original: Callable, family: str) -> Callable:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not _engaged(self):
             return original(self, *args, **kwargs)
+        if torch.compiler.is_compiling():
+            if active_config() is not None:
+                raise _refuse(f"{type(self).__name__} ({family})",
+                              "runs eagerly under context parallelism: compile the model "
+                              "outside the region, or not at all")
+            return original(self, *args, **kwargs)
         bound = signature.bind(self, *args, **kwargs)
         hidden = bound.arguments["hidden_states"]
         shards = sequence_shards(hidden.shape[1])
