@@ -116,7 +116,8 @@ CASES_2 = [
 ]
 CASES_4 = [
     ("causal", 1, 512, ("head_tail",), {"block": 32}),
-    ("documents_chunked", 2, 512, ("per_document_head_tail", "head_tail"), {}),
+    # Two rows, each permuted its own way (head-tail at 4: the causal case).
+    ("documents_chunked", 2, 512, ("per_document_head_tail",), {}),
     ("window", 1, 1024, ("none",), {"block": 32}),
     ("prefix", 1, 512, ("ptrr",), {"heads": (4, 2), "score": True, "block": 32}),
 ]

@@ -188,17 +188,23 @@ def _hang_stacks(pool) -> str:
     return "; ".join(out)
 
 
-def _classify_family(pool_box: list, family: str, switches: tuple[str, ...], world: int) -> dict:
+def _classify_family(pool_box: list, family: str, switches: tuple[str, ...], world: int,
+                     layouts: tuple[str, ...] | None = None) -> dict:
     """Every part of ``family`` on the pool in ``pool_box`` (replaced by a
-    fresh pool after a part that did not finish, which is then ``hang``)."""
+    fresh pool after a part that did not finish, which is then ``hang``);
+    the regions in ``layouts`` (None: every layout)."""
     import family_runs
+    import family_steps
+
+    layouts = tuple(family_steps.LAYOUTS) if layouts is None else layouts
 
     parts, hung, helper, note = [], {}, False, None
     for part in family_runs.PARTS:
         if part != "one_process" and part not in switches:
             continue
         try:
-            parts.append(pool_box[0].run(family_runs.run_part, family, part, switches, helper))
+            parts.append(pool_box[0].run(family_runs.run_part, family, part, switches, helper,
+                                         layouts))
         except AssertionError as exc:  # the pool closed itself
             lines = [line for line in str(exc).splitlines() if line.strip()]
             hung[part] = f"{lines[0][:200]}; {_hang_stacks(pool_box[0])}"
@@ -211,7 +217,8 @@ def _classify_family(pool_box: list, family: str, switches: tuple[str, ...], wor
             # business): judge its attention with cplib.loss.cross_entropy.
             helper, note = True, "every run with cplib.loss.cross_entropy: its labels= loss " \
                 f"fails in one process ({_error([ref])})"
-            parts[0] = pool_box[0].run(family_runs.run_part, family, part, switches, helper)
+            parts[0] = pool_box[0].run(family_runs.run_part, family, part, switches, helper,
+                                       layouts)
     out = classify(_merge(parts)) if parts else {"runs": {}, "switches": {}, "features": [],
                                                  "seconds": None}
     if note:

@@ -169,11 +169,12 @@ PARTS = ("one_process", "sdpa", "cplib", "trainer")
 
 
 def run_part(family: str, part: str, switches: tuple[str, ...] = SWITCHES,
-             helper: bool = False) -> dict[str, Any]:
+             helper: bool = False, layouts: tuple[str, ...] = tuple(fs.LAYOUTS)
+             ) -> dict[str, Any]:
     """One task of ``family`` on every rank: ``{"runs": {run: outcome}}``.
     ``one_process``: rank 0 the eager reference (and whether the family is
     causal), the last rank ``cplib_outside`` and Trainer's one-process step;
-    ``sdpa`` / ``cplib``: the region's runs in both layouts; ``trainer``:
+    ``sdpa`` / ``cplib``: the region's runs in ``layouts``; ``trainer``:
     the Trainer step. A region run refused for the model's own loss (cplib
     cannot shard a loss the model computes itself) runs again with
     ``cplib.loss.cross_entropy`` on its logits (``<run>+helper_loss``):
@@ -197,7 +198,7 @@ def run_part(family: str, part: str, switches: tuple[str, ...] = SWITCHES,
             if part == "one_process":
                 _one_process_part(family, switches, trainer, runs, helper)
             elif part in ("sdpa", "cplib"):
-                _region_part(family, part, runs, helper)
+                _region_part(family, part, runs, helper, layouts)
             elif part == "trainer" and trainer:
                 runs["trainer"] = _cp_run(family, "sdpa", fs.trainer_like(family))
             elif part == "trainer":
@@ -227,8 +228,9 @@ def _one_process_part(family: str, switches: tuple[str, ...], trainer: bool,
             runs["reference_train"] = _run(family, "eager", _one(family, train=True))
 
 
-def _region_part(family: str, switch: str, runs: dict[str, dict], helper: bool) -> None:
-    for layout in fs.LAYOUTS:
+def _region_part(family: str, switch: str, runs: dict[str, dict], helper: bool,
+                 layouts: tuple[str, ...]) -> None:
+    for layout in layouts:
         name = f"{switch}/{layout}"
         runs[name] = _cp_run(family, switch, fs.in_region(family, layout, helper))
         own_loss = not helper and not runs[name]["ok"] and _OWN_LOSS in runs[name]["message"]

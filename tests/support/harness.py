@@ -126,16 +126,13 @@ class RankPool:
         failures: list[tuple[int, str]] = []
         deadline = time.monotonic() + RUN_TIMEOUT_S
         while len(got) + len(failures) < self.world_size:
-            # Once a rank failed, the others get a short grace period: they
-            # may be blocked in a collective the failed rank never joined.
-            limit = deadline if not failures else min(deadline, time.monotonic() + FAILURE_GRACE_S)
             dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
             try:
                 # Short waits, so that a rank process that died is noticed.
                 rid, rank, ok, payload = self._results.get(
-                    timeout=min(1.0, max(0.0, limit - time.monotonic())))
+                    timeout=min(1.0, max(0.0, deadline - time.monotonic())))
             except queue.Empty:
-                if time.monotonic() < limit and not dead:
+                if time.monotonic() < deadline and not dead:
                     continue
                 self.close(force=True)
                 missing = sorted(set(range(self.world_size)) - set(got) - {r for r, _ in failures})
@@ -154,6 +151,10 @@ class RankPool:
                 got[rank] = payload
             else:
                 failures.append((rank, payload))
+                # The others get a short grace period from this failure on
+                # (not renewed while they wait): they may be blocked in a
+                # collective the failed rank never joined.
+                deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
         if failures:
             self.close(force=True)
             raise AssertionError(
