@@ -57,7 +57,13 @@ def may_be_recomputed() -> bool:
 
 
 _REENTRANT = torch.utils.checkpoint.CheckpointFunction.forward.__code__
-_NON_REENTRANT = inspect.unwrap(torch.utils.checkpoint.checkpoint).__code__
+# torch.utils.checkpoint's frame that holds the non-reentrant generator
+# (``gen``): ``checkpoint`` itself (torch 2.11-2.13), or its ``_checkpoint_impl``
+# where it has one (2.15).
+_NON_REENTRANT = frozenset(
+    inspect.unwrap(f).__code__ for f in (torch.utils.checkpoint.checkpoint,
+                                         getattr(torch.utils.checkpoint, "_checkpoint_impl", None))
+    if f is not None)
 
 
 def _recomputation_holder() -> tuple[Any, str] | None:
@@ -70,11 +76,12 @@ def _recomputation_holder() -> tuple[Any, str] | None:
     while frame is not None:
         if frame.f_code is _REENTRANT:
             return frame.f_locals.get("ctx"), "run_function"
-        if frame.f_code is _NON_REENTRANT:
+        if frame.f_code in _NON_REENTRANT:
             gen = frame.f_locals.get("gen")
             held = None if gen is None or gen.gi_frame is None else \
                 gen.gi_frame.f_locals.get("new_frame")
-            return (held, "recompute_fn") if held is not None else None
+            if held is not None:
+                return held, "recompute_fn"
         frame = frame.f_back
     return None
 
