@@ -8,6 +8,17 @@ import weakref
 
 import torch
 import torch.distributed as dist
+# Imported here, before the program makes a group, though only compiling and
+# flex need it (about 0.8 s of every process): imported later, inside a call
+# that holds a group, dynamo's import keeps that group alive past
+# destroy_process_group() until the collector runs (the cause of the abort
+# at exit: docs/comm.md). torch.fx's wrap(), run at its import, keeps its own
+# frame in a local (a cycle that holds the importer's whole stack:
+# tests/comm/test_exit_clean.py failed so when dynamo was imported at a
+# loss's first call), and torch.distributed.nn, which it imports, takes the
+# default group of that moment as its functions' default argument
+# (tests/support/exit_scenario.py).
+import torch._dynamo  # noqa: F401
 from torch.distributed.device_mesh import DeviceMesh
 
 from .. import _C  # noqa: F401  (importing it runs the op registrations)

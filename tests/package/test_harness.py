@@ -35,10 +35,14 @@ def _sum_of_ranks() -> int:
     return int(t.item())
 
 
-def test_failure_then_fresh_ranks_and_no_stale_results(ranks):
+def test_failure_then_fresh_ranks_and_no_stale_results(ranks, monkeypatch):
+    import harness
+
     before = ranks(2).run(_rank_and_pid)
     # A rank blocked in a collective: the run fails quickly (grace period,
-    # not the group timeout) and the pool is closed.
+    # not the group timeout) and the pool is closed. The blocked rank never
+    # answers, so a short grace decides nothing here but the wait.
+    monkeypatch.setattr(harness, "FAILURE_GRACE_S", 2.0)
     with pytest.raises(AssertionError, match="rank 1 fails on purpose"):
         ranks(2).run(_fail_on_rank_1_after_a_collective_wait)
     after = ranks(2).run(_rank_and_pid)

@@ -1,0 +1,45 @@
+"""A region with buffers keeps its shards' saved tensors under saved-tensor
+hooks of its own (frontend/sharding.py: keep_shards_for_backward), so that a
+backward after the region sees the shards, not the restored buffers: the
+ring's attention op saves q, which is a buffer's shard itself or a tensor
+computed from one, and the backward after the region exits matches one
+process either way (without the hooks the first fails: "modified by an
+inplace operation")."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+import cplib
+
+
+def _attention(x: torch.Tensor, w: torch.Tensor, q_is_buffer: bool) -> torch.Tensor:
+    k = x @ w
+    q = x if q_is_buffer else x @ w.t()
+    return F.scaled_dot_product_attention(q, k, k, is_causal=True)
+
+
+def _backward_after_exit(q_is_buffer: bool) -> float:
+    n = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (n,))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 2, 16, 8, generator=g, dtype=torch.float64)
+    w = torch.randn(8, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    want = torch.autograd.grad((_attention(x, w, q_is_buffer) ** 2).sum(), w)[0]
+    with cplib.context_parallel(mesh, buffers=[x], buffer_seq_dims=[2]):
+        loss = (_attention(x, w, q_is_buffer) ** 2).sum()  # this rank's rows
+    assert x.shape[2] == 16  # restored: the backward must not read it
+    loss.backward()
+    dist.all_reduce(w.grad)
+    err = (w.grad - want).abs().max().item()
+    assert err < 1e-10, (q_is_buffer, err)
+    return err
+
+
+@pytest.mark.parametrize("q_is_buffer", [False, True], ids=["q elsewhere", "q a shard"])
+def test_backward_after_exit_either_way(ranks, q_is_buffer):
+    assert len(ranks(2).run(_backward_after_exit, q_is_buffer)) == 2
