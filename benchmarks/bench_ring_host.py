@@ -166,7 +166,8 @@ def _rank(iters: int) -> dict:
     shard = ids[:, : S // dist.get_world_size()].clone()
 
     def routed_with_buffers():
-        with CPDispatchMode(handle.config, handle, (ids,)), keep_shards_for_backward([shard]):
+        # In the region's order: the hooks, then the dispatch.
+        with keep_shards_for_backward([shard]), CPDispatchMode(handle.config, handle, (ids,)):
             return sdpa_step(qg, kg, vg, grad_out)
 
     steps = {

@@ -266,8 +266,10 @@ def context_parallel(
         _cp_options.enable_load_balance = planned.balanced  # as torch does, for code that reads it
         handle = ContextParallelHandle(mesh, config, balancer, auto,
                                        _layout_key(group.group_name, world_size, planned))
-        with CPDispatchMode(config, handle, tuple(buffers)), ulysses_layout(ulysses_degree), \
-                keep_shards_for_backward(shards), applied_cp_plans(mesh, modules):
+        # The hooks first: made inside the dispatch, their setup's tensor
+        # calls would go through its handler.
+        with keep_shards_for_backward(shards), CPDispatchMode(config, handle, tuple(buffers)), \
+                ulysses_layout(ulysses_degree), applied_cp_plans(mesh, modules):
             yield handle
     finally:
         _cp_options.enable_load_balance = old_balance
