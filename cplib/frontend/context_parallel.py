@@ -266,8 +266,6 @@ def context_parallel(
         _cp_options.enable_load_balance = planned.balanced  # as torch does, for code that reads it
         handle = ContextParallelHandle(mesh, config, balancer, auto,
                                        _layout_key(group.group_name, world_size, planned))
-        # The hooks first: made inside the dispatch, their setup's tensor
-        # calls would go through its handler.
         with keep_shards_for_backward(shards), CPDispatchMode(config, handle, tuple(buffers)), \
                 ulysses_layout(ulysses_degree), applied_cp_plans(mesh, modules):
             yield handle

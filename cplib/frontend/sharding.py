@@ -179,7 +179,9 @@ def keep_shards_for_backward(shards: list[torch.Tensor]):
     backward() after the block see the full tensors (autograd's "modified by
     an inplace operation"). A tensor saved while this is active that lives in
     a shard's storage is saved as a fresh alias of that storage instead, which
-    the restore leaves alone: backward after exit gets the right gradients."""
+    the restore leaves alone: backward after exit gets the right gradients.
+    Entered before the region's dispatch mode, whose handler its setup's
+    tensor calls would otherwise go through (host work)."""
     storages = {s.untyped_storage().data_ptr() for s in shards if s.numel()}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
