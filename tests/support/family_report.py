@@ -194,9 +194,6 @@ def _classify_family(pool_box: list, family: str, switches: tuple[str, ...], wor
     fresh pool after a part that did not finish, which is then ``hang``);
     the regions in ``layouts`` (None: every layout)."""
     import family_runs
-    import family_steps
-
-    layouts = tuple(family_steps.LAYOUTS) if layouts is None else layouts
 
     parts, hung, helper, note = [], {}, False, None
     for part in family_runs.PARTS:

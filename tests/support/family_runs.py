@@ -169,12 +169,11 @@ PARTS = ("one_process", "sdpa", "cplib", "trainer")
 
 
 def run_part(family: str, part: str, switches: tuple[str, ...] = SWITCHES,
-             helper: bool = False, layouts: tuple[str, ...] = tuple(fs.LAYOUTS)
-             ) -> dict[str, Any]:
+             helper: bool = False, layouts: tuple[str, ...] | None = None) -> dict[str, Any]:
     """One task of ``family`` on every rank: ``{"runs": {run: outcome}}``.
     ``one_process``: rank 0 the eager reference (and whether the family is
     causal), the last rank ``cplib_outside`` and Trainer's one-process step;
-    ``sdpa`` / ``cplib``: the region's runs in ``layouts``; ``trainer``:
+    ``sdpa`` / ``cplib``: the region's runs in ``layouts`` (None: every one); ``trainer``:
     the Trainer step. A region run refused for the model's own loss (cplib
     cannot shard a loss the model computes itself) runs again with
     ``cplib.loss.cross_entropy`` on its logits (``<run>+helper_loss``):
@@ -198,7 +197,8 @@ def run_part(family: str, part: str, switches: tuple[str, ...] = SWITCHES,
             if part == "one_process":
                 _one_process_part(family, switches, trainer, runs, helper)
             elif part in ("sdpa", "cplib"):
-                _region_part(family, part, runs, helper, layouts)
+                _region_part(family, part, runs, helper,
+                             tuple(fs.LAYOUTS) if layouts is None else layouts)
             elif part == "trainer" and trainer:
                 runs["trainer"] = _cp_run(family, "sdpa", fs.trainer_like(family))
             elif part == "trainer":
