@@ -24,8 +24,8 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from ..attention.args import backend_arg, check_inputs, scale_arg, window_arg
 from .documents import current_window, documents_stack
 from .dtensor_sdpa import disable_dtensor_sdpa, enable_dtensor_sdpa
-from .mode_kept import (AUTOGRAD_ENTRIES, autograd_with_mode, body_with_mode, may_be_recomputed,
-                        recompute_only_under, with_inner_sdpa)
+from .mode_kept import (AUTOGRAD_ENTRIES, autograd_past_shard_hooks, autograd_with_mode,
+                        body_with_mode, may_be_recomputed, recompute_only_under, with_inner_sdpa)
 from ..comm.handshake import agreed, forward_error
 from ..comm.native import call_translating, group_name_of
 from ..flex.call import is_graph_call
@@ -301,8 +301,10 @@ class CPDispatchMode(LetsFlexModulesThrough, TorchFunctionMode):
                                    types_, args, kwargs)
         if isinstance(func, HigherOrderOperator) and func is not _FLEX:
             return body_with_mode(self, func, types_, args, kwargs)
-        if func in AUTOGRAD_ENTRIES and self.recomputable:
-            return autograd_with_mode(self, func, types_, args, kwargs)
+        if func in AUTOGRAD_ENTRIES:
+            if self.recomputable:
+                return autograd_with_mode(self, func, types_, args, kwargs)
+            return autograd_past_shard_hooks(func, args, kwargs, call_translating)
         return call_translating(func, args, kwargs)
 
 

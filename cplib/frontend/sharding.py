@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..ring.load_balancer import _LoadBalancer, rearrange, shard_lengths
 from ..comm.handshake import agreed, handshake
 from ..comm.native import check_mesh
+from .mode_kept import KEEPS_SHARDS
 from .options import _cp_options
 from .start_hooks import run_start_hooks
 
@@ -192,8 +193,9 @@ def keep_shards_for_backward(shards: list[torch.Tensor]):
     if not storages:
         return contextlib.nullcontext()
     # Not a checkpoint's hooks: a call made under them is not recomputed in
-    # the backward (mode_kept.may_be_recomputed reads this mark).
-    pack.__cplib_keeps_shards__ = True  # type: ignore[attr-defined]
+    # the backward (mode_kept.may_be_recomputed reads this mark), and a
+    # backward that builds no graph runs without them (autograd_past_shard_hooks).
+    setattr(pack, KEEPS_SHARDS, True)
     return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
 
