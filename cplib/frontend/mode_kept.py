@@ -68,10 +68,9 @@ def autograd_past_shard_hooks(func: Callable, args: tuple, kwargs: dict,
     """``run(func, args, kwargs)``, a backward (``func`` one of
     ``AUTOGRAD_ENTRIES``), with a region's keep-shards hooks taken off the
     top of the stack meanwhile: a backward that builds no graph saves
-    nothing, and one run under Python saved-tensor hooks costs about 12 us
-    more of host work though it saves nothing (autograd's engine carries the
-    hooks in its thread-local state). With ``create_graph`` the hooks stay:
-    that backward saves tensors, shards among them."""
+    nothing, yet Python saved-tensor hooks in effect cost it host work
+    (benchmarks/RESULTS.md, "Host work per call"). With ``create_graph``
+    the hooks stay: that backward saves tensors, shards among them."""
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
     if hooks is None or not getattr(hooks[0], KEEPS_SHARDS, False) or \
             torch.compiler.is_compiling():

@@ -33,20 +33,10 @@ from ..flex.cp_mode import LetsFlexModulesThrough, refuse_flex_call
 from .options import RingConfig
 from ..ring.call import RingCall
 
-__all__ = [
-    "CPDispatchMode",
-    "routed_sdpa",
-    "sdpa_backend_hint",
-    "_enable_context_parallel_dispatcher",
-    "_disable_context_parallel_dispatcher",
-    "dispatcher_enabled",
-    "agreed_before_attention",
-    "active_config",
-    "max_over_cp_ranks",
-    "CALLS_SDPA",
-    "MHA",
-    "check_mha_weights",
-]
+__all__ = ["CPDispatchMode", "routed_sdpa", "sdpa_backend_hint",
+           "_enable_context_parallel_dispatcher", "_disable_context_parallel_dispatcher",
+           "dispatcher_enabled", "agreed_before_attention", "active_config",
+           "max_over_cp_ranks", "CALLS_SDPA", "MHA", "check_mha_weights"]
 
 T = TypeVar("T")
 
