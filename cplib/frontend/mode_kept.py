@@ -29,9 +29,10 @@ from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
 from torch.autograd.graph import _engine_run_backward
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
-__all__ = ["redispatch", "AUTOGRAD_ENTRIES", "KEEPS_SHARDS", "autograd_past_shard_hooks",
-           "autograd_with_mode", "body_with_mode", "may_be_recomputed", "with_inner_sdpa",
-           "recompute_only_under"]
+from .sharding import ShardPack
+
+__all__ = ["redispatch", "AUTOGRAD_ENTRIES", "autograd_past_shard_hooks", "autograd_with_mode",
+           "body_with_mode", "may_be_recomputed", "with_inner_sdpa", "recompute_only_under"]
 
 # torch >= 2.13 can call a function past one handler, so that the function
 # runs with the mode active again; older torch has no such call.
@@ -54,11 +55,9 @@ def may_be_recomputed() -> bool:
     # A region with buffers keeps its shards' saved tensors under hooks of
     # its own (sharding.keep_shards_for_backward), which recompute nothing.
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    return hooks is not None and not getattr(hooks[0], KEEPS_SHARDS, False)
+    return hooks is not None and not isinstance(hooks[0], ShardPack)
 
 
-# The mark of the pack hook of sharding.keep_shards_for_backward.
-KEEPS_SHARDS = "__cplib_keeps_shards__"
 # Where each autograd entry takes create_graph by position.
 _CREATE_GRAPH_AT = {torch.Tensor.backward: 3, torch.autograd.backward: 3, torch.autograd.grad: 4}
 
@@ -72,8 +71,7 @@ def autograd_past_shard_hooks(func: Callable, args: tuple, kwargs: dict,
     (benchmarks/RESULTS.md, "Host work per call"). With ``create_graph``
     the hooks stay: that backward saves tensors, shards among them."""
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    if hooks is None or not getattr(hooks[0], KEEPS_SHARDS, False) or \
-            torch.compiler.is_compiling():
+    if hooks is None or not isinstance(hooks[0], ShardPack) or torch.compiler.is_compiling():
         return run(func, args, kwargs)
     at = _CREATE_GRAPH_AT[func]
     if kwargs.get("create_graph", len(args) > at and args[at]):

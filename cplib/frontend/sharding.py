@@ -28,7 +28,6 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..ring.load_balancer import _LoadBalancer, rearrange, shard_lengths
 from ..comm.handshake import agreed, handshake
 from ..comm.native import check_mesh
-from .mode_kept import KEEPS_SHARDS
 from .options import _cp_options
 from .start_hooks import run_start_hooks
 
@@ -174,6 +173,23 @@ def _shard_block_mask(mesh: DeviceMesh, mask: Any, load_balancer: _LoadBalancer 
     return shard_flex_mask(mesh, mask, load_balancer)
 
 
+class ShardPack:
+    """The pack hook of :func:`keep_shards_for_backward`. Its type marks the
+    region's hooks: they are not a checkpoint's, so a call made under them
+    is not recomputed in the backward (mode_kept.may_be_recomputed), and a
+    backward that builds no graph runs without them
+    (mode_kept.autograd_past_shard_hooks)."""
+
+    def __init__(self, storages: set[int]) -> None:
+        self.storages = storages
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self.storages:
+            return t
+        return t.new_empty(0).set_(storage, t.storage_offset(), t.size(), t.stride())
+
+
 def keep_shards_for_backward(shards: list[torch.Tensor]):
     """Autograd saves the buffers themselves (an embedding's ids, a linear
     layer's input), and restoring them in place on exit would make a
@@ -184,19 +200,9 @@ def keep_shards_for_backward(shards: list[torch.Tensor]):
     Entered before the region's dispatch mode, whose handler its setup's
     tensor calls would otherwise go through (host work)."""
     storages = {s.untyped_storage().data_ptr() for s in shards if s.numel()}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if not storages or t.untyped_storage().data_ptr() not in storages:
-            return t
-        return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
-
     if not storages:
         return contextlib.nullcontext()
-    # Not a checkpoint's hooks: a call made under them is not recomputed in
-    # the backward (mode_kept.may_be_recomputed reads this mark), and a
-    # backward that builds no graph runs without them (autograd_past_shard_hooks).
-    setattr(pack, KEEPS_SHARDS, True)
-    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    return torch.autograd.graph.saved_tensors_hooks(ShardPack(storages), lambda t: t)
 
 
 def shard(mesh: DeviceMesh, buffers: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],

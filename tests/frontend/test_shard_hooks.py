@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 import cplib
-from cplib.frontend.mode_kept import KEEPS_SHARDS
+from cplib.frontend.sharding import ShardPack
 
 
 def _attention(x: torch.Tensor, w: torch.Tensor, q_is_buffer: bool) -> torch.Tensor:
@@ -50,7 +50,7 @@ def test_backward_after_exit_either_way(ranks, q_is_buffer):
 
 def _shard_hooks_on_top() -> bool:
     top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    return top is not None and getattr(top[0], KEEPS_SHARDS, False)
+    return top is not None and isinstance(top[0], ShardPack)
 
 
 class _SeesHooks(torch.autograd.Function):
