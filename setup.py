@@ -39,6 +39,11 @@ OPT = ["-O0", "-g"] if DEBUG else ["-O3"]
 # Host compilers: Python's own CFLAGS add -g, which makes _C.so several times
 # larger and every compile slower; -g0 (last wins) drops it.
 HOST_OPT = OPT if DEBUG else [*OPT, "-g0"]
+# The C core's float loops (the merges' exp/log1p weights) vectorise only
+# when a compare or a product may be computed in every lane: GCC keeps such a
+# loop scalar while FP exceptions may trap. cplib never reads the FP flags;
+# values are unchanged (IEEE results, no reassociation, no fast-math).
+C_FP = ["-fno-trapping-math"]
 # The oldest torch the one binary serves (2.11.0).
 TORCH_TARGET_VERSION = "0x020b000000000000"
 
@@ -76,7 +81,7 @@ class BuildExt(cpp_extension.BuildExtension):
         objects = []
         for src in sorted(glob.glob(os.path.join(ROOT, "csrc", "core", "*.c"))):
             obj = os.path.join(objdir, os.path.basename(src)[:-2] + ".o")
-            cmd = [*cc, "-std=c11", *HOST_OPT, "-fPIC", "-fopenmp", "-Wall", "-Wextra",
+            cmd = [*cc, "-std=c11", *HOST_OPT, *C_FP, "-fPIC", "-fopenmp", "-Wall", "-Wextra",
                    "-I" + INCLUDE, "-c", src, "-o", obj]
             print(" ".join(cmd))
             subprocess.check_call(cmd)

@@ -81,88 +81,134 @@ static int64_t covers(const cplib_combine_part* q, int64_t r) {
   return r >= q->row_offset && r < q->row_offset + q->rows;
 }
 
-/* acc[d] += w * x[d] over one tile of a part's row, unit stride in the common case. */
-CPLIB_CPU_CLONES
-static void add_row_f32(float* restrict acc, const void* base, cplib_dtype t, int64_t at,
-                        int64_t ds, int64_t n, float w) {
+/* dst[d] = w * x[d] for a row's first contributing part, dst[d] = src[d] +
+ * w * x[d] after it, over one tile of a part's row (unit stride in the
+ * common case). dst may be src, and the last part of a float output writes
+ * the output row itself (which in a fold is also part 0's row: element d is
+ * read before it is written, so `omp simd` holds). No zeroing or copying
+ * pass: at the ring's sizes (rows of 64) either cost as much as the sum. */
+static inline void add_row_f32(float* dst, const float* src, const void* base, cplib_dtype t,
+                               int64_t at, int64_t ds, int64_t n, float w, int first) {
   if (t == CPLIB_F32 && ds == 1) {
-    const float* restrict x = (const float*)base + at;
+    const float* x = (const float*)base + at;
+    if (first) {
 #pragma omp simd
-    for (int64_t d = 0; d < n; ++d) acc[d] += w * x[d];
+      for (int64_t d = 0; d < n; ++d) dst[d] = w * x[d];
+    } else {
+#pragma omp simd
+      for (int64_t d = 0; d < n; ++d) dst[d] = src[d] + w * x[d];
+    }
   } else if (t == CPLIB_BF16 && ds == 1) {
-    const uint16_t* restrict x = (const uint16_t*)base + at;
+    const uint16_t* x = (const uint16_t*)base + at;
+    if (first) {
 #pragma omp simd
-    for (int64_t d = 0; d < n; ++d) acc[d] += w * cplib_bf16_to_f32(x[d]);
+      for (int64_t d = 0; d < n; ++d) dst[d] = w * cplib_bf16_to_f32(x[d]);
+    } else {
+#pragma omp simd
+      for (int64_t d = 0; d < n; ++d) dst[d] = src[d] + w * cplib_bf16_to_f32(x[d]);
+    }
   } else {
     for (int64_t d = 0; d < n; ++d) {
       const int64_t i = at + d * ds;
       const float x = t == CPLIB_F32    ? ((const float*)base)[i]
                       : t == CPLIB_BF16 ? cplib_bf16_to_f32(((const uint16_t*)base)[i])
                                         : cplib_f16_to_f32(((const uint16_t*)base)[i]);
-      acc[d] += w * x;
+      dst[d] = first ? w * x : src[d] + w * x;
     }
   }
 }
 
-static void store_row_f32(void* base, cplib_dtype t, int64_t at, int64_t ds, int64_t n,
-                          const float* acc) {
-  for (int64_t d = 0; d < n; ++d) {
-    const int64_t i = at + d * ds;
-    if (t == CPLIB_F32)
-      ((float*)base)[i] = acc[d];
-    else if (t == CPLIB_BF16)
-      ((uint16_t*)base)[i] = f32_to_bf16(acc[d]);
-    else
-      ((uint16_t*)base)[i] = f32_to_f16(acc[d]);
+/* The dtype is tested once per row, not per element. */
+static inline void store_row_f32(void* base, cplib_dtype t, int64_t at, int64_t ds, int64_t n,
+                                 const float* acc) {
+  if (t == CPLIB_F32) {
+    for (int64_t d = 0; d < n; ++d) ((float*)base)[at + d * ds] = acc[d];
+  } else if (t == CPLIB_BF16) {
+    for (int64_t d = 0; d < n; ++d) ((uint16_t*)base)[at + d * ds] = f32_to_bf16(acc[d]);
+  } else {
+    for (int64_t d = 0; d < n; ++d) ((uint16_t*)base)[at + d * ds] = f32_to_f16(acc[d]);
   }
 }
 
-static float part_lse_f32(const cplib_combine_part* q, int64_t b, int64_t h, int64_t r) {
-  return ((const float*)q->lse)[b * q->lse_stride[0] + h * q->lse_stride[1] +
-                                (r - q->row_offset) * q->lse_stride[2]];
-}
-
+/* One clone per ISA for the whole chunk, so the row loops inline into it and
+ * a row costs its arithmetic, not calls (the ring's fp32 blocks at S=64 are
+ * a few hundred rows of 64: per-row overhead was most of the time). */
+CPLIB_CPU_CLONES
 static void combine_chunk_f32(const chunk* c) {
   const cplib_combine_params* p = c->p;
   float w[CPLIB_COMBINE_MAX_PARTS][CHUNK_ROWS];
+  float m[CHUNK_ROWS], sum[CHUNK_ROWS], lse[CHUNK_ROWS];
   float acc[DIM_TILE];
-  for (int64_t i = 0; i < c->n; ++i) {
-    const int64_t r = c->r0 + i;
-    float m = -INFINITY;
+  const int64_t n = c->n;
+  /* The weights, a loop over the chunk's rows for each part (rows are the
+   * vector lanes; per row they were most of the combine's time). A part's
+   * log-sum-exp where it covers the row, -inf where not. */
+  for (int64_t i = 0; i < n; ++i) m[i] = -INFINITY;
+  for (int j = 0; j < p->nparts; ++j) {
+    const cplib_combine_part* q = &p->parts[j];
+    const int64_t lo = q->row_offset > c->r0 ? q->row_offset - c->r0 : 0;
+    const int64_t end = q->row_offset + q->rows - c->r0;
+    const int64_t hi = end < lo ? lo : end < n ? end : n;
+    float* restrict wj = w[j];
+    for (int64_t i = 0; i < n; ++i) wj[i] = -INFINITY;
+    if (p->weighted) {
+      const int64_t ls = q->lse_stride[2];
+      const float* src = (const float*)q->lse + c->b * q->lse_stride[0] + c->h * q->lse_stride[1];
+      for (int64_t i = lo; i < hi; ++i) wj[i] = src[(c->r0 + i - q->row_offset) * ls];
+    } else {
+      for (int64_t i = lo; i < hi; ++i) wj[i] = 0.0f;
+    }
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) m[i] = wj[i] > m[i] ? wj[i] : m[i];
+  }
+  if (p->weighted) {
+    for (int64_t i = 0; i < n; ++i) sum[i] = 0.0f;
     for (int j = 0; j < p->nparts; ++j) {
-      const cplib_combine_part* q = &p->parts[j];
-      w[j][i] = !covers(q, r) ? -INFINITY : p->weighted ? part_lse_f32(q, c->b, c->h, r) : 0.0f;
-      m = w[j][i] > m ? w[j][i] : m;
+      const float* restrict wj = w[j];
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) sum[i] += cplib_exp_nonpos_f32(wj[i] - m[i]);
     }
-    float lse = -INFINITY;
-    if (m != -INFINITY) {
-      float s = 0.0f;
-      for (int j = 0; j < p->nparts; ++j) s += cplib_exp_nonpos_f32(w[j][i] - m);
-      lse = m + logf(s);
+    for (int64_t i = 0; i < n; ++i) lse[i] = m[i] == -INFINITY ? -INFINITY : m[i] + logf(sum[i]);
+    float* out_lse = (float*)p->lse + c->b * p->lse_stride[0] + c->h * p->lse_stride[1] +
+                     c->r0 * p->lse_stride[2];
+    for (int64_t i = 0; i < n; ++i) out_lse[i * p->lse_stride[2]] = lse[i];
+  }
+  for (int j = 0; j < p->nparts; ++j) {
+    float* restrict wj = w[j];
+    if (p->weighted) {
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i)
+        wj[i] = wj[i] == -INFINITY ? 0.0f : cplib_exp_nonpos_f32(wj[i] - lse[i]);
+    } else {
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) wj[i] = wj[i] == -INFINITY ? 0.0f : 1.0f;
     }
-    for (int j = 0; j < p->nparts; ++j)
-      w[j][i] = w[j][i] == -INFINITY ? 0.0f
-                : p->weighted        ? cplib_exp_nonpos_f32(w[j][i] - lse)
-                                     : 1.0f;
-    if (p->weighted)
-      ((float*)p->lse)[c->b * p->lse_stride[0] + c->h * p->lse_stride[1] + r * p->lse_stride[2]] =
-          lse;
   }
   const int64_t ob = c->b * p->out_stride[0] + c->h * p->out_stride[1];
-  for (int64_t i = 0; i < c->n; ++i) {
+  /* A float output of unit stride takes the last part's sum directly. */
+  const int direct = p->out_dtype == CPLIB_F32 && p->out_stride[3] == 1;
+  for (int64_t i = 0; i < n; ++i) {
     const int64_t r = c->r0 + i;
+    int last = -1;
+    for (int j = 0; j < p->nparts; ++j)
+      if (w[j][i] != 0.0f) last = j; /* 0: not covering, or saw no key: its values unread */
     for (int64_t d0 = 0; d0 < p->dim; d0 += DIM_TILE) {
-      const int64_t n = p->dim - d0 < DIM_TILE ? p->dim - d0 : DIM_TILE;
-      for (int64_t d = 0; d < n; ++d) acc[d] = 0.0f;
-      for (int j = 0; j < p->nparts; ++j) {
+      const int64_t nd = p->dim - d0 < DIM_TILE ? p->dim - d0 : DIM_TILE;
+      const int64_t o = ob + r * p->out_stride[2] + d0 * p->out_stride[3];
+      float* const row = direct ? (float*)p->out + o : acc;
+      int first = 1;
+      for (int j = 0; j <= last; ++j) {
         const cplib_combine_part* q = &p->parts[j];
-        if (w[j][i] == 0.0f) continue; /* not covering, or saw no key: its values unread */
+        if (w[j][i] == 0.0f) continue;
         const int64_t at = c->b * q->stride[0] + c->h * q->stride[1] +
                            (r - q->row_offset) * q->stride[2] + d0 * q->stride[3];
-        add_row_f32(acc, q->data, q->dtype, at, q->stride[3], n, w[j][i]);
+        add_row_f32(j == last ? row : acc, acc, q->data, q->dtype, at, q->stride[3], nd, w[j][i],
+                    first);
+        first = 0;
       }
-      store_row_f32(p->out, p->out_dtype, ob + r * p->out_stride[2] + d0 * p->out_stride[3],
-                    p->out_stride[3], n, acc);
+      if (first)
+        for (int64_t d = 0; d < nd; ++d) row[d] = 0.0f; /* a row no part reached */
+      if (!direct) store_row_f32(p->out, p->out_dtype, o, p->out_stride[3], nd, acc);
     }
   }
 }

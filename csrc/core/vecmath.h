@@ -1,6 +1,8 @@
 /* Branch-free float math that the compiler vectorises inside `omp simd`
  * loops (libm's expf/log1pf are calls it cannot vectorise without
- * -ffast-math, which would also break the -inf handling the merge needs). */
+ * -ffast-math, which would also break the -inf handling the merge needs).
+ * GCC vectorises them only under -fno-trapping-math (setup.py's C_FP): with
+ * trapping math its selects stay branches and the loop stays scalar. */
 #ifndef CPLIB_CORE_VECMATH_H
 #define CPLIB_CORE_VECMATH_H
 

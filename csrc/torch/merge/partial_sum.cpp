@@ -15,10 +15,26 @@ std::vector<CombinePart> PartialSum::parts_with_acc() const {
   return parts;
 }
 
+bool PartialSum::is_whole(const CombinePart& p, ScalarType dtype) const {
+  return p.row_offset == 0 && p.data.size(2) == sizes_[2] && p.data.scalar_type() == dtype;
+}
+
 void PartialSum::fold() {
   if (held_.empty()) return;
+  // A first fold of one part over every row, in the accumulator dtype, is
+  // that part: it becomes the accumulator without a pass over it. It is not
+  // written in place (its kernel may share it): the next fold writes afresh.
+  if (!acc_.defined() && held_.size() == 1 && is_whole(held_[0], acc_opts_.dtype)) {
+    acc_ = held_[0].data;
+    acc_lse_ = held_[0].lse;
+    adopted_ = true;
+    held_.clear();
+    held_bytes_ = 0;
+    return;
+  }
   const std::vector<CombinePart> parts = parts_with_acc();
-  if (!acc_.defined()) acc_ = aten::empty(sizes_, acc_opts_);
+  if (!acc_.defined() || adopted_) acc_ = aten::empty(sizes_, acc_opts_);
+  adopted_ = false;
   // The values in place (the accumulator is part 0, covering every row with
   // its strides; each element is read before it is written, by one thread);
   // the lse, a row's few values, into a fresh tensor: a row's lanes all read
@@ -45,27 +61,28 @@ void PartialSum::add(const Tensor& data, const Tensor& lse, int64_t row_offset) 
 
 std::pair<Tensor, Tensor> PartialSum::finish(ScalarType dtype) {
   const std::vector<int64_t> lse_sizes{sizes_[0], sizes_[1], sizes_[2]};
-  if (held_.empty() && acc_.defined() && dtype == acc_opts_.dtype) return {acc_, acc_lse_};
+  // The accumulator alone (an adopted part may need contiguous copies).
+  if (held_.empty() && acc_.defined() && dtype == acc_opts_.dtype) {
+    if (!adopted_) return {acc_, acc_lse_};
+    return {aten::contiguous(acc_), weighted_ ? aten::contiguous(acc_lse_) : Tensor()};
+  }
   // One part over every row, fresh from its kernel, already in `dtype`:
   // it is the sum (only its lse may need a contiguous copy).
-  if (held_.size() == 1 && !acc_.defined()) {
-    const CombinePart& p = held_[0];
-    if (p.row_offset == 0 && p.data.size(2) == sizes_[2] && p.data.scalar_type() == dtype &&
-        p.data.is_contiguous())
-      return {p.data, weighted_ ? aten::contiguous(p.lse) : Tensor()};
-  }
+  if (held_.size() == 1 && !acc_.defined() && is_whole(held_[0], dtype) &&
+      held_[0].data.is_contiguous())
+    return {held_[0].data, weighted_ ? aten::contiguous(held_[0].lse) : Tensor()};
   Tensor out = aten::empty(sizes_, acc_opts_.dtype_(dtype));
   Tensor lse = weighted_ ? aten::empty(lse_sizes, acc_opts_) : Tensor();
   combine_partials(out, weighted_ ? &lse : nullptr, parts_with_acc());
   held_.clear();
   acc_ = acc_lse_ = Tensor();
+  adopted_ = false;
   return {out, lse};
 }
 
 int64_t held_budget(const Tensor& q, const std::vector<int64_t>& sizes, int64_t factor) {
-  const ScalarType t = q.scalar_type();
-  if (t != ScalarType::BFloat16 && t != ScalarType::Half) return 0;
-  return factor * aten::numel_of(sizes) * static_cast<int64_t>(sizeof(float));
+  const int64_t acc_bytes = q.scalar_type() == ScalarType::Double ? 8 : 4;
+  return factor * aten::numel_of(sizes) * acc_bytes;
 }
 
 }  // namespace cplib

@@ -7,8 +7,8 @@
 // the budget (or past CPLIB_COMBINE_MAX_PARTS parts) the held parts are
 // folded into an accumulator of the accumulator dtype, which later folds and
 // the final combine read as one more part. A budget of 0 folds every part
-// at once: the accumulator, from the first part on, is what the ring kept
-// before (and, in the accumulator dtype, is the result itself).
+// at once. A first fold of one part over every row in the accumulator
+// dtype adopts that part as the accumulator, without a pass.
 #pragma once
 
 #include <utility>
@@ -42,6 +42,8 @@ class PartialSum {
  private:
   void fold();
   std::vector<CombinePart> parts_with_acc() const;
+  // Rows [0, L) in `dtype`.
+  bool is_whole(const CombinePart& p, ScalarType dtype) const;
 
   std::vector<int64_t> sizes_;
   aten::Opts acc_opts_;
@@ -50,11 +52,13 @@ class PartialSum {
   std::vector<CombinePart> held_;
   int64_t held_bytes_ = 0;
   Tensor acc_, acc_lse_;  // defined once a fold happened
+  bool adopted_ = false;  // acc_ is a part as its kernel gave it: never written
 };
 
-// The bytes a PartialSum of q's rows may hold: for fp16/bf16 inputs
-// `factor` times the accumulator (float32) of the whole sum, else 0 (the
-// accumulator is then q's dtype: holding parts saves no rounding).
+// The bytes a PartialSum of q's rows may hold: `factor` times the
+// accumulator (float32, float64 for float64 inputs) of the whole sum. For
+// fp16/bf16 holding saves a rounding per step; for every dtype it saves a
+// pass over the accumulator per part (docs/merge.md).
 int64_t held_budget(const Tensor& q, const std::vector<int64_t>& sizes, int64_t factor);
 
 }  // namespace cplib
