@@ -103,6 +103,11 @@ def _extension():
     macros = [("TORCH_TARGET_VERSION", TORCH_TARGET_VERSION)]
     kwargs = dict(
         name="cplib._C",
+        # setuptools relinks only when a file here is newer than the module:
+        # the sources alone would miss the C core (linked as objects), every
+        # header and this file's flags, and leave a stale _C.so in place.
+        depends=[*_rel(f for f in glob.glob(os.path.join(ROOT, "csrc", "**", "*"), recursive=True)
+                       if os.path.isfile(f)), "setup.py"],
         include_dirs=[INCLUDE, os.path.join(ROOT, "csrc", "torch")],
         # torch's builder then defines Py_LIMITED_API and links no
         # libtorch_python: the module is an abi3 one.
