@@ -1,6 +1,7 @@
 """The rank pool itself: a failing task must not leak into the next test (no
-stale results, fresh ranks after a failure), and the threaded group runs on
-every supported torch."""
+stale results, fresh ranks after a failure), nor a task's groups into the
+next task (each gloo group's threads wake every 10 ms for the life of the
+process), and the threaded group runs on every supported torch."""
 
 from __future__ import annotations
 
@@ -53,6 +54,37 @@ def test_failure_then_fresh_ranks_and_no_stale_results(ranks, monkeypatch):
         ranks(2).run(_fail_on_rank_0_only)
     assert ranks(2).run(_sum_of_ranks) == [1, 1]
     assert ranks(2).run(_rank_and_pid)[1][0] == 1
+
+
+def _groups_in_this_process() -> list[str]:
+    return sorted(g.group_name for g in dist.distributed_c10d._world.pg_map)
+
+
+def _make_groups() -> str:
+    """A new group, a 2-D mesh's, and one kept for later tasks."""
+    import pool_groups
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.new_group([0, 1])
+    init_device_mesh("cpu", (1, 2), mesh_dim_names=("a", "b"))
+    return pool_groups.keep_group(dist.new_group([0, 1])).group_name
+
+
+def test_a_tasks_groups_end_with_it_unless_kept(ranks):
+    before = ranks(2).run(_groups_in_this_process)
+    kept = ranks(2).run(_make_groups)
+    after = ranks(2).run(_groups_in_this_process)
+    try:
+        assert after == [sorted([*b, k]) for b, k in zip(before, kept)]
+    finally:
+        ranks(2).run(_forget_kept_group)
+
+
+def _forget_kept_group() -> None:
+    import pool_groups
+
+    group = pool_groups._kept_groups.pop()
+    dist.destroy_process_group(group)
 
 
 def _threaded_identity() -> tuple[int, int]:

@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 import family_cases as fc
+from pool_groups import keep_group
 import family_steps as fs
 
 SWITCHES = ("sdpa", "cplib", "cplib_outside", "trainer")
@@ -69,8 +70,9 @@ def _agree(value: Any = None) -> list[Any]:
     RUN_GROUP_TIMEOUT_S in the last run), and how ranks decide together
     whether to run a follow-up."""
     global _side_group
-    if _side_group is None:
-        _side_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=600))
+    if _side_group is None:  # every run of this pooled rank reuses it
+        _side_group = keep_group(dist.new_group(backend="gloo",
+                                                timeout=datetime.timedelta(seconds=600)))
     values: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(values, value, group=_side_group)
     return values

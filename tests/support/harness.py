@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from pool_groups import destroy_groups_made_since, groups
 
 RANK_TIMEOUT_S = float(os.environ.get("CPLIB_TEST_RANK_TIMEOUT", "90"))
 RUN_TIMEOUT_S = float(os.environ.get("CPLIB_TEST_RUN_TIMEOUT", "900"))
@@ -71,12 +72,14 @@ def _worker(rank: int, world_size: int, port: int, tasks, results,
             if task is None:
                 break
             task_id, fn, args, kwargs = task
+            before = groups()
             try:
                 results.put((task_id, rank, True, fn(*args, **kwargs)))
             except BaseException:  # report everything; the pool respawns after a failure
                 results.put((task_id, rank, False, traceback.format_exc()))
             finally:
                 _restore_process_state()
+                destroy_groups_made_since(before)
     finally:
         dist.destroy_process_group()
 
